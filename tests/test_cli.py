@@ -1,0 +1,69 @@
+"""The ``lcgen`` command end to end, in subprocesses, on the bundled model."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import lcgen
+
+ARGS = ["--max-tokens", "12"]
+
+
+def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "lcgen.cli", *args],
+        input=stdin, capture_output=True, text=True, timeout=300, check=False,
+    )
+
+
+def test_generate_streams_the_same_text_as_the_api(model: lcgen.Model) -> None:
+    out = run("generate", "smollm2-135m", "The capital of France is", *ARGS)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == model.generate("The capital of France is", max_tokens=12) + "\n"
+
+
+def test_generate_with_stop_and_seed(model: lcgen.Model) -> None:
+    args = ["--temperature", "0.8", "--seed", "3", "--stop", "\n"]
+    out = run("generate", "smollm2-135m", "Write a haiku:", *ARGS, *args)
+    assert out.returncode == 0, out.stderr
+    expected = model.generate("Write a haiku:", max_tokens=12, temperature=0.8, seed=3, stop="\n")
+    assert out.stdout == expected + "\n"
+
+
+def test_chat_reads_turns_from_stdin(model: lcgen.Model) -> None:
+    out = run("chat", "smollm2-135m", *ARGS, stdin="Name three colors.\n/exit\n")
+    assert out.returncode == 0, out.stderr
+    expected = model.chat([{"role": "user", "content": "Name three colors."}], max_tokens=12)
+    assert out.stdout == expected + "\n"
+
+
+def test_models_lists_the_registry() -> None:
+    out = run("models")
+    assert out.returncode == 0, out.stderr
+    assert "smollm2-135m" in out.stdout and "qwen2.5-0.5b" in out.stdout
+    assert "SmolLM2-135M-Instruct.Q4_1.gguf" in out.stdout
+
+
+def test_demo_runs() -> None:
+    out = run("demo")
+    assert out.returncode == 0, out.stderr
+    assert "Paris" in out.stdout and "decoded together" in out.stdout
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "models", "demo", "bench"])
+def test_help(command: str) -> None:
+    out = run(command, "--help")
+    assert out.returncode == 0, out.stderr
+    assert "usage:" in out.stdout
+
+
+def test_errors_are_one_line_not_tracebacks() -> None:
+    out = run("generate", "no-such-model", "hi")
+    assert out.returncode == 1
+    assert out.stderr.startswith("lcgen: error: unknown model 'no-such-model'")
+    assert "Traceback" not in out.stderr
+    out = run("generate", "smollm2-135m", "hi", "--temperature", "-1")
+    assert out.returncode == 1 and "temperature must be >= 0, got -1.0" in out.stderr

@@ -1,0 +1,144 @@
+"""Every error a user can provoke is an lcgen error (or ValueError) with the value named."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+import lcgen
+from lcgen import SamplerConfig
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(lcgen.ModelLoadError, match="does not exist"):
+        lcgen.Model(tmp_path / "nope.gguf")
+    with pytest.raises(lcgen.ModelNotFoundError, match=r"nope\.gguf"):
+        lcgen.load(tmp_path / "nope.gguf")
+
+
+def test_not_a_gguf_file(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"PK\x03\x04 this is a zip, not a model")
+    with pytest.raises(lcgen.ModelLoadError, match="not a GGUF file"):
+        lcgen.Model(bad)
+    empty = tmp_path / "empty.gguf"
+    empty.write_bytes(b"")
+    with pytest.raises(lcgen.ModelLoadError, match="not a GGUF file"):
+        lcgen.Model(empty)
+
+
+@pytest.mark.parametrize("keep", [64, 4096, 1_000_000, 0.9])
+def test_truncated_gguf(tmp_path: Path, model_path: Path, keep: float) -> None:
+    size = model_path.stat().st_size
+    n = int(size * keep) if isinstance(keep, float) else keep
+    cut = tmp_path / "cut.gguf"
+    with model_path.open("rb") as src, cut.open("wb") as dst:
+        dst.write(src.read(n))
+    with pytest.raises(lcgen.ModelLoadError, match="could not load"):
+        lcgen.Model(cut)
+
+
+def test_context_full_up_front(model: lcgen.Model) -> None:
+    with pytest.raises(lcgen.ContextFullError, match=r"max_tokens=5000 = 50\d\d tokens exceeds"):
+        model.generate("Hello there", max_tokens=5000)
+    with pytest.raises(lcgen.ContextFullError, match="4096"):
+        model.generate("word " * 5000, max_tokens=1)
+
+
+def test_kv_cells_exhausted(model_path: Path) -> None:
+    with lcgen.Model(model_path, n_ctx=256, n_seq_max=4) as small:
+        seqs = [small.sequence("word " * 100) for _ in range(3)]
+        seqs[0].generate(max_tokens=1)
+        seqs[1].generate(max_tokens=1)
+        with pytest.raises(lcgen.ContextFullError, match="no free cells"):
+            seqs[2].generate(max_tokens=1)
+        seqs[0].close()
+        assert seqs[2].generate(max_tokens=1) is not None
+        for s in seqs:
+            s.close()
+
+
+def test_slots_exhausted(model_path: Path) -> None:
+    with lcgen.Model(model_path, n_seq_max=2, n_ctx=512) as small:
+        a, b = small.sequence("a"), small.sequence("b")
+        with pytest.raises(lcgen.SlotsExhaustedError, match="all 2 sequence slots"):
+            small.sequence("c")
+        a.close()
+        a.close()  # idempotent
+        small.sequence("c").close()
+        b.close()
+
+
+def test_closed_sequence(model: lcgen.Model) -> None:
+    seq = model.sequence("Hello")
+    seq.close()
+    with pytest.raises(lcgen.SequenceClosedError):
+        seq.generate(max_tokens=2)
+    with pytest.raises(lcgen.SequenceClosedError):
+        seq.append("more")
+
+
+def test_empty_sequence(model: lcgen.Model) -> None:
+    with model.sequence() as seq, pytest.raises(ValueError, match="empty"):
+        seq.generate(max_tokens=2)
+
+
+def test_bad_token_ids(model: lcgen.Model) -> None:
+    with pytest.raises(ValueError, match="token id 49152"):
+        model.sequence([1, 2, 49152])
+    with pytest.raises(ValueError, match="token id -1"):
+        model.detokenize([-1])
+    with pytest.raises(ValueError, match="token id 99999999"):
+        model.generate("x", max_tokens=1, logit_bias={99999999: 1.0})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("temperature", -1.0),
+        ("top_k", -2),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("min_p", 1.0),
+        ("repeat_penalty", 0.0),
+        ("repeat_last_n", -1),
+    ],
+)
+def test_bad_sampler_settings(field: str, value: float) -> None:
+    with pytest.raises(ValueError, match=f"{field} must be"):
+        SamplerConfig(**{field: value})  # type: ignore[arg-type]
+
+
+def test_bad_generation_options(model: lcgen.Model) -> None:
+    with pytest.raises(ValueError, match="max_tokens must be >= 0, got -3"):
+        model.generate("x", max_tokens=-3)
+    with pytest.raises(ValueError, match="empty"):
+        model.generate("x", max_tokens=3, stop=[""])
+    with pytest.raises(TypeError, match="bogus"):
+        model.generate("x", bogus=1)  # type: ignore[call-arg]
+    with pytest.raises(ValueError, match="n_seq_max must be >= 1, got 0"):
+        lcgen.Model("unused.gguf", n_seq_max=0)
+
+
+def test_errors_share_one_base() -> None:
+    for err in (
+        lcgen.ModelLoadError,
+        lcgen.ModelNotFoundError,
+        lcgen.ContextFullError,
+        lcgen.SlotsExhaustedError,
+        lcgen.SequenceClosedError,
+        lcgen.DecodeError,
+    ):
+        assert issubclass(err, lcgen.LcgenError)
+
+
+def test_model_closed_twice(model_path: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "m.gguf"
+    shutil.copy(model_path, copy)
+    m = lcgen.Model(copy, n_ctx=256)
+    seq = m.sequence("hi")
+    m.close()
+    m.close()
+    seq.close()

@@ -1,0 +1,183 @@
+"""Generation on the real bundled model: invariants, not snapshots."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lcgen
+from lcgen.sequence import step
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "1, 2, 3, 4,"]
+
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_greedy_equals_llama_cpp_python(model_path: Path, flash_attn: bool) -> None:
+    """Token for token, with the same attention kernel on both sides (it changes near-ties)."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    llm = llama_cpp.Llama(
+        model_path=str(model_path), n_ctx=512, n_batch=512, flash_attn=flash_attn, verbose=False
+    )
+    ours = lcgen.Model(model_path, n_ctx=512, flash_attn=flash_attn)
+    for prompt in PROMPTS[:3]:
+        theirs: list[int] = []
+        for tok in llm.generate(llm.tokenize(prompt.encode()), temp=0.0, top_k=1):
+            if llm.token_eos() == tok or len(theirs) == 32:
+                break
+            theirs.append(tok)
+        with ours.sequence(prompt) as seq:
+            n_prompt = seq.n_tokens
+            seq.generate(max_tokens=32)
+            assert seq.tokens[n_prompt:][: len(theirs)] == theirs, prompt
+        assert len(theirs) > 10
+    llm.close()
+    ours.close()
+
+
+def test_greedy_is_deterministic_and_stream_joins_to_detokenized(model: lcgen.Model) -> None:
+    for prompt in PROMPTS:
+        chunks = list(model.stream(prompt, max_tokens=20))
+        tokens = [t for c in chunks for t in c.tokens]
+        joined = "".join(c.text for c in chunks)
+        assert chunks[-1].finish_reason in {"stop", "length"}
+        assert all(c.finish_reason is None for c in chunks[:-1])
+        body = tokens[:-1] if chunks[-1].finish_reason == "stop" else tokens
+        assert joined == model.detokenize(body)
+        assert model.generate(prompt, max_tokens=20) == joined
+
+
+def test_seeded_sampling_is_reproducible(model: lcgen.Model) -> None:
+    a = model.generate("Write a haiku:", max_tokens=24, temperature=0.9, seed=7)
+    b = model.generate("Write a haiku:", max_tokens=24, temperature=0.9, seed=7)
+    others = {
+        model.generate("Write a haiku:", max_tokens=24, temperature=0.9, seed=s)
+        for s in range(1, 5)
+    }
+    assert a == b
+    assert len(others | {a}) > 1
+
+
+def test_finish_reasons(model: lcgen.Model) -> None:
+    last = list(model.stream("Hello", max_tokens=3))[-1]
+    assert last.finish_reason == "length" and last.stop is None
+    chat = list(model.chat_stream([{"role": "user", "content": "Say hi."}], max_tokens=200))
+    assert chat[-1].finish_reason == "stop"
+    assert model.is_eog(chat[-1].tokens[-1])
+    assert model.generate("Hello", max_tokens=0) == ""
+
+
+def test_stop_string_cuts_text(model: lcgen.Model) -> None:
+    full = model.generate("1, 2, 3, 4,", max_tokens=16)
+    assert " 7," in full
+    chunks = list(model.stream("1, 2, 3, 4,", max_tokens=16, stop=[" 7,", "zzz"]))
+    assert chunks[-1].finish_reason == "stop" and chunks[-1].stop == " 7,"
+    assert "".join(c.text for c in chunks) == full[: full.index(" 7,")]
+    with_stop = model.generate("1, 2, 3, 4,", max_tokens=16, stop=" 7,", include_stop=True)
+    assert with_stop == full[: full.index(" 7,") + 3]
+
+
+def test_batch_equals_each_alone(model: lcgen.Model) -> None:
+    alone = [model.generate(p, max_tokens=16) for p in PROMPTS]
+    assert model.generate(PROMPTS, max_tokens=16) == alone
+
+
+def test_two_sequences_in_one_batch_give_identical_logits(model: lcgen.Model) -> None:
+    def run_alone(prompt: str) -> list[int]:
+        with model.sequence(prompt) as seq:
+            seq.generate(max_tokens=12)
+            return seq.tokens
+
+    expected = [run_alone(p) for p in PROMPTS[:2]]
+    seqs = [model.sequence(p) for p in PROMPTS[:2]]
+    gens = [s.generator(max_tokens=12) for s in seqs]
+    while not all(g.is_done for g in gens):
+        step(list(zip(seqs, gens, strict=True)))
+    assert [s.tokens for s in seqs] == expected
+    for s in seqs:
+        s.close()
+
+
+def test_more_prompts_than_slots_are_queued(model_path: Path, model: lcgen.Model) -> None:
+    prompts = [*PROMPTS, "The sky is", "Water boils at"]
+    with lcgen.Model(model_path, n_seq_max=2, n_ctx=1024) as small:
+        out = small.generate(prompts, max_tokens=8)
+        assert small.context.n_free_slots == 2
+    assert out == [model.generate(p, max_tokens=8) for p in prompts]
+
+
+def test_sequence_append_and_generate(model: lcgen.Model) -> None:
+    with model.sequence("The capital of France is") as seq:
+        first = seq.generate(max_tokens=5)
+        seq.append(" Also,")
+        second = seq.generate(max_tokens=10)
+        assert seq.text == "The capital of France is" + first + " Also," + second
+        assert seq.text == model.detokenize(seq.tokens)
+        # The same history decoded from scratch gives the same continuation.
+        with model.sequence(seq.tokens) as fresh:
+            assert fresh.generate(max_tokens=8) == seq.generate(max_tokens=8)
+
+
+def test_reuse_decodes_only_the_new_suffix(model: lcgen.Model) -> None:
+    messages = [{"role": "user", "content": "Name three colors."}]
+    with model.sequence() as seq:
+        seq.reuse(model.chat_tokens(messages))
+        reply = seq.generate(max_tokens=20)
+        messages += [
+            {"role": "assistant", "content": reply},
+            {"role": "user", "content": "And two animals?"},
+        ]
+        new_tokens = model.chat_tokens(messages)
+        before = model.context.n_decoded
+        kept = seq.reuse(new_tokens)
+        second = seq.generate(max_tokens=10)
+        decoded = model.context.n_decoded - before
+        n_generated = seq.n_tokens - len(new_tokens)
+        assert kept > 20
+        # The kept prefix is not decoded again (its last token is, to give fresh logits);
+        # the last generated token stays pending.
+        assert decoded == (len(new_tokens) - (kept - 1)) + (n_generated - 1)
+        assert seq.tokens[: len(new_tokens)] == new_tokens
+        assert seq.text.endswith(second)
+
+
+def test_threads_share_a_model(model: lcgen.Model) -> None:
+    expected = {p: model.generate(p, max_tokens=12) for p in PROMPTS}
+    results: dict[str, str] = {}
+
+    def work(prompt: str) -> None:
+        results[prompt] = model.generate(prompt, max_tokens=12)
+
+    threads = [threading.Thread(target=work, args=(p,)) for p in PROMPTS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == expected
+
+
+def test_chat_uses_the_gguf_template(model: lcgen.Model) -> None:
+    text = model.format_chat([{"role": "user", "content": "Name three colors."}])
+    assert "<|im_start|>user\nName three colors.<|im_end|>" in text
+    assert text.endswith("<|im_start|>assistant\n")
+    tokens = model.chat_tokens([{"role": "user", "content": "hi"}])
+    assert tokens[0] == model.tokenize("<|im_start|>", special=True)[0]
+    reply = model.chat([{"role": "user", "content": "Name three colors."}], max_tokens=40)
+    assert reply.strip()
+
+
+def test_generator_steps_on_logits_from_elsewhere(model: lcgen.Model) -> None:
+    expected = list(model.stream("The sky is", max_tokens=8))
+    gen = lcgen.Generator(model, max_tokens=8)
+    with model.sequence("The sky is") as seq:
+        chunks = []
+        while not gen.is_done:
+            row = model.context.decode([seq._request()])[0]
+            assert row is not None
+            seq._n_decoded = seq.n_tokens
+            chunk = gen.step(np.array(row))
+            seq.append_tokens(chunk.tokens)
+            chunks.append(chunk)
+    assert chunks == expected
