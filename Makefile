@@ -39,5 +39,9 @@ lint: $(SETUP)
 bench: $(SETUP)
 	$(PY) bench/run.py
 
+# 10,000 random operation sequences against the re-decoding reference (about an hour).
+fuzz: $(TEST_SETUP)
+	LCGEN_FUZZ_EXAMPLES=10000 $(PY) -m pytest -q tests/test_fuzz_sequence.py
+
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

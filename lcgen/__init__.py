@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from lcgen.checkpoint import Checkpoint, SequenceStats
 from lcgen.errors import (
     ContextFullError,
     DecodeError,
@@ -56,6 +57,7 @@ def load(ref: str | os.PathLike[str] = DEFAULT_MODEL, **options: Any) -> Model:
 
 __all__ = [
     "DEFAULT_MODEL",
+    "Checkpoint",
     "Chunk",
     "ContextFullError",
     "DecodeError",
@@ -71,6 +73,7 @@ __all__ = [
     "SamplerConfig",
     "Sequence",
     "SequenceClosedError",
+    "SequenceStats",
     "SlotsExhaustedError",
     "StateFileError",
     "load",

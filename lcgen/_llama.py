@@ -8,11 +8,13 @@ Nothing above this module sees ctypes; nothing here knows lcgen's higher-level t
 from __future__ import annotations
 
 import ctypes
+import functools
+import hashlib
 import os
 import sys
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import llama_cpp as C
 import numpy as np
@@ -95,6 +97,19 @@ def _check_gguf_file(path: str) -> None:
         )
 
 
+def _read_str(call: Callable[[ctypes.Array[ctypes.c_char], int], int]) -> str | None:
+    """Call a C function that fills a char buffer, growing the buffer until the text fits."""
+    size = 256
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = int(call(buf, size))
+        if n < 0:
+            return None
+        if n < size:
+            return buf.value.decode("utf-8", "replace")
+        size = n + 1
+
+
 class ModelHandle:
     """An owned ``llama_model`` pointer and its vocabulary."""
 
@@ -124,15 +139,18 @@ class ModelHandle:
 
     def meta(self, key: str) -> str | None:
         """A GGUF metadata value as a string, or None when the key is absent."""
-        size = 256
-        while True:
-            buf = ctypes.create_string_buffer(size)
-            n = C.llama_model_meta_val_str(self.ptr, key.encode(), buf, size)
-            if n < 0:
-                return None
-            if n < size:
-                return buf.value.decode("utf-8", "replace")
-            size = n + 1
+        return _read_str(lambda buf, n: C.llama_model_meta_val_str(self.ptr, key.encode(), buf, n))
+
+    def fingerprint(self) -> str:
+        """A sha256 over the GGUF metadata, sizes and parameter count: tells models apart."""
+        digest = hashlib.sha256()
+        for i in range(int(C.llama_model_meta_count(self.ptr))):
+            key = _read_str(functools.partial(C.llama_model_meta_key_by_index, self.ptr, i))
+            val = _read_str(functools.partial(C.llama_model_meta_val_str_by_index, self.ptr, i))
+            digest.update(f"{key}={val}\n".encode())
+        sizes = (self.n_vocab, C.llama_model_n_params(self.ptr), C.llama_model_size(self.ptr))
+        digest.update(repr(sizes).encode())
+        return digest.hexdigest()
 
     def description(self) -> str:
         buf = ctypes.create_string_buffer(256)
@@ -201,6 +219,7 @@ class ContextHandle:
         n_seq_max: int,
         n_threads: int,
         flash_attn: bool | None = None,
+        swa_full: bool = True,
     ) -> None:
         params = C.llama_context_default_params()
         if flash_attn is not None:
@@ -216,8 +235,8 @@ class ContextHandle:
         params.no_perf = True
         # One cell pool shared by all sequences: a fork shares prefix cells instead of copying.
         params.kv_unified = True
-        # Keep the whole sliding-window cache, so a partial seq_rm stays exact.
-        params.swa_full = True
+        # The whole sliding-window cache (the default) keeps every partial seq_rm exact.
+        params.swa_full = swa_full
         mark = log_mark()
         ptr = C.llama_init_from_model(model.ptr, params)
         if not ptr:
@@ -230,6 +249,7 @@ class ContextHandle:
         self.n_ctx_seq = int(C.llama_n_ctx_seq(ptr))
         self.n_batch = int(C.llama_n_batch(ptr))
         self.n_seq_max = n_seq_max
+        self.n_swa = model.n_swa if not swa_full else 0
         self._init_batch(self.n_batch)
 
     def _init_batch(self, n: int) -> None:

@@ -44,8 +44,11 @@ class Context:
         n_seq_max: int,
         n_threads: int,
         flash_attn: bool | None = None,
+        swa_full: bool = True,
     ) -> None:
-        self._handle = _llama.ContextHandle(model, n_ctx, n_batch, n_seq_max, n_threads, flash_attn)
+        self._handle = _llama.ContextHandle(
+            model, n_ctx, n_batch, n_seq_max, n_threads, flash_attn, swa_full
+        )
         self._free = list(range(n_seq_max - 1, -1, -1))
         self.lock = threading.RLock()
         self.n_decoded = 0  # tokens decoded over the context's life, for cost accounting
@@ -91,9 +94,22 @@ class Context:
             self._free.append(seq_id)
 
     def truncate(self, seq_id: int, n_keep: int) -> bool:
-        """Drop positions >= n_keep of a sequence; False when the memory cannot (SWA, recurrent)."""
+        """Drop positions >= n_keep of a sequence, keeping [0, n_keep) usable.
+
+        Returns:
+            False when the memory cannot: it refuses a partial removal (recurrent), or it no
+            longer holds the positions the next token attends to (a sliding-window cache that is
+            not full size drops old positions, yet ``llama_memory_seq_rm`` still succeeds).
+        """
         with self.lock:
-            return self._handle.seq_rm(seq_id, n_keep, -1)
+            if not self._handle.seq_rm(seq_id, n_keep, -1):
+                return False
+            if n_keep == 0:
+                return True
+            pos_min, pos_max = self._handle.seq_pos_range(seq_id)
+            # The next token (position n_keep) attends to positions > n_keep - n_swa.
+            needed = max(0, n_keep - self._handle.n_swa + 1) if self._handle.n_swa else 0
+            return pos_max == n_keep - 1 and 0 <= pos_min <= needed
 
     def clear_slot(self, seq_id: int) -> None:
         with self.lock:

@@ -74,6 +74,8 @@ class Generator:
         temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, logit_bias:
             see :class:`~lcgen.SamplerConfig`.
         history: tokens before the first generated one (seen by the repeat penalty).
+        rng: the random generator to draw from (a sequence passes its own); None makes one
+            from ``seed``.
 
     Raises:
         ValueError: a setting is out of range (the value is named).
@@ -97,6 +99,7 @@ class Generator:
         seed: int | None = None,
         logit_bias: Mapping[int, float] | None = None,
         history: Sequence[int] = (),
+        rng: np.random.Generator | None = None,
     ) -> None:
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens!r}")
@@ -115,7 +118,7 @@ class Generator:
         self.stops = Stops(((stop,) if isinstance(stop, str) else tuple(stop or ())), include_stop)
         self.stop_tokens = frozenset(model.check_tokens(stop_tokens))
         model.check_tokens(tok for tok, _ in self.sampler.logit_bias)
-        self.rng = new_rng(self.sampler.seed)
+        self.rng = rng if rng is not None else new_rng(self.sampler.seed)
         self.tokens: list[int] = []
         self.text_state = TextState()
         self.finish_reason: FinishReason | None = "length" if max_tokens == 0 else None

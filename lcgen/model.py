@@ -6,6 +6,7 @@ A model owns one llama.cpp context with ``n_seq_max`` sequence slots; every gene
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
@@ -36,6 +37,8 @@ class Model:
         n_gpu_layers: layers to offload; None offloads all when a GPU/Metal backend is built in.
         n_threads: CPU threads; None picks the number of cores (at most 8).
         flash_attn: use flash attention; None lets llama.cpp decide (on where supported).
+        swa_full: keep the full sliding-window cache (sliding-window models such as Gemma 3);
+            False saves memory, but then rewinding far back re-decodes the kept tokens.
         verbose: show llama.cpp's log on stderr (errors are always captured into exceptions).
 
     Raises:
@@ -53,6 +56,7 @@ class Model:
         n_gpu_layers: int | None = None,
         n_threads: int | None = None,
         flash_attn: bool | None = None,
+        swa_full: bool = True,
         verbose: bool = False,
     ) -> None:
         for name, value, low in (
@@ -70,7 +74,9 @@ class Model:
         self.n_vocab = self._handle.n_vocab
         self.n_threads = n_threads or _default_threads()
         n_ctx = n_ctx or self._handle.n_ctx_train
-        self.context = Context(self._handle, n_ctx, n_batch, n_seq_max, self.n_threads, flash_attn)
+        self.context = Context(
+            self._handle, n_ctx, n_batch, n_seq_max, self.n_threads, flash_attn, swa_full
+        )
         self.bos, self.eos, self.eot, self.add_bos = self._handle.special_tokens()
         self._pieces: list[bytes | None] = [None] * self.n_vocab
         self._eog: dict[int, bool] = {}
@@ -79,6 +85,11 @@ class Model:
     def n_ctx(self) -> int:
         """The most tokens one sequence can hold."""
         return self.context.n_ctx
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """A hash of the GGUF metadata and sizes; saved sequences carry it."""
+        return self._handle.fingerprint()
 
     @property
     def description(self) -> str:
@@ -171,14 +182,21 @@ class Model:
             yield from seq.stream(**options)
 
     # generation ------------------------------------------------------------------------
-    def sequence(self, prompt: str | Seq[int] = "", *, special: bool = False) -> Sequence:
+    def sequence(
+        self, prompt: str | Seq[int] = "", *, special: bool = False, seed: int | None = None
+    ) -> Sequence:
         """A live sequence holding ``prompt`` (text, or token ids); it owns one KV slot.
+
+        Args:
+            prompt: the prompt text, or token ids.
+            special: parse special-token text in ``prompt`` (e.g. ``<|im_start|>``).
+            seed: seeds the sequence's sampler RNG (checkpoints and rewinds restore it).
 
         Raises:
             SlotsExhaustedError: all ``n_seq_max`` slots are held by live sequences.
         """
         tokens = self.tokenize(prompt, special=special) if isinstance(prompt, str) else prompt
-        return Sequence(self, tokens if prompt else [])
+        return Sequence(self, tokens if prompt else [], seed=seed)
 
     def stream(self, prompt: str, **options: Unpack[GenerateOptions]) -> Iterator[Chunk]:
         """Generate from ``prompt``, yielding a :class:`Chunk` per token.

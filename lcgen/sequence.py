@@ -1,22 +1,35 @@
-"""A live sequence: a token list that owns one KV slot, and the loop that drives sequences.
+"""A live sequence: tokens that own one KV slot, reversible at every position.
 
 The last token of a sequence is kept pending (not yet decoded) until the next step needs its
 logits, so every step decodes exactly one batch and no logits have to be kept between calls.
+
+Reversibility: each token carries a stamp (a process-wide counter value), so a checkpoint is
+O(1) — a position, the stamp of the history up to it, and the RNG state — and is valid exactly
+while the sequence still holds that history. The RNG state before every sampling draw is logged
+by position, so ``rewind(n)`` restores the sampler as exactly as ``rewind(checkpoint)`` does.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
+import os
 import weakref
 from collections.abc import Iterator
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Unpack
+from typing import TYPE_CHECKING, Any, Unpack
 
+from lcgen import checkpoint as ckpt
+from lcgen.checkpoint import Checkpoint, RngState, SequenceStats
 from lcgen.context import Context, DecodeRequest
-from lcgen.errors import ContextFullError, SequenceClosedError
+from lcgen.errors import ContextFullError, RewindError, SequenceClosedError, StateFileError
 from lcgen.generator import Chunk, GenerateOptions, Generator
+from lcgen.sampling import new_rng
 
 if TYPE_CHECKING:
     from lcgen.model import Model
+
+_stamps = itertools.count(1)
 
 
 class Sequence:
@@ -24,15 +37,26 @@ class Sequence:
 
     Created by :meth:`lcgen.Model.sequence`. Use as a context manager, or call :meth:`close`,
     to give the slot back (it is also given back when the object is garbage-collected).
+
+    Args:
+        model: the model.
+        tokens: the initial tokens (the prompt).
+        seed: seeds the sequence's sampler RNG (None: a fresh random seed). A ``seed`` passed
+            to a generation call reseeds it.
     """
 
-    def __init__(self, model: Model, tokens: Seq[int] = ()) -> None:
+    def __init__(self, model: Model, tokens: Seq[int] = (), *, seed: int | None = None) -> None:
         self.model = model
         self._ctx: Context = model.context
-        self._slot = self._ctx.acquire_slot()
         self._tokens: list[int] = list(model.check_tokens(tokens))
-        self._n_decoded = 0
+        self._slot = self._ctx.acquire_slot()
         self._finalizer = weakref.finalize(self, self._ctx.release_slot, self._slot)
+        self._n_decoded = 0
+        self._stamps = [next(_stamps) for _ in range(len(self._tokens) + 1)]
+        self._uid = self._stamps[0]
+        self._rng = new_rng(seed)
+        self._rng_log: dict[int, RngState] = {}  # position -> RNG state before anything there
+        self.stats = SequenceStats()
 
     # state -----------------------------------------------------------------------------
     @property
@@ -74,19 +98,25 @@ class Sequence:
     def append_tokens(self, tokens: Seq[int]) -> None:
         """Append token ids (checked against the vocabulary)."""
         self._check_open()
-        self._tokens.extend(self.model.check_tokens(tokens))
+        tokens = self.model.check_tokens(tokens)
+        self._tokens.extend(tokens)
+        self._stamps.extend(next(_stamps) for _ in tokens)
 
     def _keep_prefix(self, n_keep: int) -> None:
         """Cut the sequence to its first ``n_keep`` tokens, dropping their KV cells."""
-        n_keep = max(0, min(n_keep, len(self._tokens)))
         # The last token stays pending, so the next step has logits to sample from.
         kv_keep = min(self._n_decoded, max(n_keep - 1, 0))
         if kv_keep < self._n_decoded and not self._ctx.truncate(self._slot, kv_keep):
-            # The memory cannot drop a partial range (sliding window, recurrent): start over.
+            # The memory cannot keep a partial range (sliding window, recurrent): start over.
             self._ctx.clear_slot(self._slot)
+            self.stats.fallbacks += 1
+            self.stats.tokens_redecoded += kv_keep
             kv_keep = 0
         self._n_decoded = kv_keep
         del self._tokens[n_keep:]
+        del self._stamps[n_keep + 1 :]
+        for pos in [pos for pos in self._rng_log if pos >= n_keep]:
+            del self._rng_log[pos]
 
     def reuse(self, tokens: Seq[int]) -> int:
         """Make the sequence equal ``tokens``, keeping the KV cache of the common prefix.
@@ -102,8 +132,136 @@ class Sequence:
                 break
             common += 1
         self._keep_prefix(common)
-        self._tokens.extend(tokens[common:])
+        self.append_tokens(tokens[common:])
         return common
+
+    # checkpoints -----------------------------------------------------------------------
+    def checkpoint(self) -> Checkpoint:
+        """The sequence's state now, as a value (no KV data is copied)."""
+        self._check_open()
+        return self._checkpoint_at(len(self._tokens))
+
+    def _checkpoint_at(self, n_tokens: int) -> Checkpoint:
+        logged = list(self._rng_log)  # positions only grow between prunes: already sorted
+        at = bisect.bisect_left(logged, n_tokens)
+        rng_state = self._rng_log[logged[at]] if at < len(logged) else self._rng.bit_generator.state
+        return Checkpoint(n_tokens, self._stamps[n_tokens], self._uid, rng_state)
+
+    def rewind(self, target: Checkpoint | int) -> None:
+        """Go back to a checkpoint, or by ``target`` tokens; then continue as if the dropped
+        tokens had never been generated (KV cells, sampler RNG and tokens restored).
+
+        Raises:
+            RewindError: the target is not reachable: past the start, a checkpoint of another
+                sequence, one beyond the current position after an earlier rewind, one whose
+                history was since replaced, or the sequence is closed.
+        """
+        if self.is_closed:
+            raise RewindError("cannot rewind a closed sequence")
+        if isinstance(target, int):
+            if not 0 <= target <= len(self._tokens):
+                raise RewindError(
+                    f"cannot rewind {target} tokens: the sequence has {len(self._tokens)} tokens"
+                )
+            target = self._checkpoint_at(len(self._tokens) - target)
+        self._check_reachable(target)
+        self._keep_prefix(target.n_tokens)
+        self._rng.bit_generator.state = target.rng_state
+        self.stats.rewinds += 1
+
+    def _check_reachable(self, cp: Checkpoint) -> None:
+        n = len(self._tokens)
+        if cp.n_tokens <= n and self._stamps[cp.n_tokens] == cp.stamp:
+            return
+        if cp.seq_uid != self._uid and cp.stamp not in self._stamps:
+            raise RewindError(
+                f"the checkpoint (position {cp.n_tokens}) belongs to another sequence "
+                f"(#{cp.seq_uid}; this is #{self._uid}) and is not part of this one's history"
+            )
+        if cp.n_tokens > n:
+            raise RewindError(
+                f"the checkpoint at position {cp.n_tokens} lies beyond the current position {n}: "
+                "the sequence was rewound past it"
+            )
+        raise RewindError(
+            f"the sequence's history up to position {cp.n_tokens} has changed since the "
+            f"checkpoint was taken (it was rewound and regenerated); current position {n}"
+        )
+
+    def fork(self, *, seed: int | None = None) -> Sequence:
+        """A new sequence with the same history, sharing its KV cells (none are copied).
+
+        Args:
+            seed: reseed the fork's sampler RNG; None continues the same RNG state, so the
+                fork samples exactly what this sequence would.
+
+        Raises:
+            SlotsExhaustedError: no free slot for the fork.
+        """
+        self._check_open()
+        child = Sequence(self.model)
+        if self._n_decoded:
+            self._ctx.copy_slot(self._slot, child._slot, self._n_decoded)
+        child._tokens = list(self._tokens)
+        child._stamps = list(self._stamps)
+        child._n_decoded = self._n_decoded
+        child._rng.bit_generator.state = self._rng.bit_generator.state
+        child._rng_log = dict(self._rng_log)
+        if seed is not None:
+            child._reseed(seed)
+        return child
+
+    # save / load -----------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        """The sequence as bytes: KV state, tokens, sampler state and the model's fingerprint."""
+        self._check_open()
+        header: dict[str, Any] = {
+            "model": self.model.fingerprint,
+            "tokens": self._tokens,
+            "n_decoded": self._n_decoded,
+            "rng": self._rng.bit_generator.state,
+            "rng_log": [[pos, state] for pos, state in sorted(self._rng_log.items())],
+        }
+        return ckpt.encode(header, self._ctx.seq_state(self._slot))
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`to_bytes` to ``path`` atomically (a crash never leaves a broken file)."""
+        ckpt.write_atomic(path, self.to_bytes())
+
+    @classmethod
+    def from_bytes(cls, model: Model, data: bytes) -> Sequence:
+        """Rebuild a sequence saved with :meth:`to_bytes`, in a new slot of ``model``.
+
+        Raises:
+            StateFileError: corrupted, truncated, another format version, or another model.
+        """
+        header, kv = ckpt.decode(data)
+        if header["model"] != model.fingerprint:
+            raise StateFileError(
+                f"the sequence was saved with another model (fingerprint {header['model'][:12]}, "
+                f"this model is {model.fingerprint[:12]}: {model.path.name})"
+            )
+        if len(header["tokens"]) > model.n_ctx:
+            raise StateFileError(
+                f"the saved sequence has {len(header['tokens'])} tokens, more than the context "
+                f"of {model.n_ctx}: load the model with a larger n_ctx"
+            )
+        seq = cls(model, header["tokens"])
+        try:
+            if header["n_decoded"]:
+                seq._ctx.set_seq_state(seq._slot, kv)
+        except BaseException:
+            seq.close()
+            raise
+        seq._n_decoded = header["n_decoded"]
+        seq._rng.bit_generator.state = header["rng"]
+        seq._rng_log = {pos: state for pos, state in header["rng_log"]}
+        return seq
+
+    @classmethod
+    def load(cls, model: Model, path: str | os.PathLike[str]) -> Sequence:
+        """Load a sequence written by :meth:`save` (see :meth:`from_bytes`)."""
+        return cls.from_bytes(model, ckpt.read_file(path))
 
     # generation ------------------------------------------------------------------------
     def stream(self, **options: Unpack[GenerateOptions]) -> Iterator[Chunk]:
@@ -111,6 +269,7 @@ class Sequence:
 
         Args:
             **options: see :class:`lcgen.Generator` (max_tokens, stop, temperature, seed, ...).
+                A ``seed`` reseeds the sequence's RNG; without one, sampling continues it.
 
         Yields:
             One chunk per generated token; the last has ``finish_reason`` set.
@@ -132,7 +291,7 @@ class Sequence:
         self._check_open()
         if not self._tokens:
             raise ValueError("the sequence is empty: append a prompt before generating")
-        gen = Generator(self.model, history=self._tokens, **options)
+        gen = Generator(self.model, history=self._tokens, rng=self._rng, **options)
         needed = len(self._tokens) + gen.max_tokens
         if needed > self._ctx.n_ctx:
             raise ContextFullError(
@@ -140,11 +299,21 @@ class Sequence:
                 f"{needed} tokens exceeds the context of {self._ctx.n_ctx} tokens: shorten the "
                 "prompt, lower max_tokens or load the model with a larger n_ctx"
             )
+        if gen.sampler.seed is not None:
+            self._reseed(gen.sampler.seed)
         return gen
+
+    def _reseed(self, seed: int) -> None:
+        self._rng_log.setdefault(len(self._tokens), self._rng.bit_generator.state)
+        self._rng.bit_generator.state = new_rng(seed).bit_generator.state
 
     def _request(self) -> DecodeRequest:
         self._check_open()
         return DecodeRequest(self._slot, self._tokens[self._n_decoded :], self._n_decoded)
+
+    def _accept(self, chunk: Chunk) -> None:
+        self._n_decoded = len(self._tokens)
+        self.append_tokens(chunk.tokens)
 
     def _check_open(self) -> None:
         if self.is_closed:
@@ -178,8 +347,9 @@ def step(pairs: Seq[tuple[Sequence, Generator]]) -> list[Chunk]:
     chunks = []
     for (seq, gen), row in zip(pairs, rows, strict=True):
         assert row is not None
-        seq._n_decoded = len(seq._tokens)
+        if not gen.sampler.is_greedy:
+            seq._rng_log.setdefault(len(seq._tokens), seq._rng.bit_generator.state)
         chunk = gen.step(row)
-        seq._tokens.extend(chunk.tokens)
+        seq._accept(chunk)
         chunks.append(chunk)
     return chunks

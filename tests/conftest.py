@@ -1,7 +1,12 @@
-"""Shared fixtures: the bundled SmolLM2-135M model, loaded once per test session."""
+"""Shared fixtures: the bundled SmolLM2-135M model, loaded once per test session.
+
+``LCGEN_TEST_MODEL=path.gguf`` puts another GGUF in its place (e.g. the tiny random model that
+``tests/tiny_model.py`` builds, for a machine the bundled model cannot be carried to).
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +18,9 @@ from lcgen.models import resolve
 
 @pytest.fixture(scope="session")
 def model_path() -> Path:
+    override = os.environ.get("LCGEN_TEST_MODEL")
+    if override:
+        return Path(override).resolve()
     return resolve("smollm2-135m", download=False)
 
 

@@ -15,7 +15,11 @@ ARGS = ["--max-tokens", "12"]
 def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "lcgen.cli", *args],
-        input=stdin, capture_output=True, text=True, timeout=300, check=False,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
 
 

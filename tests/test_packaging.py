@@ -12,9 +12,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_wheel_contains_data_files(tmp_path: Path) -> None:
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-         "-w", str(tmp_path), str(ROOT)],
-        check=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        timeout=300,
     )
     (wheel,) = tmp_path.glob("lcgen-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())

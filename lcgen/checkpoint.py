@@ -1,0 +1,126 @@
+"""Checkpoints (a sequence's state at one token position, as a value) and the saved-file format.
+
+A saved sequence is one file::
+
+    b"LCGSEQ\\0" | version u32 | header length u32 | header (JSON) | KV length u64 | KV bytes
+    | sha256 of everything before it (32 bytes)
+
+The header carries the model's fingerprint, the tokens and lcgen's own per-token state; the KV
+bytes are llama.cpp's sequence state. Files are written atomically (temp file, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from lcgen.errors import StateFileError
+
+FORMAT_VERSION = 1
+_MAGIC = b"LCGSEQ\x00"
+_HEAD = struct.Struct("<7sII")
+_KV_LEN = struct.Struct("<Q")
+_DIGEST = 32
+
+RngState = Mapping[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    """A sequence's state at one token position; taking one copies no KV data.
+
+    Attributes:
+        n_tokens: the sequence's length (the position the next token goes to).
+        stamp: identifies the token history up to ``n_tokens`` (shared by forks).
+        seq_uid: the sequence it was taken on (for error messages).
+        rng_state: the sampler RNG's state at that position.
+    """
+
+    n_tokens: int
+    stamp: int
+    seq_uid: int
+    rng_state: RngState
+
+
+@dataclass(slots=True)
+class SequenceStats:
+    """What rewinding has cost a sequence so far.
+
+    Attributes:
+        rewinds: rewinds done.
+        fallbacks: rewinds the KV memory could not do in place (sliding-window or recurrent
+            memory), so the kept tokens were decoded again.
+        tokens_redecoded: tokens decoded again because of those fallbacks.
+    """
+
+    rewinds: int = 0
+    fallbacks: int = 0
+    tokens_redecoded: int = 0
+
+
+def encode(header: dict[str, Any], kv: bytes) -> bytes:
+    """The bytes of a saved sequence."""
+    head = json.dumps(header, separators=(",", ":")).encode()
+    body = _HEAD.pack(_MAGIC, FORMAT_VERSION, len(head)) + head + _KV_LEN.pack(len(kv)) + kv
+    return body + hashlib.sha256(body).digest()
+
+
+def decode(data: bytes) -> tuple[dict[str, Any], bytes]:
+    """Check and split a saved sequence into (header, KV bytes).
+
+    Raises:
+        StateFileError: not an lcgen sequence, another format version, truncated or corrupted.
+    """
+    if len(data) < _HEAD.size + _KV_LEN.size + _DIGEST or not data.startswith(_MAGIC):
+        raise StateFileError(f"not an lcgen sequence file ({len(data)} bytes, bad header)")
+    _, version, head_len = _HEAD.unpack_from(data)
+    if version != FORMAT_VERSION:
+        raise StateFileError(
+            f"sequence file format version {version} is not supported (this lcgen reads "
+            f"version {FORMAT_VERSION})"
+        )
+    body, digest = data[:-_DIGEST], data[-_DIGEST:]
+    if hashlib.sha256(body).digest() != digest:
+        raise StateFileError(
+            f"sequence file is truncated or corrupted (checksum mismatch, {len(data)} bytes)"
+        )
+    at = _HEAD.size + head_len
+    (kv_len,) = _KV_LEN.unpack_from(body, at)
+    kv = body[at + _KV_LEN.size :]
+    if len(kv) != kv_len:
+        raise StateFileError(f"sequence file holds {len(kv)} KV bytes, its header says {kv_len}")
+    return json.loads(body[_HEAD.size : at]), kv
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves either the old file or the new one."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def read_file(path: str | os.PathLike[str]) -> bytes:
+    """Read a saved sequence.
+
+    Raises:
+        StateFileError: the file cannot be read.
+    """
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise StateFileError(f"cannot read sequence file {str(path)!r}: {exc}") from exc

@@ -1,0 +1,286 @@
+"""Checkpoint, rewind, fork, save/load on the real bundled model: invariants, not snapshots."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lcgen
+from lcgen import checkpoint as ckpt
+from lcgen.sequence import step
+
+PROMPT = "Once upon a time"
+
+
+class Recorder(lcgen.Generator):
+    """A generator that keeps a copy of every logits row it samples from."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.rows: list[np.ndarray] = []
+
+    def step(self, logits: np.ndarray) -> lcgen.Chunk:
+        self.rows.append(np.array(logits))
+        return super().step(logits)
+
+
+def run(seq: lcgen.Sequence, n: int, **options: object) -> tuple[list[int], list[np.ndarray]]:
+    """Generate n tokens on seq, returning them and the logits each was sampled from."""
+    gen = Recorder(seq.model, history=seq.tokens, rng=seq._rng, max_tokens=n, **options)
+    out: list[int] = []
+    while not gen.is_done:
+        out += step([(seq, gen)])[0].tokens
+    return out, gen.rows
+
+
+@pytest.mark.parametrize("k", [1, 5, 19, 20])
+def test_greedy_rewind_gives_same_tokens_and_bit_identical_logits(
+    model: lcgen.Model, k: int
+) -> None:
+    with model.sequence(PROMPT) as seq:
+        run(seq, 2)  # the rewind target below lies among generated tokens
+        first, first_rows = run(seq, 20)
+        seq.rewind(k)
+        again, again_rows = run(seq, k)
+        assert again == first[-k:]
+        for a, b in zip(first_rows[-k:], again_rows, strict=True):
+            assert np.array_equal(a, b)
+
+
+def test_rewind_to_checkpoint_restores_seeded_sampling(model: lcgen.Model) -> None:
+    with model.sequence(PROMPT, seed=11) as seq:
+        seq.generate(max_tokens=5, temperature=0.9)
+        cp = seq.checkpoint()
+        a = seq.generate(max_tokens=25, temperature=0.9)
+        seq.rewind(cp)
+        b = seq.generate(max_tokens=25, temperature=0.9)
+        assert a == b
+        # Without restoring, the RNG would have moved on.
+        c = seq.generate(max_tokens=25, temperature=0.9)
+        assert c != b
+
+
+def test_rewind_by_count_restores_the_rng_from_its_log(model: lcgen.Model) -> None:
+    with model.sequence(PROMPT, seed=5) as seq:
+        tokens, _ = run(seq, 30, temperature=1.0)
+        for k in (1, 7, 30):
+            seq.rewind(k)
+            again, _ = run(seq, k, temperature=1.0)
+            assert again == tokens[-k:]
+
+
+def test_rewind_across_a_reseed(model: lcgen.Model) -> None:
+    with model.sequence(PROMPT, seed=1) as seq:
+        cp = seq.checkpoint()
+        a = seq.generate(max_tokens=8, temperature=1.0)
+        seq.generate(max_tokens=8, temperature=1.0, seed=99)  # reseeds the sequence's RNG
+        seq.rewind(cp)
+        assert seq.generate(max_tokens=8, temperature=1.0) == a
+
+
+def test_fork_equals_a_fresh_run_with_the_same_history(model: lcgen.Model) -> None:
+    with model.sequence(PROMPT) as parent:
+        parent.generate(max_tokens=10)
+        child = parent.fork()
+        grandchild = child.fork()
+        parent_more = parent.generate(max_tokens=12)
+        child.append(" Suddenly,")
+        child_more = child.generate(max_tokens=12)
+        grand_more = grandchild.generate(max_tokens=12)
+        with model.sequence(PROMPT) as ref:
+            ref.generate(max_tokens=10)
+            ref_more = ref.generate(max_tokens=12)
+            ref.rewind(12)
+            ref.append(" Suddenly,")
+            ref_child = ref.generate(max_tokens=12)
+        assert parent_more == ref_more == grand_more
+        assert child_more == ref_child
+        child.close()
+        grandchild.close()
+
+
+def test_fork_keeps_the_rng_or_reseeds(model: lcgen.Model) -> None:
+    with model.sequence(PROMPT, seed=3) as seq:
+        seq.generate(max_tokens=3, temperature=1.0)
+        same, other = seq.fork(), seq.fork(seed=1234)
+        a = seq.generate(max_tokens=12, temperature=1.0)
+        assert same.generate(max_tokens=12, temperature=1.0) == a
+        assert other.generate(max_tokens=12, temperature=1.0) != a
+        same.close()
+        other.close()
+
+
+def test_fork_beyond_free_slots_and_close_frees(model_path: Path) -> None:
+    with lcgen.Model(model_path, n_seq_max=3, n_ctx=512) as small:
+        seq = small.sequence(PROMPT)
+        seq.generate(max_tokens=2)
+        a = seq.fork()
+        b = a.fork()
+        with pytest.raises(lcgen.SlotsExhaustedError, match="all 3 sequence slots"):
+            b.fork()
+        b.close()
+        c = a.fork()
+        assert c.generate(max_tokens=4) == a.generate(max_tokens=4)
+        for s in (seq, a, c):
+            s.close()
+        assert small.context.n_free_slots == 3
+
+
+def test_checkpoint_of_parent_is_valid_on_fork_within_shared_history(model: lcgen.Model) -> None:
+    with model.sequence(PROMPT) as seq:
+        cp = seq.checkpoint()
+        seq.generate(max_tokens=4)
+        child = seq.fork()
+        child.generate(max_tokens=4)
+        child.rewind(cp)
+        assert child.tokens == seq.tokens[: cp.n_tokens]
+        child.close()
+
+
+def test_rewind_errors(model: lcgen.Model) -> None:
+    with model.sequence(PROMPT) as seq, model.sequence("other") as other:
+        seq.generate(max_tokens=6)
+        n = seq.n_tokens
+        with pytest.raises(lcgen.RewindError, match=f"cannot rewind {n + 1} tokens: .* has {n}"):
+            seq.rewind(n + 1)
+        with pytest.raises(lcgen.RewindError, match="cannot rewind -1 tokens"):
+            seq.rewind(-1)
+        with pytest.raises(lcgen.RewindError, match="belongs to another sequence"):
+            seq.rewind(other.checkpoint())
+        late = seq.checkpoint()
+        seq.rewind(4)
+        with pytest.raises(
+            lcgen.RewindError, match=f"position {n} lies beyond .* position {n - 4}"
+        ):
+            seq.rewind(late)
+        mid = seq.checkpoint()
+        seq.rewind(2)
+        seq.generate(max_tokens=3)
+        with pytest.raises(lcgen.RewindError, match=f"up to position {n - 4} has changed"):
+            seq.rewind(mid)
+    with pytest.raises(lcgen.RewindError, match="closed"):
+        seq.rewind(1)
+
+
+def test_rewind_into_the_prompt_and_to_empty(model: lcgen.Model) -> None:
+    with model.sequence(PROMPT) as seq:
+        expected = model.generate(PROMPT, max_tokens=8)
+        seq.generate(max_tokens=8)
+        seq.rewind(10)
+        assert seq.tokens == model.tokenize(PROMPT)[:2]
+        seq.append_tokens(model.tokenize(PROMPT)[2:])
+        assert seq.generate(max_tokens=8) == expected
+        seq.rewind(seq.n_tokens)
+        assert seq.n_tokens == 0
+        with pytest.raises(ValueError, match="empty"):
+            seq.generate(max_tokens=1)
+
+
+def test_save_load_round_trip(model: lcgen.Model, model_path: Path, tmp_path: Path) -> None:
+    # Logits depend on where a sequence's cells sit in the shared KV pool (attention sums over
+    # cells in pool order), so the loaded copy goes into its own context for an exact comparison.
+    with model.sequence(PROMPT, seed=2) as seq, lcgen.Model(model_path, n_ctx=512) as other:
+        seq.generate(max_tokens=12, temperature=0.8)
+        path = tmp_path / "story.lcs"
+        seq.save(path)
+        with lcgen.Sequence.load(other, path) as loaded:
+            assert loaded.tokens == seq.tokens
+            assert loaded.text == seq.text
+            assert loaded.generate(max_tokens=12, temperature=0.8) == seq.generate(
+                max_tokens=12, temperature=0.8
+            )
+            loaded.rewind(20)
+            seq.rewind(20)
+            assert loaded.generate(max_tokens=8, temperature=0.8) == seq.generate(
+                max_tokens=8, temperature=0.8
+            )
+
+
+def test_save_load_in_a_new_process_continues_identically(
+    model: lcgen.Model, model_path: Path, tmp_path: Path
+) -> None:
+    path = tmp_path / "story.lcs"
+    with model.sequence(PROMPT, seed=4) as seq:
+        seq.generate(max_tokens=10, temperature=0.7)
+        seq.save(path)
+        n = seq.n_tokens
+        seq.generate(max_tokens=16, temperature=0.7)
+        expected = seq.tokens[n:]
+    script = textwrap.dedent(f"""
+        import json, lcgen
+        model = lcgen.Model({str(model_path)!r})
+        seq = lcgen.Sequence.load(model, {str(path)!r})
+        n = seq.n_tokens
+        seq.generate(max_tokens=16, temperature=0.7)
+        print(json.dumps(seq.tokens[n:]))
+    """)
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert json.loads(out.stdout) == expected
+
+
+def _saved(model: lcgen.Model) -> bytes:
+    with model.sequence(PROMPT) as seq:
+        seq.generate(max_tokens=4)
+        return seq.to_bytes()
+
+
+def test_load_rejects_bad_files(model: lcgen.Model, tmp_path: Path) -> None:
+    data = _saved(model)
+    cases = {
+        "truncated": data[: len(data) // 2],
+        "corrupted": data[:100] + bytes([data[100] ^ 1]) + data[101:],
+        "empty": b"",
+        "not ours": b"GGUF" + bytes(200),
+    }
+    for name, bad in cases.items():
+        with pytest.raises(lcgen.StateFileError, match=r"truncated|corrupted|not an lcgen"):
+            lcgen.Sequence.from_bytes(model, bad)
+        (tmp_path / name).write_bytes(bad)
+        with pytest.raises(lcgen.StateFileError):
+            lcgen.Sequence.load(model, tmp_path / name)
+    with pytest.raises(lcgen.StateFileError, match="cannot read"):
+        lcgen.Sequence.load(model, tmp_path / "missing.lcs")
+    assert model.context.n_free_slots == model.context.n_seq_max
+
+
+def test_load_rejects_other_versions_and_models(model: lcgen.Model) -> None:
+    header, kv = ckpt.decode(_saved(model))
+    newer = bytearray(ckpt.encode(header, kv))
+    struct.pack_into("<I", newer, 7, ckpt.FORMAT_VERSION + 1)
+    body = bytes(newer[:-32])
+    newer_file = body + ckpt.hashlib.sha256(body).digest()
+    with pytest.raises(lcgen.StateFileError, match=f"version {ckpt.FORMAT_VERSION + 1}"):
+        lcgen.Sequence.from_bytes(model, newer_file)
+    other = ckpt.encode({**header, "model": "0" * 64}, kv)
+    with pytest.raises(lcgen.StateFileError, match="another model"):
+        lcgen.Sequence.from_bytes(model, other)
+    assert model.context.n_free_slots == model.context.n_seq_max
+
+
+def test_save_is_atomic(
+    model: lcgen.Model, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "story.lcs"
+    with model.sequence(PROMPT) as seq:
+        seq.save(path)
+        before = path.read_bytes()
+        seq.generate(max_tokens=4)
+
+        def crash(*args: object) -> None:
+            raise OSError("disk full")
+
+        monkeypatch.setattr(os, "replace", crash)
+        with pytest.raises(OSError, match="disk full"):
+            seq.save(path)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["story.lcs"]

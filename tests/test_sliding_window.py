@@ -1,0 +1,63 @@
+"""Rewind on a sliding-window model (Gemma 3 270M): in place when the memory allows, else a
+transparent, counted fallback that re-decodes the kept tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import lcgen
+from lcgen.models import resolve
+
+TEXT = " ".join(f"Sentence number {i} is about the sea and the sky." for i in range(110))
+
+
+@pytest.fixture(scope="module")
+def gemma_path() -> Path:
+    return resolve("gemma3-270m", download=False)
+
+
+@pytest.fixture(scope="module")
+def small_swa(gemma_path: Path) -> Iterator[lcgen.Model]:
+    # One slot and swa_full=False: the sliding-window cache keeps ~window + batch positions.
+    with lcgen.Model(gemma_path, n_ctx=2048, n_seq_max=1, swa_full=False) as m:
+        yield m
+
+
+def test_the_window_cache_really_drops_old_positions(small_swa: lcgen.Model) -> None:
+    with small_swa.sequence(TEXT) as seq:
+        seq.generate(max_tokens=4)
+        pos_min, _ = small_swa.context.pos_range(seq._slot)
+        assert pos_min > 0 and seq.n_tokens > 1024
+
+
+def test_short_rewind_is_in_place_long_rewind_falls_back(
+    small_swa: lcgen.Model, gemma_path: Path
+) -> None:
+    with small_swa.sequence(TEXT) as seq:
+        first = seq.generate(max_tokens=6)
+        seq.rewind(6)
+        assert seq.generate(max_tokens=6) == first
+        assert seq.stats.fallbacks == 0 and seq.stats.rewinds == 1
+        seq.rewind(seq.n_tokens - 100)
+        assert seq.stats.fallbacks == 1 and seq.stats.tokens_redecoded == 99
+        after = seq.generate(max_tokens=10)
+        kept = seq.tokens[:100]
+    # The fallback re-decodes the kept tokens in one batch, exactly as a fresh prompt would.
+    with (
+        lcgen.Model(gemma_path, n_ctx=2048, n_seq_max=1, swa_full=False) as other,
+        other.sequence(kept) as fresh,
+    ):
+        assert fresh.generate(max_tokens=10) == after
+
+
+def test_full_window_cache_rewinds_in_place(gemma_path: Path) -> None:
+    with lcgen.Model(gemma_path, n_ctx=2048, n_seq_max=1) as full, full.sequence(TEXT) as seq:
+        first = seq.generate(max_tokens=8)
+        seq.rewind(seq.n_tokens - 100)
+        seq.rewind(0)
+        assert seq.stats.fallbacks == 0
+        seq.append_tokens(full.tokenize(TEXT)[100:])
+        assert seq.generate(max_tokens=8) == first
