@@ -8,10 +8,11 @@ built on it, so there is one implementation of all of this.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import numpy as np
 
@@ -35,12 +36,17 @@ class Chunk:
         finish_reason: None while generating; ``"stop"`` (end-of-generation token, stop token
             or stop string) or ``"length"`` (``max_tokens`` reached) on the last chunk.
         stop: the stop string that ended generation, if one did.
+        logprob: with ``logprobs`` set, the sampled token's log-probability under the model
+            (log-softmax of the raw logits, before temperature and filters).
+        top_logprobs: with ``logprobs=n``, the n most likely tokens and their log-probabilities.
     """
 
     text: str
     tokens: tuple[int, ...]
     finish_reason: FinishReason | None = None
     stop: str | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 class GenerateOptions(TypedDict, total=False):
@@ -59,6 +65,19 @@ class GenerateOptions(TypedDict, total=False):
     repeat_last_n: int | None
     seed: int | None
     logit_bias: Mapping[int, float] | None
+    logprobs: int | None
+    token_healing: bool
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratorState:
+    """Everything a :class:`Generator` changes per token, as a value (see ``state``/``restore``)."""
+
+    n_tokens: int
+    text: TextState
+    heal: bytes
+    rng: Mapping[str, Any]
+    finish_reason: FinishReason | None
 
 
 class Generator:
@@ -73,6 +92,11 @@ class Generator:
         sampler: sampler settings; the keyword options below override its fields.
         temperature, top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, logit_bias:
             see :class:`~lcgen.SamplerConfig`.
+        logprobs: report each sampled token's log-probability, and the top ``logprobs``
+            alternatives when > 0 (None: off).
+        heal: bytes the generated text must start with and that are not emitted (token
+            healing: the text of prompt tokens removed so the model can re-tokenize across the
+            boundary).
         history: tokens before the first generated one (seen by the repeat penalty).
         rng: the random generator to draw from (a sequence passes its own); None makes one
             from ``seed``.
@@ -98,11 +122,15 @@ class Generator:
         repeat_last_n: int | None = None,
         seed: int | None = None,
         logit_bias: Mapping[int, float] | None = None,
+        logprobs: int | None = None,
+        heal: bytes = b"",
         history: Sequence[int] = (),
         rng: np.random.Generator | None = None,
     ) -> None:
         if max_tokens < 0:
             raise ValueError(f"max_tokens must be >= 0, got {max_tokens!r}")
+        if logprobs is not None and not 0 <= logprobs <= 50:
+            raise ValueError(f"logprobs must be in [0, 50] or None, got {logprobs!r}")
         self.model = model
         self.max_tokens = max_tokens
         self.sampler = (sampler or SamplerConfig()).with_options(
@@ -122,12 +150,42 @@ class Generator:
         self.tokens: list[int] = []
         self.text_state = TextState()
         self.finish_reason: FinishReason | None = "length" if max_tokens == 0 else None
-        self.recent: deque[int] = deque(maxlen=self.sampler.repeat_last_n)
-        self.recent.extend(history)
+        self.logprobs = logprobs
+        self.heal = heal
+        self._history_tail = tuple(history[len(history) - self.sampler.repeat_last_n :])
+        self.recent: deque[int] = deque(self._history_tail, maxlen=self.sampler.repeat_last_n)
 
     @property
     def is_done(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def state(self) -> GeneratorState:
+        """The generator's state now; :meth:`restore` returns to it."""
+        return GeneratorState(
+            len(self.tokens),
+            self.text_state,
+            self.heal,
+            self.rng.bit_generator.state,
+            self.finish_reason,
+        )
+
+    def restore(self, state: GeneratorState) -> None:
+        """Go back to a state taken earlier from this generator (tokens after it are dropped).
+
+        Raises:
+            ValueError: the state lies beyond the tokens generated so far.
+        """
+        if state.n_tokens > len(self.tokens):
+            raise ValueError(
+                f"cannot restore to token {state.n_tokens}: only {len(self.tokens)} generated"
+            )
+        del self.tokens[state.n_tokens :]
+        self.text_state, self.heal = state.text, state.heal
+        self.rng.bit_generator.state = state.rng
+        self.finish_reason = state.finish_reason
+        self.recent.clear()
+        self.recent.extend(self._history_tail + tuple(self.tokens))
 
     def step(self, logits: np.ndarray) -> Chunk:
         """Sample the next token from ``logits`` (shape (n_vocab,)) and accept it.
@@ -137,27 +195,55 @@ class Generator:
         """
         if logits.shape != (self.model.n_vocab,):
             raise ValueError(f"logits must have shape ({self.model.n_vocab},), got {logits.shape}")
-        return self.accept(sample(logits, self.sampler, self.rng, self.recent))
+        allowed = logits
+        if self.heal:
+            allowed = np.full_like(logits, -np.inf)
+            ids = self.model.tokens_extending(self.heal)
+            allowed[ids] = logits[ids]
+        token = sample(allowed, self.sampler, self.rng, self.recent)
+        chunk = self.accept(token)
+        if self.logprobs is None:
+            return chunk
+        return dataclasses.replace(chunk, **_logprobs(logits, token, self.logprobs))
 
     def accept(self, token: int) -> Chunk:
         """Take ``token`` as the next token (sampled here or chosen elsewhere).
 
         Returns:
             The chunk of text this token completes, with the finish reason on the last one.
+
+        Raises:
+            ValueError: generation is finished, or the token does not continue the healed text.
         """
         if self.is_done:
             raise ValueError(f"generation is finished ({self.finish_reason}); start a new one")
+        piece = self._healed_piece(token)
         self.tokens.append(token)
         self.recent.append(token)
         if token in self.stop_tokens or self.model.is_eog(token):
             return self._finish(token, "stop", None)
-        state, text, hit = text_step(self.text_state, self.model.token_piece(token), self.stops)
+        state, text, hit = text_step(self.text_state, piece, self.stops)
         self.text_state = state
         if hit is not None:
             return self._finish(token, "stop", hit, text)
         if len(self.tokens) >= self.max_tokens:
             return self._finish(token, "length", None, text)
         return Chunk(text, (token,))
+
+    def _healed_piece(self, token: int) -> bytes:
+        """The token's bytes less the part that re-creates healed prompt text."""
+        piece = self.model.token_piece(token)
+        if not self.heal:
+            return piece
+        if piece.startswith(self.heal):
+            piece, self.heal = piece[len(self.heal) :], b""
+            return piece
+        if piece and self.heal.startswith(piece):
+            self.heal = self.heal[len(piece) :]
+            return b""
+        raise ValueError(
+            f"token {token} ({piece!r}) does not continue the healed text {self.heal!r}"
+        )
 
     def _finish(self, token: int, reason: FinishReason, hit: str | None, text: str = "") -> Chunk:
         if hit is None:
@@ -167,3 +253,15 @@ class Generator:
         self.text_state = TextState()
         self.finish_reason = reason
         return Chunk(text, (token,), reason, hit)
+
+
+def _logprobs(logits: np.ndarray, token: int, n_top: int) -> dict[str, Any]:
+    """The sampled token's log-probability and the ``n_top`` best, under the raw logits."""
+    top = logits.max()
+    log_norm = float(top + np.log(np.exp(logits - top, dtype=np.float64).sum()))
+    best: tuple[tuple[int, float], ...] = ()
+    if n_top:
+        ids = np.argpartition(logits, -n_top)[-n_top:]
+        ids = ids[np.argsort(-logits[ids], kind="stable")]
+        best = tuple((int(i), float(logits[i]) - log_norm) for i in ids)
+    return {"logprob": float(logits[token]) - log_norm, "top_logprobs": best}

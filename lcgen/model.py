@@ -14,6 +14,8 @@ from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Unpack, overload
 
+import numpy as np
+
 from lcgen import _llama
 from lcgen.context import Context
 from lcgen.generator import Chunk, GenerateOptions, Generator
@@ -133,6 +135,23 @@ class Model:
         if flag is None:
             flag = self._eog[token] = self._handle.is_eog(token)
         return flag
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 -- the model lives as long as its cache
+    def tokens_extending(self, prefix: bytes) -> np.ndarray:
+        """Ids of the tokens whose text starts with ``prefix`` or starts it (token healing).
+
+        End-of-generation tokens and tokens with no text are left out.
+        """
+        pieces = self._all_pieces()
+        ids = [
+            tok
+            for tok, piece in enumerate(pieces)
+            if piece and (piece.startswith(prefix) or prefix.startswith(piece))
+        ]
+        return np.array([tok for tok in ids if not self.is_eog(tok)], dtype=np.int64)
+
+    def _all_pieces(self) -> list[bytes]:
+        return [self.token_piece(tok) for tok in range(self.n_vocab)]
 
     def check_tokens(self, tokens: Iterable[int]) -> list[int]:
         """The tokens as a list, after checking each is a valid id (llama.cpp does not).

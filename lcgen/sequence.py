@@ -56,6 +56,8 @@ class Sequence:
         self._uid = self._stamps[0]
         self._rng = new_rng(seed)
         self._rng_log: dict[int, RngState] = {}  # position -> RNG state before anything there
+        # The prompt token last removed by token healing: (position, token, stamps around it).
+        self._healed: tuple[int, int, int, int] | None = None
         self.stats = SequenceStats()
 
     # state -----------------------------------------------------------------------------
@@ -164,10 +166,26 @@ class Sequence:
                     f"cannot rewind {target} tokens: the sequence has {len(self._tokens)} tokens"
                 )
             target = self._checkpoint_at(len(self._tokens) - target)
-        self._check_reachable(target)
-        self._keep_prefix(target.n_tokens)
+        if not self._unheal(target):
+            self._check_reachable(target)
+            self._keep_prefix(target.n_tokens)
         self._rng.bit_generator.state = target.rng_state
         self.stats.rewinds += 1
+
+    def _unheal(self, cp: Checkpoint) -> bool:
+        """Rewind to a checkpoint taken before token healing removed a prompt token: put the
+        token back. Returns False when ``cp`` is not such a checkpoint."""
+        if self._healed is None:
+            return False
+        pos, token, before, after = self._healed
+        if cp.n_tokens != pos + 1 or cp.stamp != after:
+            return False
+        if pos > len(self._tokens) or self._stamps[pos] != before:
+            return False
+        self._keep_prefix(pos)
+        self._tokens.append(token)
+        self._stamps.append(after)
+        return True
 
     def _check_reachable(self, cp: Checkpoint) -> None:
         n = len(self._tokens)
@@ -291,7 +309,9 @@ class Sequence:
         self._check_open()
         if not self._tokens:
             raise ValueError("the sequence is empty: append a prompt before generating")
-        gen = Generator(self.model, history=self._tokens, rng=self._rng, **options)
+        settings: dict[str, Any] = dict(options)
+        heal = self._heal_last_token() if settings.pop("token_healing", False) else b""
+        gen = Generator(self.model, history=self._tokens, rng=self._rng, heal=heal, **settings)
         needed = len(self._tokens) + gen.max_tokens
         if needed > self._ctx.n_ctx:
             raise ContextFullError(
@@ -302,6 +322,16 @@ class Sequence:
         if gen.sampler.seed is not None:
             self._reseed(gen.sampler.seed)
         return gen
+
+    def _heal_last_token(self) -> bytes:
+        """Drop the last token and return its text, for the generator to re-create (healing)."""
+        n, token = len(self._tokens), self._tokens[-1]
+        piece = self.model.token_piece(token)
+        if n < 2 or not piece:
+            return b""
+        self._healed = (n - 1, token, self._stamps[n - 1], self._stamps[n])
+        self._keep_prefix(n - 1)
+        return piece
 
     def _reseed(self, seed: int) -> None:
         self._rng_log.setdefault(len(self._tokens), self._rng.bit_generator.state)

@@ -1,0 +1,181 @@
+"""Streaming on the real model: joined chunks equal the detokenized tokens cut at the stop,
+token healing, logprobs, a generator fed logits from elsewhere, and rewinding held text."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lcgen
+from lcgen.sequence import step
+
+SUBJECTS = [
+    "the sea",
+    "a robot",
+    "東京",
+    "coffee ☕",
+    "winter",
+    "a lost key",
+    "Ελλάδα",
+    "jazz",
+    "the moon",
+    "bread",
+    "a red fox",
+    "trains",
+    "über cities",
+    "rain",
+    "chess",
+    "日本語",
+    "a lighthouse",
+    "maps",
+    "bees 🐝",
+    "silence",
+    "glass",
+    "an old song",
+    "the desert",
+    "numbers",
+    "clocks",
+]
+PROMPTS = [f"Write two sentences about {s}:" for s in SUBJECTS] + [
+    f"Q: What do you know about {s}?\nA:" for s in SUBJECTS
+]
+STOPS = ["\n\n", ".", "the"]
+
+
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, str | None]:
+    """Reference cut: the stop whose occurrence ends first wins (longest on a tie)."""
+    best: tuple[int, int, str] | None = None
+    for stop in stops:
+        at = text.find(stop)
+        if at >= 0 and (best is None or (at + len(stop), -len(stop)) < best[:2]):
+            best = (at + len(stop), -len(stop), stop)
+    if best is None:
+        return text, None
+    return text[: best[0] + best[1]], best[2]
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_joined_chunks_equal_detokenized_tokens_cut_at_the_stop(
+    model: lcgen.Model, seed: int
+) -> None:
+    assert len(PROMPTS) == 50
+    hits = 0
+    for prompt in PROMPTS:
+        chunks = list(model.stream(prompt, max_tokens=16, temperature=0.9, seed=seed, stop=STOPS))
+        tokens = [t for c in chunks for t in c.tokens]
+        if model.is_eog(tokens[-1]):
+            tokens = tokens[:-1]
+        expected, stop = cut_at_stop(model.detokenize(tokens), STOPS)
+        assert "".join(c.text for c in chunks) == expected, prompt
+        assert chunks[-1].stop == stop
+        assert chunks[-1].finish_reason == (
+            "length" if stop is None and len(chunks) == 16 else "stop"
+        )
+        hits += stop is not None
+    assert hits > 10
+
+
+def test_stop_token_ids(model: lcgen.Model) -> None:
+    seven = model.tokenize(" 7")[-1]
+    chunks = list(model.stream("1, 2, 3, 4,", max_tokens=16, stop_tokens=[seven]))
+    assert chunks[-1].tokens == (seven,) and chunks[-1].finish_reason == "stop"
+    assert chunks[-1].stop is None
+    assert "".join(c.text for c in chunks) == " 5, 6, "  # digits are single tokens
+
+
+@pytest.mark.parametrize(
+    ("prompt", "starts"),
+    [('<a href="http:', "//"), ("The capital of Fra", "nce"), ("import nump", "y")],
+)
+def test_token_healing(model: lcgen.Model, prompt: str, starts: str) -> None:
+    healed = model.generate(prompt, max_tokens=8, token_healing=True)
+    plain = model.generate(prompt, max_tokens=8)
+    assert healed.startswith(starts)
+    assert healed != plain
+    with model.sequence(prompt) as seq:
+        removed = model.token_piece(seq.tokens[-1])
+        out = seq.generate(max_tokens=8, token_healing=True)
+        assert out == healed
+        # The text is consistent: the prompt plus the streamed text is the sequence's text.
+        assert seq.text == prompt + out
+        first_new = model.token_piece(seq.tokens[len(model.tokenize(prompt)) - 1])
+        assert first_new.startswith(removed) or removed.startswith(first_new)
+
+
+def test_token_healing_composes_with_checkpoints(model: lcgen.Model) -> None:
+    with model.sequence('<a href="http:', seed=3) as seq:
+        cp = seq.checkpoint()
+        a = seq.generate(max_tokens=10, token_healing=True, temperature=0.8)
+        seq.rewind(cp)
+        assert seq.generate(max_tokens=10, token_healing=True, temperature=0.8) == a
+
+
+def test_logprobs(model: lcgen.Model) -> None:
+    chunks = list(model.stream("The sky is", max_tokens=6, logprobs=3))
+    with model.sequence("The sky is") as seq:
+        rows = []
+        gen = seq.generator(max_tokens=6)
+        while not gen.is_done:
+            row = model.context.decode([seq._request()])[0]
+            assert row is not None
+            rows.append(np.array(row, dtype=np.float64))
+            seq._accept(gen.step(row))
+    for chunk, row in zip(chunks, rows, strict=True):
+        log_softmax = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
+        (token,) = chunk.tokens
+        assert chunk.logprob == pytest.approx(log_softmax[token], abs=1e-5)
+        assert [t for t, _ in chunk.top_logprobs] == list(np.argsort(-log_softmax)[:3])
+        assert chunk.top_logprobs[0][0] == token  # greedy
+        assert [lp for _, lp in chunk.top_logprobs] == sorted(
+            (lp for _, lp in chunk.top_logprobs), reverse=True
+        )
+    only = next(iter(model.stream("The sky is", max_tokens=1, logprobs=0)))
+    assert only.logprob is not None and only.top_logprobs == ()
+    assert next(iter(model.stream("The sky is", max_tokens=1))).logprob is None
+    with pytest.raises(ValueError, match="logprobs must be"):
+        model.generate("x", logprobs=-1)
+
+
+def test_generator_fed_by_an_independent_decode_reproduces_stream(
+    model: lcgen.Model, model_path: Path
+) -> None:
+    llama_cpp = pytest.importorskip("llama_cpp")
+    options = {"max_tokens": 24, "temperature": 0.8, "seed": 5, "stop": ["\n\n"], "logprobs": 2}
+    prompt = "Write a haiku about rain:"
+    expected = list(model.stream(prompt, **options))  # type: ignore[arg-type]
+    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=512, flash_attn=True, verbose=False)
+    llm.eval(llm.tokenize(prompt.encode()))
+    gen = lcgen.Generator(model, **options)  # type: ignore[arg-type]
+    chunks = []
+    while not gen.is_done:
+        row = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+        chunk = gen.step(np.ctypeslib.as_array(row, shape=(model.n_vocab,)))
+        chunks.append(chunk)
+        llm.eval(list(chunk.tokens))
+    llm.close()
+    assert chunks == expected
+
+
+def test_rewinding_into_held_stop_text_regenerates_the_same(model: lcgen.Model) -> None:
+    stop = [" 7, 8, 9"]
+    with model.sequence("1, 2, 3, 4,", seed=1) as seq:
+        gen = seq.generator(max_tokens=20, stop=stop)
+        chunks: list[lcgen.Chunk] = []
+        saved = None
+        while not gen.is_done:
+            chunks += step([(seq, gen)])
+            if gen.text_state.held_text and saved is None:
+                saved = (seq.checkpoint(), gen.state, len(chunks))
+        assert saved is not None, "no step held text back"
+        cp, state, n = saved
+        first = chunks[n:]
+        seq.rewind(cp)
+        gen.restore(state)
+        again = []
+        while not gen.is_done:
+            again += step([(seq, gen)])
+        assert again == first
+        assert "".join(c.text for c in chunks) == " 5, 6,"
+        assert chunks[-1].stop == stop[0]
