@@ -42,6 +42,11 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--repeat-penalty", type=float, default=None)
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     p.add_argument(
+        "--token-healing",
+        action="store_true",
+        help="let the first token re-tokenize the end of the prompt",
+    )
+    p.add_argument(
         "--stop",
         action="append",
         default=None,
@@ -69,6 +74,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "repeat_penalty": args.repeat_penalty,
         "seed": args.seed,
         "stop": args.stop,
+        "token_healing": args.token_healing,
     }
 
 

@@ -71,3 +71,10 @@ def test_errors_are_one_line_not_tracebacks() -> None:
     assert "Traceback" not in out.stderr
     out = run("generate", "smollm2-135m", "hi", "--temperature", "-1")
     assert out.returncode == 1 and "temperature must be >= 0, got -1.0" in out.stderr
+
+
+def test_generate_with_token_healing(model: lcgen.Model) -> None:
+    out = run("generate", "smollm2-135m", '<a href="http:', *ARGS, "--token-healing")
+    assert out.returncode == 0, out.stderr
+    expected = model.generate('<a href="http:', max_tokens=12, token_healing=True)
+    assert out.stdout == expected + "\n" and expected.startswith("//")
