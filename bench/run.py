@@ -1,4 +1,5 @@
-"""``make bench``: lcgen against the raw llama.cpp loop and llama-cpp-python (lcgen.bench)."""
+"""``make bench``: lcgen against the raw llama.cpp loop and llama-cpp-python, and its checkpoint
+operations against their targets (the package ``lcgen.bench``; options: ``--help``)."""
 
 from __future__ import annotations
 

@@ -124,11 +124,16 @@ class Context:
         with self.lock:
             return self._handle.seq_pos_range(seq_id)
 
-    def seq_state(self, seq_id: int) -> bytes:
+    def seq_state_size(self, seq_id: int) -> int:
         with self.lock:
-            return self._handle.seq_state(seq_id)
+            return self._handle.seq_state_size(seq_id)
 
-    def set_seq_state(self, seq_id: int, data: bytes) -> None:
+    def seq_state_into(self, seq_id: int, out: bytearray, offset: int, size: int) -> int:
+        """Write the slot's llama.cpp state into ``out`` at ``offset``; returns its size."""
+        with self.lock:
+            return self._handle.seq_state_into(seq_id, out, offset, size)
+
+    def set_seq_state(self, seq_id: int, data: bytes | bytearray | memoryview) -> None:
         with self.lock:
             self._handle.set_seq_state(seq_id, data)
 

@@ -230,7 +230,7 @@ class Sequence:
         return child
 
     # save / load -----------------------------------------------------------------------
-    def to_bytes(self) -> bytes:
+    def to_bytes(self) -> bytearray:
         """The sequence as bytes: KV state, tokens, sampler state and the model's fingerprint."""
         self._check_open()
         header: dict[str, Any] = {
@@ -240,14 +240,19 @@ class Sequence:
             "rng": self._rng.bit_generator.state,
             "rng_log": [[pos, state] for pos, state in sorted(self._rng_log.items())],
         }
-        return ckpt.encode(header, self._ctx.seq_state(self._slot))
+        size = self._ctx.seq_state_size(self._slot)
+
+        def write_kv(out: bytearray, offset: int, size: int) -> int:
+            return self._ctx.seq_state_into(self._slot, out, offset, size)
+
+        return ckpt.encode(header, size, write_kv)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`to_bytes` to ``path`` atomically (a crash never leaves a broken file)."""
         ckpt.write_atomic(path, self.to_bytes())
 
     @classmethod
-    def from_bytes(cls, model: Model, data: bytes) -> Sequence:
+    def from_bytes(cls, model: Model, data: bytes | bytearray | memoryview) -> Sequence:
         """Rebuild a sequence saved with :meth:`to_bytes`, in a new slot of ``model``.
 
         Raises:

@@ -5,34 +5,73 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from lcgen.bench import ROWS, main
+from lcgen.bench.harness import Check, Row, Series, at_least, at_most, evaluate
+from lcgen.bench.report import number
+from lcgen.bench.runners import Sample
 
-IMPLEMENTATIONS = {"limit", "llama-cpp-python", "lcgen"}
+THREE_WAY = {"limit", "llama-cpp-python", "lcgen"}
+# --quick: a 64-token checkpoint sequence, so rewinds of 1 and 32 tokens (512 does not fit).
+CHECKPOINT_SERIES = {
+    "rewind": {
+        f"{what} k={k}" for what in ("rewind", "rewind+step", "re-prefill") for k in (1, 32)
+    },
+    "fork": {"fork", "state growth", "state before"},
+    "save-load": {"to_bytes", "from_bytes", "save", "load"},
+    "regenerate": {"generate 32", "rewind 32 + regenerate 32"},
+}
 
 
-def test_quick_bench_writes_every_row(tmp_path: Path) -> None:
-    assert main(["--quick", "--out", str(tmp_path)]) == 0
-    results = json.loads((tmp_path / "results.json").read_text())
+def run_quick(out: Path, model_path: Path, *extra: str) -> dict[str, Any]:
+    assert main(["--quick", "--model", str(model_path), "--out", str(out), *extra]) == 0
+    results: dict[str, Any] = json.loads((out / "results.json").read_text())
+    return results
+
+
+def test_quick_bench_writes_every_row(tmp_path: Path, model_path: Path) -> None:
+    results = run_quick(tmp_path, model_path)
     seen = {(r["row"], r["implementation"]) for r in results["rows"]}
-    assert seen == {(row, impl) for row in ROWS for impl in IMPLEMENTATIONS}
+    expected = {(row, impl) for row in ("prefill", "decode") for impl in THREE_WAY}
+    expected |= {(row, name) for row, names in CHECKPOINT_SERIES.items() for name in names}
+    assert seen == expected and {r["row"] for r in results["rows"]} == set(ROWS)
     for r in results["rows"]:
         assert r["samples"] and all(math.isfinite(x) and x > 0 for x in r["samples"]), r
         assert r["median"] > 0 and all(s > 0 for s in r["seconds"]), r
-    assert {(r["row"], r["baseline"]) for r in results["ratios"]} >= {
-        ("prefill", "limit"),
-        ("decode", "limit"),
-        ("decode", "llama-cpp-python"),
+    checks = {(c["row"], c["implementation"], c["baseline"]): c for c in results["checks"]}
+    assert set(checks) >= {
+        ("prefill", "lcgen", "limit"),
+        ("decode", "lcgen", "limit"),
+        ("decode", "lcgen", "llama-cpp-python"),
+        ("rewind", "rewind k=32", None),
+        ("rewind", "re-prefill k=32", "rewind k=32"),
+        ("rewind", "rewind k=32", "rewind k=1"),
+        ("fork", "fork", None),
+        ("fork", "state growth", "state before"),
+        ("save-load", "to_bytes", None),
+        ("save-load", "from_bytes", None),
+        ("regenerate", "rewind 32 + regenerate 32", "generate 32"),
     }
-    assert all(r["ratio"] > 0 for r in results["ratios"])
-    env = results["environment"]
+    assert all(c["value"] > 0 for c in results["checks"])
+    assert all(c["result"] in {"PASS", "MISS"} for c in results["checks"] if c["target"])
+    assert results["same_tokens"]["regenerate"]  # greedy: the regeneration repeats itself
+    env, cfg = results["environment"], results["settings"]
     assert env["model_file"].endswith(".gguf") and env["n_threads"] >= 1
-    assert results["settings"]["decode_tokens"] == 32
+    assert (cfg["decode_tokens"], cfg["context_tokens"], cfg["rewind_ks"]) == (32, 64, [1, 32])
     markdown = (tmp_path / "RESULTS.md").read_text()
     assert "| decode | lcgen |" in markdown and "| prefill | limit |" in markdown
-    assert not list(tmp_path.glob("*.tmp*"))
+    assert "| rewind | rewind k=1 |" in markdown and "| save-load | from_bytes |" in markdown
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["RESULTS.md", "results.json"]
+
+
+def test_rows_run_alone_and_in_the_order_given(tmp_path: Path, model_path: Path) -> None:
+    # fork opens the long sequence, decode must run with it closed, regenerate reopens it.
+    results = run_quick(tmp_path, model_path, "--rows", "fork,decode,regenerate")
+    assert [r["row"] for r in results["rows"]] == ["fork"] * 3 + ["decode"] * 3 + ["regenerate"] * 2
+    assert list(results["settings"]["rows"]) == ["fork", "decode", "regenerate"]
 
 
 def test_unknown_row_is_reported_before_loading_anything(
@@ -43,8 +82,54 @@ def test_unknown_row_is_reported_before_loading_anything(
     assert not (tmp_path / "results.json").exists()
 
 
-@pytest.mark.parametrize("argv", [["--tokens", "0"], ["--repeats", "-1"], ["--tokens", "5000"]])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--tokens", "0"],
+        ["--repeats", "-1"],
+        ["--tokens", "5000"],
+        ["--context-tokens", "1"],
+        ["--context-tokens", "2049"],  # save-load holds the sequence twice in 4,096 cells
+    ],
+)
 def test_bad_numbers_are_rejected(argv: list[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
+
+
+def series(name: str, unit: str, *pairs: tuple[float, float]) -> Series:
+    return Series("row", name, unit, tuple(Sample(s, c) for s, c in pairs))
+
+
+@pytest.mark.parametrize(
+    ("check", "value", "unit", "verdict"),
+    [
+        (Check("fast", target=at_most(1.0)), 0.5, "ms", "PASS"),  # median of 0.4, 0.5, 3 ms
+        (Check("fast", target=at_most(0.1)), 0.5, "ms", "MISS"),
+        (Check("slow", "fast", at_least(100.0)), 400.0, "x", "PASS"),  # 200 ms / 0.5 ms
+        (Check("fast", "slow", at_most(0.001)), 0.0025, "x", "MISS"),
+        (Check("slow", "fast"), 400.0, "x", ""),  # reported without a target
+        (Check("rate", target=at_least(0.5)), 2.0, "GB/s", "PASS"),  # 2e9 bytes in 1 s
+    ],
+)
+def test_checks_compare_medians_with_their_targets(
+    check: Check, value: float, unit: str, verdict: str
+) -> None:
+    found = [
+        series("fast", "ms", (4e-4, 1), (5e-4, 1), (3e-3, 1)),
+        series("slow", "ms", (0.2, 1)),
+        series("rate", "GB/s", (1.0, 2e9)),
+    ]
+    row = Row("row", "", {s.implementation: s.unit for s in found}, lambda b, r: {}, (check,))
+    (result,) = evaluate([row], found)
+    assert result.value == pytest.approx(value)
+    assert (result.unit, result.verdict) == (unit, verdict)
+
+
+@pytest.mark.parametrize(
+    ("x", "text"),
+    [(0, "0"), (47188189, "47,188,189"), (272.81, "272.8"), (1.0312, "1.031"), (0.04951, "0.0495")],
+)
+def test_numbers_keep_about_four_figures(x: float, text: str) -> None:
+    assert number(x) == text

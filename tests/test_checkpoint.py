@@ -228,7 +228,7 @@ def test_save_load_in_a_new_process_continues_identically(
     assert json.loads(out.stdout) == expected
 
 
-def _saved(model: lcgen.Model) -> bytes:
+def _saved(model: lcgen.Model) -> bytearray:
     with model.sequence(PROMPT) as seq:
         seq.generate(max_tokens=4)
         return seq.to_bytes()
@@ -253,15 +253,24 @@ def test_load_rejects_bad_files(model: lcgen.Model, tmp_path: Path) -> None:
     assert model.context.n_free_slots == model.context.n_seq_max
 
 
+def _encode(header: dict[str, object], kv: memoryview) -> bytearray:
+    def write_kv(out: bytearray, at: int, size: int) -> int:
+        out[at : at + size] = kv
+        return size
+
+    return ckpt.encode(header, len(kv), write_kv)
+
+
 def test_load_rejects_other_versions_and_models(model: lcgen.Model) -> None:
     header, kv = ckpt.decode(_saved(model))
-    newer = bytearray(ckpt.encode(header, kv))
+    assert lcgen.Sequence.from_bytes(model, _encode(header, kv)).close() is None
+    newer = _encode(header, kv)
     struct.pack_into("<I", newer, 7, ckpt.FORMAT_VERSION + 1)
     body = bytes(newer[:-32])
     newer_file = body + ckpt.hashlib.sha256(body).digest()
     with pytest.raises(lcgen.StateFileError, match=f"version {ckpt.FORMAT_VERSION + 1}"):
         lcgen.Sequence.from_bytes(model, newer_file)
-    other = ckpt.encode({**header, "model": "0" * 64}, kv)
+    other = _encode({**header, "model": "0" * 64}, kv)
     with pytest.raises(lcgen.StateFileError, match="another model"):
         lcgen.Sequence.from_bytes(model, other)
     assert model.context.n_free_slots == model.context.n_seq_max

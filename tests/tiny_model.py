@@ -7,12 +7,17 @@ gibberish: tests that assume a trained model's output (say " 7," after "1, 2, 3,
 Made for carrying lcgen's tests to a machine where the 98 MB bundled model does not fit (a GPU
 box), and usable in place of it through ``LCGEN_TEST_MODEL`` (see ``conftest.py``)::
 
-    python tests/tiny_model.py OUT.gguf [--source SRC.gguf] [--seed N]
+    python tests/tiny_model.py OUT.gguf [--source SRC.gguf] [--seed N] [--quant f16|q4_1]
     LCGEN_TEST_MODEL=OUT.gguf pytest tests/test_generate.py
 
-Tensor types: f32 norms, f16 layer matrices and token embedding, Q8_0 output matrix (untied: a
-tied random embedding makes the current token by far the likeliest next one, so greedy text
-would repeat one token forever). About 11 MB, nearly all of it the 49,152-row vocabulary.
+Shape: 2 query heads sharing 1 KV head (grouped-query attention), head size 64 (one that
+llama.cpp's CUDA flash-attention kernels support; n_embd 64 with 4 heads of 16 makes llama.cpp
+turn flash attention off). Tensor types: f32 norms; ``--quant f16`` (default): f16 layer
+matrices and token embedding; ``--quant q4_1``: Q4_1 layer matrices and a Q8_0 token embedding,
+the types of the bundled SmolLM2-135M Q4_1 (so the same quantized kernels run). The output
+matrix is Q8_0 and untied: a tied random embedding makes the current token by far the likeliest
+next one, so greedy text would repeat one token forever. About 12 MB (f16) or 9 MB (q4_1),
+nearly all of it the 49,152-row vocabulary.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ import numpy as np
 ARCH = "llama"
 N_LAYER = 2
 N_EMBD = 64
-N_HEAD = 4
-N_HEAD_KV = 2
+N_HEAD = 2
+N_HEAD_KV = 1
+HEAD_DIM = 64
 N_FF = 192
 N_CTX_TRAIN = 8192
 ROPE_BASE = 100000.0
@@ -63,14 +69,22 @@ def _copy_tokenizer(writer: object, source: Path) -> int:
     return n_vocab
 
 
-def build(out: Path | str, source: Path | str | None = None, seed: int = 0) -> Path:
-    """Write the tiny model to ``out`` (tokenizer from ``source``, default the bundled model)."""
+def build(
+    out: Path | str, source: Path | str | None = None, seed: int = 0, quant: str = "f16"
+) -> Path:
+    """Write the tiny model to ``out`` (tokenizer from ``source``, default the bundled model).
+
+    ``quant`` is ``"f16"`` or ``"q4_1"`` (see the module's docstring).
+    """
     import gguf
 
+    if quant not in ("f16", "q4_1"):
+        raise ValueError(f"quant must be 'f16' or 'q4_1', got {quant!r}")
     out = Path(out)
     src = Path(source) if source is not None else _source_path()
     rng = np.random.default_rng(seed)
-    head_dim = N_EMBD // N_HEAD
+    head_dim = HEAD_DIM
+    q8, q4 = gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_1
 
     writer = gguf.GGUFWriter(str(out), ARCH)
     writer.add_type(gguf.GGUFType.MODEL)
@@ -81,36 +95,44 @@ def build(out: Path | str, source: Path | str | None = None, seed: int = 0) -> P
     writer.add_feed_forward_length(N_FF)
     writer.add_head_count(N_HEAD)
     writer.add_head_count_kv(N_HEAD_KV)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
     writer.add_rope_dimension_count(head_dim)
     writer.add_rope_freq_base(ROPE_BASE)
     writer.add_layer_norm_rms_eps(RMS_EPS)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    ftype = gguf.LlamaFileType.MOSTLY_F16 if quant == "f16" else gguf.LlamaFileType.MOSTLY_Q4_1
+    writer.add_file_type(ftype)
     n_vocab = _copy_tokenizer(writer, src)
     writer.add_vocab_size(n_vocab)
 
-    def mat(rows: int, cols: int, std: float) -> np.ndarray:
+    def add(name: str, rows: int, cols: int, std: float, qtype: object = None) -> None:
         # numpy (rows, cols) is GGUF shape [cols, rows]: rows outputs, each over cols inputs.
-        return (rng.standard_normal((rows, cols)) * std).astype(np.float16)
+        w = rng.standard_normal((rows, cols)) * std
+        if qtype is None:
+            writer.add_tensor(name, w.astype(np.float16))
+        else:
+            data = gguf.quants.quantize(w.astype(np.float32), qtype)  # type: ignore[arg-type]
+            writer.add_tensor(name, data, raw_dtype=qtype)  # type: ignore[arg-type]
 
-    def norm() -> np.ndarray:
-        return (1.0 + 0.1 * rng.standard_normal(N_EMBD)).astype(np.float32)
+    def norm(name: str) -> None:
+        writer.add_tensor(name, (1.0 + 0.1 * rng.standard_normal(N_EMBD)).astype(np.float32))
 
-    writer.add_tensor("token_embd.weight", mat(n_vocab, N_EMBD, 1.0))
+    layer_q = None if quant == "f16" else q4
+    add("token_embd.weight", n_vocab, N_EMBD, 1.0, None if quant == "f16" else q8)
+    n_q, n_kv = N_HEAD * head_dim, N_HEAD_KV * head_dim
     for i in range(N_LAYER):
         p = f"blk.{i}."
-        writer.add_tensor(p + "attn_norm.weight", norm())
-        writer.add_tensor(p + "attn_q.weight", mat(N_EMBD, N_EMBD, N_EMBD**-0.5))
-        writer.add_tensor(p + "attn_k.weight", mat(N_HEAD_KV * head_dim, N_EMBD, N_EMBD**-0.5))
-        writer.add_tensor(p + "attn_v.weight", mat(N_HEAD_KV * head_dim, N_EMBD, N_EMBD**-0.5))
-        writer.add_tensor(p + "attn_output.weight", mat(N_EMBD, N_EMBD, N_EMBD**-0.5))
-        writer.add_tensor(p + "ffn_norm.weight", norm())
-        writer.add_tensor(p + "ffn_gate.weight", mat(N_FF, N_EMBD, N_EMBD**-0.5))
-        writer.add_tensor(p + "ffn_up.weight", mat(N_FF, N_EMBD, N_EMBD**-0.5))
-        writer.add_tensor(p + "ffn_down.weight", mat(N_EMBD, N_FF, N_FF**-0.5))
-    writer.add_tensor("output_norm.weight", norm())
-    q8 = gguf.GGMLQuantizationType.Q8_0
-    out_w = (rng.standard_normal((n_vocab, N_EMBD)) * OUT_STD).astype(np.float32)
-    writer.add_tensor("output.weight", gguf.quants.quantize(out_w, q8), raw_dtype=q8)
+        norm(p + "attn_norm.weight")
+        add(p + "attn_q.weight", n_q, N_EMBD, N_EMBD**-0.5, layer_q)
+        add(p + "attn_k.weight", n_kv, N_EMBD, N_EMBD**-0.5, layer_q)
+        add(p + "attn_v.weight", n_kv, N_EMBD, N_EMBD**-0.5, layer_q)
+        add(p + "attn_output.weight", N_EMBD, n_q, n_q**-0.5, layer_q)
+        norm(p + "ffn_norm.weight")
+        add(p + "ffn_gate.weight", N_FF, N_EMBD, N_EMBD**-0.5, layer_q)
+        add(p + "ffn_up.weight", N_FF, N_EMBD, N_EMBD**-0.5, layer_q)
+        add(p + "ffn_down.weight", N_EMBD, N_FF, N_FF**-0.5, layer_q)
+    norm("output_norm.weight")
+    add("output.weight", n_vocab, N_EMBD, OUT_STD, q8)
 
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -124,8 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--source", type=Path, default=None, help="GGUF to copy the tokenizer from")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quant", choices=("f16", "q4_1"), default="f16")
     args = parser.parse_args(argv)
-    path = build(args.out, args.source, args.seed)
+    path = build(args.out, args.source, args.seed, args.quant)
     print(f"{path} ({path.stat().st_size / 1e6:.1f} MB)")
 
 

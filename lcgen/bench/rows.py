@@ -1,0 +1,47 @@
+"""The rows that compare lcgen with the limit and with llama-cpp-python: prefill and decode."""
+
+from __future__ import annotations
+
+from lcgen.bench.harness import Check, Row, RowFactory, at_least, interleaved
+from lcgen.bench.runners import Workload
+
+THREE_WAY = ("limit", "llama-cpp-python", "lcgen")
+
+
+def prefill_row(work: Workload) -> Row:
+    return Row(
+        "prefill",
+        "prompt tokens / time to decode the prompt (n_batch chunks) and sample 1 greedy token",
+        dict.fromkeys(THREE_WAY, "tokens/s"),
+        interleaved(
+            {
+                "limit": lambda b: b.limit.prefill(b.work),
+                "llama-cpp-python": lambda b: b.llama_cpp_python.prefill(b.work),
+                "lcgen": lambda b: b.lcgen.prefill(b.work),
+            }
+        ),
+        (Check("lcgen", "limit", at_least(0.97)), Check("lcgen", "llama-cpp-python")),
+    )
+
+
+def decode_row(work: Workload) -> Row:
+    return Row(
+        "decode",
+        "greedy tokens / time, after the prompt and the first token (llama-cpp-python: "
+        "create_completion(1 + N tokens) minus create_completion(1 token))",
+        dict.fromkeys(THREE_WAY, "tokens/s"),
+        interleaved(
+            {
+                "limit": lambda b: b.limit.decode(b.work),
+                "llama-cpp-python": lambda b: b.llama_cpp_python.decode(b.work),
+                "lcgen": lambda b: b.lcgen.decode(b.work),
+            }
+        ),
+        (
+            Check("lcgen", "limit", at_least(0.97)),
+            Check("lcgen", "llama-cpp-python", at_least(1.0)),
+        ),
+    )
+
+
+FACTORIES: dict[str, RowFactory] = {"prefill": prefill_row, "decode": decode_row}
