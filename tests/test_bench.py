@@ -23,6 +23,7 @@ CHECKPOINT_SERIES = {
     "fork": {"fork", "state growth", "state before"},
     "save-load": {"to_bytes", "from_bytes", "save", "load"},
     "regenerate": {"generate 32", "rewind 32 + regenerate 32"},
+    "stream": {"generate", "stream", "generate, no stops"},
 }
 
 
@@ -54,10 +55,12 @@ def test_quick_bench_writes_every_row(tmp_path: Path, model_path: Path) -> None:
         ("save-load", "to_bytes", None),
         ("save-load", "from_bytes", None),
         ("regenerate", "rewind 32 + regenerate 32", "generate 32"),
+        ("stream", "stream", "generate"),
     }
     assert all(c["value"] > 0 for c in results["checks"])
     assert all(c["result"] in {"PASS", "MISS"} for c in results["checks"] if c["target"])
     assert results["same_tokens"]["regenerate"]  # greedy: the regeneration repeats itself
+    assert results["same_tokens"]["stream"]
     env, cfg = results["environment"], results["settings"]
     assert env["model_file"].endswith(".gguf") and env["n_threads"] >= 1
     assert (cfg["decode_tokens"], cfg["context_tokens"], cfg["rewind_ks"]) == (32, 64, [1, 32])

@@ -44,4 +44,29 @@ def decode_row(work: Workload) -> Row:
     )
 
 
-FACTORIES: dict[str, RowFactory] = {"prefill": prefill_row, "decode": decode_row}
+# Stop strings the prose never contains: every token still goes through the matcher.
+STOPS = ("<|unused|>", "\n\n\n\n", "ZZZZ")
+
+
+def stream_row(work: Workload) -> Row:
+    return Row(
+        "stream",
+        f"greedy tokens / time for N tokens with three stop strings {list(STOPS)}: iterating "
+        "seq.stream() against seq.generate(), and generate() without stop strings",
+        {"generate": "tokens/s", "stream": "tokens/s", "generate, no stops": "tokens/s"},
+        interleaved(
+            {
+                "generate": lambda b: b.lcgen.decode_text(b.work, stream=False, stops=STOPS),
+                "stream": lambda b: b.lcgen.decode_text(b.work, stream=True, stops=STOPS),
+                "generate, no stops": lambda b: b.lcgen.decode_text(b.work, stream=False, stops=()),
+            }
+        ),
+        (Check("stream", "generate", at_least(0.98)), Check("stream", "generate, no stops")),
+    )
+
+
+FACTORIES: dict[str, RowFactory] = {
+    "prefill": prefill_row,
+    "decode": decode_row,
+    "stream": stream_row,
+}

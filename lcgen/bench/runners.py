@@ -275,6 +275,23 @@ class Lcgen:
         check_count("generated", len(generated), work.n_tokens + 1)
         return Sample(seconds, work.n_tokens, tuple(generated))
 
+    def decode_text(self, work: Workload, *, stream: bool, stops: tuple[str, ...]) -> Sample:
+        """Greedy decode of ``n_tokens`` through ``generate`` or by iterating ``stream``, with
+        stop strings that never occur (so every token goes through the stop matcher)."""
+        with self.model.sequence(work.prompt) as seq:
+            seq.generate(max_tokens=1, temperature=0.0, logit_bias=work.bias)
+            options = {"max_tokens": work.n_tokens, "logit_bias": work.bias, "stop": list(stops)}
+            start = time.perf_counter()
+            if stream:
+                text = "".join(chunk.text for chunk in seq.stream(**options))  # type: ignore[arg-type]
+            else:
+                text = seq.generate(**options)  # type: ignore[arg-type]
+            seconds = time.perf_counter() - start
+            generated = seq.tokens[len(work.prompt) :]
+        check_count("generated", len(generated), work.n_tokens + 1)
+        assert not any(stop in text for stop in stops), "a benchmark stop string occurred"
+        return Sample(seconds, work.n_tokens, tuple(generated))
+
     def long_sequence(self, work: Workload) -> lcgen.Sequence:
         """The ``n_context``-token sequence (its last token pending), decoded on first use."""
         if self._long is None:
