@@ -24,7 +24,8 @@ from lcgen.errors import (
     SlotsExhaustedError,
     StateFileError,
 )
-from lcgen.generator import Chunk, GenerateOptions, Generator
+from lcgen.generator import Chunk, GenerateOptions, Generator, GeneratorState
+from lcgen.grammar import Grammar, GrammarState
 from lcgen.model import Model
 from lcgen.sampling import SamplerConfig
 from lcgen.sequence import Sequence
@@ -63,7 +64,10 @@ __all__ = [
     "DecodeError",
     "GenerateOptions",
     "Generator",
+    "GeneratorState",
+    "Grammar",
     "GrammarError",
+    "GrammarState",
     "IncompleteOutputError",
     "LcgenError",
     "Model",

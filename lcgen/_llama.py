@@ -325,18 +325,28 @@ class ContextHandle:
         C.llama_memory_clear(self.mem, True)
 
     # state -----------------------------------------------------------------------------
-    def seq_state(self, seq: int) -> bytes:
-        size = int(C.llama_state_seq_get_size(self.ptr, seq))
-        buf = (ctypes.c_uint8 * size)()
-        n = int(C.llama_state_seq_get_data(self.ptr, buf, size, seq))
+    def seq_state_size(self, seq: int) -> int:
+        return int(C.llama_state_seq_get_size(self.ptr, seq))
+
+    def seq_state_into(self, seq: int, out: bytearray, offset: int, size: int) -> int:
+        """Copy the state of ``seq`` into ``out[offset:offset + size]`` (no other copy).
+
+        Returns:
+            The bytes written.
+        """
+        view = (ctypes.c_uint8 * size).from_buffer(out, offset)
+        n = int(C.llama_state_seq_get_data(self.ptr, view, size, seq))
+        del view  # release the buffer export, so ``out`` may be resized again
         if n == 0 and size != 0:
             raise StateFileError(f"llama.cpp could not copy the state of sequence {seq}")
-        return bytes(buf)[:n]
+        return n
 
-    def set_seq_state(self, seq: int, data: bytes) -> None:
-        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+    def set_seq_state(self, seq: int, data: bytes | bytearray | memoryview) -> None:
+        """Load a state copied by :meth:`seq_state_into` into ``seq`` (read in place)."""
+        arr = np.frombuffer(data, dtype=np.uint8)
+        ptr = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
         mark = log_mark()
-        if C.llama_state_seq_set_data(self.ptr, buf, len(data), seq) == 0:
+        if C.llama_state_seq_set_data(self.ptr, ptr, arr.size, seq) == 0:
             reason = log_errors_since(mark) or "no reason logged"
             raise StateFileError(f"llama.cpp rejected the saved sequence state: {reason}")
 
@@ -349,3 +359,259 @@ def render_chat_template(
 
     formatter = Jinja2ChatFormatter(template, eos, bos, add_generation_prompt)
     return str(formatter(messages=messages).prompt)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# grammar: llama.cpp's GBNF sampler (used by lcgen.grammar)
+# ---------------------------------------------------------------------------------------------
+
+import contextlib  # noqa: E402
+import tempfile  # noqa: E402
+import weakref  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+
+from lcgen.errors import GrammarError  # noqa: E402
+
+# Tokens printed as nothing when special=False: the grammar sees their text, the user would not.
+_HIDDEN_ATTRS = int(C.LLAMA_TOKEN_ATTR_UNKNOWN) | int(C.LLAMA_TOKEN_ATTR_CONTROL)
+_TOKEN_DATA = np.dtype([("id", np.int32), ("logit", np.float32), ("p", np.float32)])
+assert _TOKEN_DATA.itemsize == ctypes.sizeof(C.llama_token_data)
+_stderr_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _capture_stderr_fd() -> Iterator[list[bytes]]:
+    """Collect what C code writes to file descriptor 2 (the grammar parser prints its errors
+    there, not to the log); yields a list that holds the bytes once the block ends."""
+    captured: list[bytes] = []
+    with _stderr_lock, tempfile.TemporaryFile() as tmp:
+        sys.stderr.flush()
+        try:
+            saved = os.dup(2)
+        except OSError:  # no stderr to redirect: run uncaptured
+            yield captured
+            return
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield captured
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            captured.append(tmp.read())
+
+
+def _parse_error_reason(stderr_text: str, gbnf: str) -> str:
+    """llama.cpp's parse error (``parse: error parsing grammar: WHAT\\n\\nGRAMMAR\\n``), with the
+    position given as line and column instead of the rest of the grammar text."""
+    head = "error parsing grammar: "
+    start = stderr_text.find(head)
+    if start < 0:
+        return ""
+    what = stderr_text[start + len(head) :]
+    tail = "\n\n" + gbnf + "\n"
+    if what.endswith(tail):
+        what = what[: -len(tail)]
+    if what.strip() == "unexpected end of input":
+        return "unexpected end of input (an unclosed string, class or group at the end?)"
+    at = what.find(" at ")
+    while at >= 0:
+        rest = what[at + 4 :]
+        if gbnf.endswith(rest):
+            offset = len(gbnf) - len(rest)
+            line = gbnf.count("\n", 0, offset) + 1
+            column = offset - (gbnf.rfind("\n", 0, offset) + 1) + 1
+            snippet = rest.split("\n", 1)[0][:40]
+            return f"{what[:at]} at line {line}, column {column} ({snippet!r})"
+        at = what.find(" at ", at + 1)
+    return what.strip()
+
+
+def _new_grammar_sampler(vocab: ctypes.c_void_p | None, gbnf: str, root: str) -> ctypes.c_void_p:
+    init()
+    mark = log_mark()
+    with _capture_stderr_fd() as captured:
+        ptr = C.llama_sampler_init_grammar(vocab, gbnf.encode("utf-8"), root.encode("utf-8"))
+    printed = b"".join(captured).decode("utf-8", "replace")
+    if not ptr:
+        reason = _parse_error_reason(printed, gbnf) or log_errors_since(mark) or "no reason given"
+        if _verbose:
+            sys.stderr.write(printed)
+        raise GrammarError(f"llama.cpp rejected the grammar: {reason}")
+    if printed:  # not ours: give it back to stderr
+        os.write(2, printed.encode("utf-8"))
+    return ptr  # type: ignore[no-any-return]
+
+
+def check_gbnf(gbnf: str, root: str) -> bool:
+    """Parse ``gbnf`` without a vocabulary.
+
+    Returns:
+        True when it parses; False when it needs a vocabulary to tell (it names tokens).
+
+    Raises:
+        GrammarError: the parse error, with llama.cpp's reason and the position.
+    """
+    try:
+        ptr = _new_grammar_sampler(None, gbnf, root)
+    except GrammarError as exc:
+        if "no vocab to parse token" in str(exc):
+            return False
+        raise
+    C.llama_sampler_free(ptr)
+    return True
+
+
+class GrammarVocab:
+    """What the grammar sampler needs to know about one model's vocabulary, built once."""
+
+    def __init__(self, model: ModelHandle) -> None:
+        self.model = model
+        self.vocab = model.vocab
+        self.n_vocab = model.n_vocab
+        candidates = (int(C.llama_vocab_eos(self.vocab)), int(C.llama_vocab_eot(self.vocab)))
+        self.eog_tokens = tuple(t for t in dict.fromkeys(candidates) if t >= 0)
+        hidden = np.zeros(self.n_vocab, dtype=bool)
+        eog = set(self.eog_tokens)
+        for token in range(self.n_vocab):
+            if int(C.llama_vocab_get_attr(self.vocab, token)) & _HIDDEN_ATTRS:
+                if C.llama_vocab_is_eog(self.vocab, token):
+                    eog.add(token)
+                else:
+                    hidden[token] = True
+        self.hidden = hidden
+        self.hidden_set = frozenset(int(t) for t in np.flatnonzero(hidden))
+        self.eog_set = frozenset(eog)
+        self.visible_ids = np.flatnonzero(~hidden).astype(np.int32)
+        self._pieces: list[bytes | None] = [None] * self.n_vocab
+        self._byte_tokens: dict[int, int] | None = None
+        self.cache: dict[str, object] = {}  # for the layer above: per-vocabulary tables
+
+    def piece(self, token: int) -> bytes:
+        """The bytes the grammar sees for ``token`` (its piece with special tokens shown)."""
+        piece = self._pieces[token]
+        if piece is None:
+            piece = self._pieces[token] = self.model.token_to_piece(token, True)
+        return piece
+
+    def all_pieces(self) -> list[bytes]:
+        """Every token's piece (as :meth:`piece`), fetched in one pass."""
+        buf = ctypes.create_string_buffer(256)
+        pieces = self._pieces
+        for token in range(self.n_vocab):
+            if pieces[token] is None:
+                n = int(C.llama_token_to_piece(self.vocab, token, buf, 256, 0, True))
+                pieces[token] = buf.raw[:n] if n >= 0 else self.piece(token)
+        return pieces  # type: ignore[return-value]
+
+    def byte_tokens(self) -> dict[int, int]:
+        """byte value -> a token whose piece is that one byte (built on first use)."""
+        if self._byte_tokens is None:
+            found: dict[int, int] = {}
+            for token in self.visible_ids.tolist():
+                piece = self.piece(token)
+                if len(piece) == 1 and token not in self.eog_set:
+                    found.setdefault(piece[0], token)
+            self._byte_tokens = found
+        return self._byte_tokens
+
+
+_grammar_vocabs: weakref.WeakKeyDictionary[ModelHandle, GrammarVocab] = weakref.WeakKeyDictionary()
+_grammar_vocabs_lock = threading.Lock()
+
+
+def grammar_vocab(model: ModelHandle) -> GrammarVocab:
+    """The model's :class:`GrammarVocab`, built on first use (a pass over the vocabulary)."""
+    with _grammar_vocabs_lock:
+        info = _grammar_vocabs.get(model)
+        if info is None:
+            info = _grammar_vocabs[model] = GrammarVocab(model)
+        return info
+
+
+class GrammarSampler:
+    """An owned llama.cpp grammar sampler: the parse state of one grammar over one vocabulary.
+
+    ``accept`` checks the token first: llama.cpp terminates the process when a grammar sampler
+    accepts a token it does not allow. Not thread-safe.
+    """
+
+    _free = C.llama_sampler_free  # held here: still callable while the interpreter exits
+
+    def __init__(self, info: GrammarVocab, ptr: ctypes.c_void_p) -> None:
+        self.info = info
+        self.ptr: ctypes.c_void_p | None = ptr
+        self._one: ctypes.Structure | None = None  # a one-token array, made on first use
+
+    def __del__(self) -> None:
+        ptr, self.ptr = self.ptr, None
+        if ptr:
+            self._free(ptr)
+
+    @classmethod
+    def new(cls, info: GrammarVocab, gbnf: str, root: str) -> GrammarSampler:
+        if not info.model.ptr:
+            raise GrammarError("the model was closed")
+        return cls(info, _new_grammar_sampler(info.vocab, gbnf, root))
+
+    def clone(self) -> GrammarSampler:
+        ptr = C.llama_sampler_clone(self._live())
+        if not ptr:
+            raise GrammarError("llama.cpp could not clone the grammar state")
+        return GrammarSampler(self.info, ptr)
+
+    def _live(self) -> ctypes.c_void_p:
+        if not self.ptr:
+            raise GrammarError("the grammar state was closed")
+        if not self.info.model.ptr:
+            raise GrammarError("the model of this grammar state was closed")
+        return self.ptr
+
+    def allows(self, token: int) -> bool:
+        if not 0 <= token < self.info.n_vocab:
+            raise ValueError(
+                f"token {token!r} is outside the vocabulary (0..{self.info.n_vocab - 1})"
+            )
+        if token in self.info.hidden_set:
+            return False
+        if self._one is None:
+            data = C.llama_token_data(0, 0.0, 0.0)
+            self._one = C.llama_token_data_array(ctypes.pointer(data), 1, -1, False)
+            self._one_data = data
+            self._one_p = ctypes.pointer(self._one)
+        data = self._one_data
+        data.id = token  # type: ignore[assignment]
+        data.logit = 0.0
+        C.llama_sampler_apply(self._live(), self._one_p)
+        return bool(data.logit == 0.0)
+
+    def accept(self, token: int) -> bool:
+        """Advance past ``token`` if the grammar allows it; False (and no change) if not."""
+        if not self.allows(token):
+            return False
+        C.llama_sampler_accept(self._live(), token)
+        return True
+
+    def allowed(self, ids: np.ndarray | None = None) -> np.ndarray:
+        """A bool array over the vocabulary: which tokens the grammar allows next.
+
+        Args:
+            ids: check only these tokens (int32; the others count as not allowed); default:
+                every token that is not hidden.
+        """
+        if ids is None:
+            ids = self.info.visible_ids
+        data = np.zeros(len(ids), dtype=_TOKEN_DATA)
+        data["id"] = ids
+        array = C.llama_token_data_array(
+            data.ctypes.data_as(ctypes.POINTER(C.llama_token_data)), len(ids), -1, False
+        )
+        C.llama_sampler_apply(self._live(), ctypes.byref(array))
+        result = np.zeros(self.info.n_vocab, dtype=bool)
+        result[ids] = data["logit"] == 0.0
+        return result
+
+    def close(self) -> None:
+        ptr, self.ptr = self.ptr, None
+        if ptr:
+            self._free(ptr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -87,9 +88,28 @@ def _print_stream(chunks: Iterable[Chunk]) -> Chunk | None:
     return last
 
 
+def _constraint(args: argparse.Namespace) -> dict[str, Any]:
+    """The one --grammar / --json-schema / --choice / --regex given, as generation options."""
+    given = [name for name in ("grammar", "json_schema", "choice", "regex") if getattr(args, name)]
+    if len(given) > 1:
+        raise ValueError(
+            f"give at most one of --grammar, --json-schema, --choice, --regex; got {given}"
+        )
+    if args.grammar:
+        return {"grammar": lcgen.Grammar.from_file(args.grammar)}
+    if args.json_schema:
+        with open(args.json_schema, encoding="utf-8") as f:
+            return {"schema": json.load(f)}
+    if args.choice:
+        return {"choice": args.choice.split(",")}
+    if args.regex:
+        return {"regex": args.regex}
+    return {}
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     model = _load(args)
-    last = _print_stream(model.stream(args.prompt, **_options(args)))
+    last = _print_stream(model.stream(args.prompt, **_options(args), **_constraint(args)))
     sys.stdout.write("\n")
     if args.verbose and last is not None:
         print(f"[finish_reason={last.finish_reason}]", file=sys.stderr)
@@ -200,6 +220,14 @@ def build_parser() -> argparse.ArgumentParser:
             _add_sampling_args(p, 256 if name == "generate" else 512)
         if name == "generate":
             p.add_argument("prompt", help="the prompt text")
+            p.add_argument(
+                "--grammar", help="a bundled grammar name (json, iso_date, ...) or a .gbnf file"
+            )
+            p.add_argument(
+                "--json-schema", help="a JSON Schema file: the output is JSON valid for it"
+            )
+            p.add_argument("--choice", help="comma-separated options: the output is one of them")
+            p.add_argument("--regex", help="a regular expression the whole output matches")
         if name == "chat":
             p.add_argument("--system", default=None, help="a system message")
         if name == "demo":
@@ -223,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.func(args))
-    except (LcgenError, ValueError) as exc:
+    except (LcgenError, ValueError, OSError) as exc:
         print(f"lcgen: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -9,6 +9,7 @@ built on it, so there is one implementation of all of this.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -16,6 +17,8 @@ from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import numpy as np
 
+from lcgen.errors import IncompleteOutputError
+from lcgen.grammar import Grammar, GrammarState
 from lcgen.sampling import SamplerConfig, new_rng, sample
 from lcgen.text import Stops, TextState, text_flush, text_step
 
@@ -23,6 +26,7 @@ if TYPE_CHECKING:
     from lcgen.model import Model
 
 FinishReason = Literal["stop", "length"]
+SchemaLike = Mapping[str, Any] | type[Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +71,9 @@ class GenerateOptions(TypedDict, total=False):
     logit_bias: Mapping[int, float] | None
     logprobs: int | None
     token_healing: bool
+    grammar: Grammar | None
+    choice: Sequence[str] | None
+    regex: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +85,7 @@ class GeneratorState:
     heal: bytes
     rng: Mapping[str, Any]
     finish_reason: FinishReason | None
+    grammar: GrammarState | None = None
 
 
 class Generator:
@@ -94,6 +102,12 @@ class Generator:
             see :class:`~lcgen.SamplerConfig`.
         logprobs: report each sampled token's log-probability, and the top ``logprobs``
             alternatives when > 0 (None: off).
+        grammar, choice, regex, schema: constrain the output (at most one of them): a
+            :class:`~lcgen.Grammar`, one of a list of strings, a regular expression (full
+            match), or a JSON Schema dict / pydantic model class. The sampled token is checked
+            against the grammar and the vocabulary is masked only when it is rejected; the
+            end-of-generation token is allowed only where the grammar is complete, and
+            generation stops where the grammar can only end.
         heal: bytes the generated text must start with and that are not emitted (token
             healing: the text of prompt tokens removed so the model can re-tokenize across the
             boundary).
@@ -123,6 +137,10 @@ class Generator:
         seed: int | None = None,
         logit_bias: Mapping[int, float] | None = None,
         logprobs: int | None = None,
+        grammar: Grammar | None = None,
+        choice: Sequence[str] | None = None,
+        regex: str | None = None,
+        schema: SchemaLike | None = None,
         heal: bytes = b"",
         history: Sequence[int] = (),
         rng: np.random.Generator | None = None,
@@ -151,6 +169,8 @@ class Generator:
         self.text_state = TextState()
         self.finish_reason: FinishReason | None = "length" if max_tokens == 0 else None
         self.logprobs = logprobs
+        constraint = _grammar_from(grammar=grammar, choice=choice, regex=regex, schema=schema)
+        self.grammar = constraint.state(model) if constraint is not None else None
         self.heal = heal
         self._history_tail = tuple(history[len(history) - self.sampler.repeat_last_n :])
         self.recent: deque[int] = deque(self._history_tail, maxlen=self.sampler.repeat_last_n)
@@ -168,6 +188,7 @@ class Generator:
             self.heal,
             self.rng.bit_generator.state,
             self.finish_reason,
+            self.grammar.clone() if self.grammar is not None else None,
         )
 
     def restore(self, state: GeneratorState) -> None:
@@ -184,6 +205,8 @@ class Generator:
         self.text_state, self.heal = state.text, state.heal
         self.rng.bit_generator.state = state.rng
         self.finish_reason = state.finish_reason
+        if state.grammar is not None:
+            self.grammar = state.grammar.clone()
         self.recent.clear()
         self.recent.extend(self._history_tail + tuple(self.tokens))
 
@@ -201,7 +224,11 @@ class Generator:
             ids = self.model.tokens_extending(self.heal)
             allowed[ids] = logits[ids]
         token = sample(allowed, self.sampler, self.rng, self.recent)
-        chunk = self.accept(token)
+        if self.grammar is not None and not self.grammar.try_accept(token):
+            # Rejected: resample from the masked distribution (exact: p(a) / p(allowed)).
+            token = sample(self.grammar.mask(allowed), self.sampler, self.rng, self.recent)
+            self.grammar.accept(token)
+        chunk = self._accept(token)
         if self.logprobs is None:
             return chunk
         return dataclasses.replace(chunk, **_logprobs(logits, token, self.logprobs))
@@ -214,9 +241,15 @@ class Generator:
 
         Raises:
             ValueError: generation is finished, or the token does not continue the healed text.
+            GrammarError: the grammar forbids the token here.
         """
         if self.is_done:
             raise ValueError(f"generation is finished ({self.finish_reason}); start a new one")
+        if self.grammar is not None:
+            self.grammar.accept(token)
+        return self._accept(token)
+
+    def _accept(self, token: int) -> Chunk:
         piece = self._healed_piece(token)
         self.tokens.append(token)
         self.recent.append(token)
@@ -226,9 +259,23 @@ class Generator:
         self.text_state = state
         if hit is not None:
             return self._finish(token, "stop", hit, text)
+        if self._grammar_can_only_end():
+            return self._finish(token, "stop", None, text)
         if len(self.tokens) >= self.max_tokens:
             return self._finish(token, "length", None, text)
         return Chunk(text, (token,))
+
+    def _grammar_can_only_end(self) -> bool:
+        if self.grammar is None or not self.grammar.is_complete:
+            return False
+        allowed = self.grammar.allowed()
+        allowed[list(self.grammar_eog)] = False
+        return not allowed.any()
+
+    @property
+    def grammar_eog(self) -> frozenset[int]:
+        """End-of-generation token ids (the grammar allows them only where it is complete)."""
+        return frozenset(t for t in (self.model.eos, self.model.eot) if t >= 0)
 
     def _healed_piece(self, token: int) -> bytes:
         """The token's bytes less the part that re-creates healed prompt text."""
@@ -265,3 +312,61 @@ def _logprobs(logits: np.ndarray, token: int, n_top: int) -> dict[str, Any]:
         ids = ids[np.argsort(-logits[ids], kind="stable")]
         best = tuple((int(i), float(logits[i]) - log_norm) for i in ids)
     return {"logprob": float(logits[token]) - log_norm, "top_logprobs": best}
+
+
+def _grammar_from(
+    *,
+    grammar: Grammar | None,
+    choice: Sequence[str] | None,
+    regex: str | None,
+    schema: SchemaLike | None,
+) -> Grammar | None:
+    """The one constraint given, as a grammar.
+
+    Raises:
+        ValueError: more than one constraint was given.
+    """
+    given = {
+        name: value
+        for name, value in (
+            ("grammar", grammar),
+            ("choice", choice),
+            ("regex", regex),
+            ("schema", schema),
+        )
+        if value is not None
+    }
+    if len(given) > 1:
+        raise ValueError(f"give at most one of grammar, choice, regex, schema; got {sorted(given)}")
+    if grammar is not None:
+        return grammar
+    if choice is not None:
+        return Grammar.choice(list(choice))
+    if regex is not None:
+        return Grammar.regex(regex)
+    if isinstance(schema, Mapping):
+        return Grammar.from_json_schema(dict(schema))
+    if schema is not None:
+        return Grammar.from_pydantic(schema)
+    return None
+
+
+def parse_structured(text: str, schema: SchemaLike) -> Any:
+    """The value a schema-constrained generation produced: a dict (JSON Schema) or an instance
+    of the pydantic model.
+
+    Raises:
+        IncompleteOutputError: generation stopped (max_tokens, a stop string) before the JSON
+            value was complete; the partial text is on the exception.
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise IncompleteOutputError(
+            f"generation stopped before the JSON value was complete ({len(text)} characters): "
+            "raise max_tokens",
+            text,
+        ) from None
+    if isinstance(schema, Mapping):
+        return value
+    return schema.model_validate(value)

@@ -12,16 +12,17 @@ from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Unpack, overload
+from typing import Any, TypeVar, Unpack, overload
 
 import numpy as np
 
 from lcgen import _llama
 from lcgen.context import Context
-from lcgen.generator import Chunk, GenerateOptions, Generator
+from lcgen.generator import Chunk, GenerateOptions, Generator, SchemaLike, parse_structured
 from lcgen.sequence import Sequence, step
 
 Message = Mapping[str, str]
+_M = TypeVar("_M")
 
 
 def _default_threads() -> int:
@@ -217,43 +218,71 @@ class Model:
         tokens = self.tokenize(prompt, special=special) if isinstance(prompt, str) else prompt
         return Sequence(self, tokens if prompt else [], seed=seed)
 
-    def stream(self, prompt: str, **options: Unpack[GenerateOptions]) -> Iterator[Chunk]:
+    def stream(
+        self, prompt: str, *, schema: SchemaLike | None = None, **options: Unpack[GenerateOptions]
+    ) -> Iterator[Chunk]:
         """Generate from ``prompt``, yielding a :class:`Chunk` per token.
 
         Args:
             prompt: the prompt text.
+            schema: constrain the output to JSON valid for this JSON Schema / pydantic model.
             **options: max_tokens (256), stop, include_stop, stop_tokens, sampler, temperature
                 (0: greedy), top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed,
-                logit_bias; see :class:`lcgen.Generator`.
+                logit_bias, logprobs, token_healing, grammar, choice, regex; see
+                :class:`lcgen.Generator`.
 
         Raises:
             ContextFullError: the prompt plus ``max_tokens`` does not fit the context.
             SlotsExhaustedError: every sequence slot is in use.
+            GrammarError: the constraint cannot be built or enforced.
         """
         with self.sequence(prompt) as seq:
-            yield from seq.stream(**options)
+            yield from seq.stream(schema=schema, **options)
 
+    @overload
+    def generate(
+        self, prompt: str, *, schema: type[_M], **options: Unpack[GenerateOptions]
+    ) -> _M: ...
+    @overload
+    def generate(
+        self, prompt: str, *, schema: Mapping[str, Any], **options: Unpack[GenerateOptions]
+    ) -> Any: ...
     @overload
     def generate(self, prompt: str, **options: Unpack[GenerateOptions]) -> str: ...
     @overload
-    def generate(self, prompt: list[str], **options: Unpack[GenerateOptions]) -> list[str]: ...
+    def generate(self, prompt: list[str], **options: Unpack[GenerateOptions]) -> list[Any]: ...
     def generate(
-        self, prompt: str | list[str], **options: Unpack[GenerateOptions]
-    ) -> str | list[str]:
+        self,
+        prompt: str | list[str],
+        *,
+        schema: SchemaLike | None = None,
+        **options: Unpack[GenerateOptions],
+    ) -> Any:
         """Generate text; a list of prompts is decoded together, one batch per step.
 
         Args:
             prompt: a prompt, or a list of prompts (queued when there are more than free slots).
+            schema: a JSON Schema dict or a pydantic model class: the output is constrained to
+                it and returned parsed (a dict, or a validated instance).
             **options: see :meth:`stream`.
 
         Returns:
-            The generated text (a list for a list of prompts).
+            The generated text, or the parsed value with ``schema`` (a list for a list of
+            prompts).
+
+        Raises:
+            IncompleteOutputError: with ``schema``, generation stopped before the value was
+                complete (raise ``max_tokens``); the partial text is on the exception.
         """
         if isinstance(prompt, str):
-            return "".join(chunk.text for chunk in self.stream(prompt, **options))
-        return self._generate_batch(list(prompt), options)
+            with self.sequence(prompt) as seq:
+                return seq.generate(schema=schema, **options)
+        texts = self._generate_batch(list(prompt), schema, options)
+        return texts if schema is None else [parse_structured(t, schema) for t in texts]
 
-    def _generate_batch(self, prompts: list[str], options: GenerateOptions) -> list[str]:
+    def _generate_batch(
+        self, prompts: list[str], schema: SchemaLike | None, options: GenerateOptions
+    ) -> list[str]:
         texts: list[list[str]] = [[] for _ in prompts]
         waiting = deque(enumerate(prompts))
         running: list[tuple[int, Sequence, Generator]] = []
@@ -262,7 +291,7 @@ class Model:
                 while waiting and (self.context.n_free_slots or not running):
                     i, prompt = waiting.popleft()
                     seq = self.sequence(prompt)
-                    gen = seq.generator(**options)
+                    gen = seq.generator(schema=schema, **options)
                     if gen.is_done:  # max_tokens=0
                         seq.close()
                         continue

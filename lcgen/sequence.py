@@ -15,21 +15,22 @@ import bisect
 import itertools
 import os
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Any, Unpack
+from typing import TYPE_CHECKING, Any, TypeVar, Unpack, overload
 
 from lcgen import checkpoint as ckpt
 from lcgen.checkpoint import Checkpoint, RngState, SequenceStats
 from lcgen.context import Context, DecodeRequest
 from lcgen.errors import ContextFullError, RewindError, SequenceClosedError, StateFileError
-from lcgen.generator import Chunk, GenerateOptions, Generator
+from lcgen.generator import Chunk, GenerateOptions, Generator, SchemaLike, parse_structured
 from lcgen.sampling import new_rng
 
 if TYPE_CHECKING:
     from lcgen.model import Model
 
 _stamps = itertools.count(1)
+_M = TypeVar("_M")
 
 
 class Sequence:
@@ -287,12 +288,16 @@ class Sequence:
         return cls.from_bytes(model, ckpt.read_file(path))
 
     # generation ------------------------------------------------------------------------
-    def stream(self, **options: Unpack[GenerateOptions]) -> Iterator[Chunk]:
+    def stream(
+        self, *, schema: SchemaLike | None = None, **options: Unpack[GenerateOptions]
+    ) -> Iterator[Chunk]:
         """Generate from the end of the sequence, yielding a :class:`Chunk` per token.
 
         Args:
-            **options: see :class:`lcgen.Generator` (max_tokens, stop, temperature, seed, ...).
-                A ``seed`` reseeds the sequence's RNG; without one, sampling continues it.
+            schema: constrain the output to JSON valid for this JSON Schema / pydantic model.
+            **options: see :class:`lcgen.Generator` (max_tokens, stop, temperature, seed,
+                grammar, choice, regex, ...). A ``seed`` reseeds the sequence's RNG; without
+                one, sampling continues it.
 
         Yields:
             One chunk per generated token; the last has ``finish_reason`` set.
@@ -300,23 +305,45 @@ class Sequence:
         Raises:
             ContextFullError: the sequence plus ``max_tokens`` would not fit the context.
             SequenceClosedError: the sequence was closed.
+            GrammarError: the constraint cannot be built or enforced.
         """
-        gen = self.generator(**options)
+        gen = self.generator(schema=schema, **options)
         while not gen.is_done:
             yield step([(self, gen)])[0]
 
-    def generate(self, **options: Unpack[GenerateOptions]) -> str:
-        """Generate from the end of the sequence and return the new text (see :meth:`stream`)."""
-        return "".join(chunk.text for chunk in self.stream(**options))
+    @overload
+    def generate(self, *, schema: type[_M], **options: Unpack[GenerateOptions]) -> _M: ...
+    @overload
+    def generate(self, *, schema: Mapping[str, Any], **options: Unpack[GenerateOptions]) -> Any: ...
+    @overload
+    def generate(self, **options: Unpack[GenerateOptions]) -> str: ...
+    @overload
+    def generate(self, *, schema: SchemaLike | None, **options: Unpack[GenerateOptions]) -> Any: ...
+    def generate(
+        self, *, schema: SchemaLike | None = None, **options: Unpack[GenerateOptions]
+    ) -> Any:
+        """Generate from the end of the sequence and return the new text (see :meth:`stream`);
+        with ``schema``, the parsed value (a dict, or an instance of the pydantic model).
 
-    def generator(self, **options: Unpack[GenerateOptions]) -> Generator:
+        Raises:
+            IncompleteOutputError: with ``schema``, generation stopped before the value was
+                complete (the partial text is on the exception).
+        """
+        text = "".join(chunk.text for chunk in self.stream(schema=schema, **options))
+        return text if schema is None else parse_structured(text, schema)
+
+    def generator(
+        self, *, schema: SchemaLike | None = None, **options: Unpack[GenerateOptions]
+    ) -> Generator:
         """A :class:`Generator` set up to continue this sequence (checks the context size)."""
         self._check_open()
         if not self._tokens:
             raise ValueError("the sequence is empty: append a prompt before generating")
         settings: dict[str, Any] = dict(options)
         heal = self._heal_last_token() if settings.pop("token_healing", False) else b""
-        gen = Generator(self.model, history=self._tokens, rng=self._rng, heal=heal, **settings)
+        gen = Generator(
+            self.model, history=self._tokens, rng=self._rng, heal=heal, schema=schema, **settings
+        )
         needed = len(self._tokens) + gen.max_tokens
         if needed > self._ctx.n_ctx:
             raise ContextFullError(

@@ -33,6 +33,12 @@ Rows (:data:`ROWS`: name -> factory building the row from the workload; they run
   detokenization, as lcgen's includes its own).
 - ``rewind``, ``fork``, ``save-load``, ``regenerate``: lcgen alone, on one sequence of
   ``--context-tokens`` tokens (see :mod:`lcgen.bench.checkpoints`).
+- ``constrained``, ``constrained-gemma``: JSON-Schema-constrained generation, lcgen against
+  itself without a grammar and against llama-cpp-python's ``create_completion(grammar=...)``
+  with the same GBNF, on ``--schemas`` schemas; ``constrained-gemma`` loads Gemma 3 270M
+  itself, is left out (with a message) when it is not installed, and is not in ``--quick``'s
+  default rows. ``grammar-rollback``: the grammar's checkpoint costs against a decoded token
+  (see :mod:`lcgen.bench.constrained`).
 
 Modules: ``runners`` (the workload and the three implementations), ``harness`` (rows, targets,
 rounds), ``rows`` and ``checkpoints`` (the row factories), ``report`` (JSON and tables).
@@ -50,23 +56,50 @@ from pathlib import Path
 import llama_cpp as C
 
 import lcgen
-from lcgen.bench import checkpoints, rows
-from lcgen.bench.harness import Bench, Row, RowFactory, evaluate, run_rounds, same_tokens
+from lcgen.bench import checkpoints, constrained, rows
+from lcgen.bench.harness import (
+    Bench,
+    Row,
+    RowFactory,
+    SkipRow,
+    evaluate,
+    run_rounds,
+    same_tokens,
+)
 from lcgen.bench.report import Report, environment, report_json, results_markdown, results_text
 from lcgen.bench.report import settings as report_settings
-from lcgen.bench.runners import ContextConfig, Lcgen, LlamaCppPython, RawLoop, build_workload
+from lcgen.bench.runners import (
+    ContextConfig,
+    Lcgen,
+    LlamaCppPython,
+    RawLoop,
+    Workload,
+    build_workload,
+)
 from lcgen.checkpoint import write_atomic
 from lcgen.errors import LcgenError
 
 __all__ = ["ROWS", "main"]
 
-DEFAULTS = {"repeats": 5, "tokens": 256, "prompt_tokens": 500, "context_tokens": 2048}
-QUICK = {"repeats": 1, "tokens": 32, "prompt_tokens": 64, "context_tokens": 64}
-WARMUP = {"tokens": 8, "context_tokens": 64}
-ROWS: dict[str, RowFactory] = {**rows.FACTORIES, **checkpoints.FACTORIES}
+N_SCHEMAS = len(constrained.SCHEMAS)
+DEFAULTS = {
+    "repeats": 5,
+    "tokens": 256,
+    "prompt_tokens": 500,
+    "context_tokens": 2048,
+    "schemas": N_SCHEMAS,
+}
+QUICK = {"repeats": 1, "tokens": 32, "prompt_tokens": 64, "context_tokens": 64, "schemas": 1}
+WARMUP = {"tokens": 8, "context_tokens": 64, "schemas": 1}
+ROWS: dict[str, RowFactory] = {
+    **rows.FACTORIES,
+    **checkpoints.FACTORIES,
+    **constrained.FACTORIES,
+}
+NOT_QUICK = ("constrained-gemma",)  # loads a second model: only when named under --quick
 DESCRIPTION = (
-    "Benchmark lcgen against the raw llama.cpp loop and llama-cpp-python, and its checkpoint "
-    "operations (rewind, fork, save/load) against their targets."
+    "Benchmark lcgen against the raw llama.cpp loop and llama-cpp-python, its checkpoint "
+    "operations (rewind, fork, save/load) and its grammar constraints against their targets."
 )
 
 
@@ -84,7 +117,9 @@ def open_bench(args: argparse.Namespace, scratch: Path) -> Bench:
     )
     cfg = replace(base, n_threads=model.n_threads)
     try:
-        work = build_workload(model, args.prompt_tokens, args.tokens, args.context_tokens)
+        work = build_workload(
+            model, args.prompt_tokens, args.tokens, args.context_tokens, args.schemas
+        )
         limit, llama_cpp_python = RawLoop(model.path, cfg), LlamaCppPython(model.path, cfg)
         return Bench(work, limit, llama_cpp_python, Lcgen(model), scratch)
     except BaseException:
@@ -105,6 +140,7 @@ def warm_up(bench: Bench, names: Sequence[str]) -> None:
         len(bench.work.prompt),
         min(WARMUP["tokens"], bench.work.n_tokens),
         min(WARMUP["context_tokens"], bench.work.n_context),
+        min(WARMUP["schemas"], bench.work.n_schemas),
     )
     short = replace(bench, work=work)
     run_rounds(short, [ROWS[name](work) for name in names], 1)
@@ -134,6 +170,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="tokens of the sequence the checkpoint rows work on "
         f"(default {DEFAULTS['context_tokens']})",
     )
+    p.add_argument(
+        "--schemas",
+        type=int,
+        help=f"JSON Schemas the constrained rows use, 1 to {N_SCHEMAS} (default {N_SCHEMAS})",
+    )
     p.add_argument("--model", default=lcgen.DEFAULT_MODEL, help="model name, .gguf path or hf: ref")
     p.add_argument("--threads", type=int, help="CPU threads (default: lcgen's default)")
     p.add_argument("--rows", help=f"comma-separated rows to run (default all: {','.join(ROWS)})")
@@ -141,7 +182,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--quick",
         action="store_true",
         help="smoke run for tests: 1 round, 32 tokens, a 64-token prompt, a 64-token "
-        "checkpoint sequence, no warm-up",
+        f"checkpoint sequence, 1 JSON Schema, no warm-up; {', '.join(NOT_QUICK)} only when "
+        "named in --rows",
     )
     p.add_argument("--out", type=Path, help="folder for results.json and RESULTS.md")
     args = p.parse_args(argv)
@@ -157,6 +199,8 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     for key, least in (("repeats", 1), ("tokens", 1), ("prompt_tokens", 1), ("context_tokens", 2)):
         if getattr(args, key) < least:
             p.error(f"--{key.replace('_', '-')} must be >= {least}, got {getattr(args, key)}")
+    if not 1 <= args.schemas <= N_SCHEMAS:
+        p.error(f"--schemas must be from 1 to {N_SCHEMAS}, got {args.schemas}")
     if args.threads is not None and args.threads < 1:
         p.error(f"--threads must be >= 1, got {args.threads}")
     n_ctx = ContextConfig().n_ctx
@@ -169,9 +213,9 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         )
 
 
-def select_rows(spec: str | None) -> list[str]:
+def select_rows(spec: str | None, quick: bool = False) -> list[str]:
     if spec is None:
-        return list(ROWS)
+        return [name for name in ROWS if not (quick and name in NOT_QUICK)]
     names = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = [n for n in names if n not in ROWS]
     if unknown or not names:
@@ -179,16 +223,32 @@ def select_rows(spec: str | None) -> list[str]:
     return names
 
 
+def build_rows(names: Sequence[str], work: Workload) -> tuple[list[Row], dict[str, str]]:
+    """The rows named, and why each row that cannot run here was left out."""
+    built: list[Row] = []
+    skipped: dict[str, str] = {}
+    for name in names:
+        try:
+            built.append(ROWS[name](work))
+        except SkipRow as exc:
+            skipped[name] = str(exc)
+    return built, skipped
+
+
 def measure(args: argparse.Namespace, names: Sequence[str], scratch: Path) -> Report:
     bench = open_bench(args, scratch)
     try:
+        built, skipped = build_rows(names, bench.work)
+        for name, why in skipped.items():
+            print(f"lcgen bench: skipping {name}: {why}", file=sys.stderr)
         if not args.quick:
-            warm_up(bench, names)
-        built: list[Row] = [ROWS[name](bench.work) for name in names]
+            warm_up(bench, [row.name for row in built])
         series = run_rounds(bench, built, args.repeats)
+        settings = report_settings(bench, built, args.repeats)
+        settings["skipped"] = skipped
         return Report(
             environment(bench),
-            report_settings(bench, built, args.repeats),
+            settings,
             series,
             evaluate(built, series),
             same_tokens(series),
@@ -210,7 +270,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     out_dir = args.out or default_out_dir()
     try:
-        names = select_rows(args.rows)
+        names = select_rows(args.rows, args.quick)
         out_dir.mkdir(parents=True, exist_ok=True)
         report = measure(args, names, out_dir)
     except (ValueError, LcgenError) as exc:

@@ -80,6 +80,7 @@ class Row:
         checks: the figures with targets.
         on_long_sequence: works on the lcgen runner's long sequence, which stays open from one
             such row to the next; every other row runs with it closed.
+        close: frees what the row loaded itself (another model), once after all rounds.
     """
 
     name: str
@@ -88,9 +89,15 @@ class Row:
     run: RoundFn
     checks: tuple[Check, ...] = ()
     on_long_sequence: bool = False
+    close: Callable[[], None] | None = None
 
 
 RowFactory = Callable[[Workload], Row]
+
+
+class SkipRow(Exception):
+    """Raised by a row factory when the row cannot run here (e.g. its model is not
+    installed): the row is left out of the run, with this message."""
 
 
 def interleaved(measures: Mapping[str, Callable[[Bench], Sample]]) -> RoundFn:
@@ -156,6 +163,9 @@ def run_rounds(bench: Bench, rows: Sequence[Row], repeats: int) -> list[Series]:
                     samples[row.name, name].append(sample)
     finally:
         bench.lcgen.close_long_sequence()
+        for row in rows:
+            if row.close is not None:
+                row.close()
     return [
         Series(row.name, name, unit, tuple(samples[row.name, name]))
         for row in rows

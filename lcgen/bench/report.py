@@ -52,6 +52,7 @@ def settings(bench: Bench, rows: Sequence[Row], repeats: int) -> dict[str, Any]:
         "context_tokens": work.n_context,
         "rewind_ks": list(work.rewind_ks),
         "regenerate_tokens": work.n_regenerate,
+        "json_schemas": work.n_schemas,
         "banned_tokens": list(work.banned),
         "n_ctx": ctx.n_ctx,
         "n_batch": ctx.n_batch,
@@ -152,6 +153,7 @@ def summary_lines(report: Report) -> list[str]:
         "loop with lcgen's context settings."
     ]
     lines += [f"- {row}: {how}" for row, how in cfg["rows"].items()]
+    lines += [f"- skipped {row}: {why}" for row, why in cfg.get("skipped", {}).items()]
     lines += [
         f"- note: the implementations produced different tokens in {row!r}"
         for row, same in report.same_tokens.items()

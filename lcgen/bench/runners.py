@@ -16,6 +16,7 @@ from typing import Any
 
 import llama_cpp as C
 import numpy as np
+from llama_cpp.llama_grammar import LlamaGrammar
 
 import lcgen
 
@@ -53,6 +54,7 @@ class Workload:
 
     Attributes:
         prompt: decoded by every implementation, then ``n_tokens`` greedy tokens more.
+        n_schemas: how many of the constrained rows' JSON Schemas they use (the first ones).
         banned: the end-of-generation tokens, banned so that every run makes all its tokens.
         bias: the ban as a logit_bias: every banned token at -inf.
         long_prompt: the checkpoint rows' sequence before its first greedy token (so the
@@ -68,6 +70,7 @@ class Workload:
     long_prompt: tuple[int, ...]
     rewind_ks: tuple[int, ...]
     n_regenerate: int = REGENERATE_TOKENS
+    n_schemas: int = 3
 
     @property
     def n_context(self) -> int:
@@ -75,7 +78,9 @@ class Workload:
         return len(self.long_prompt) + 1
 
 
-def build_workload(model: lcgen.Model, n_prompt: int, n_tokens: int, n_context: int) -> Workload:
+def build_workload(
+    model: lcgen.Model, n_prompt: int, n_tokens: int, n_context: int, n_schemas: int = 3
+) -> Workload:
     """Prompts of exactly ``n_prompt`` and ``n_context - 1`` tokens of prose; the ban."""
     text = PROSE
     tokens = model.tokenize(text)
@@ -86,7 +91,13 @@ def build_workload(model: lcgen.Model, n_prompt: int, n_tokens: int, n_context: 
     bias = {tok: float("-inf") for tok in banned}
     ks = tuple(k for k in REWIND_KS if k < n_context)
     return Workload(
-        tuple(tokens[:n_prompt]), n_tokens, banned, bias, tuple(tokens[: n_context - 1]), ks
+        tuple(tokens[:n_prompt]),
+        n_tokens,
+        banned,
+        bias,
+        tuple(tokens[: n_context - 1]),
+        ks,
+        n_schemas=n_schemas,
     )
 
 
@@ -196,6 +207,7 @@ class LlamaCppPython:
     name = "llama-cpp-python"
 
     def __init__(self, path: Path, cfg: ContextConfig) -> None:
+        self.cfg = cfg
         self.llm = C.Llama(
             model_path=str(path),
             n_ctx=cfg.n_ctx,
@@ -240,6 +252,52 @@ class LlamaCppPython:
         total = self._complete(work, work.n_tokens + 1)
         return Sample(total - first, work.n_tokens, self._generated(work))
 
+    def complete(
+        self,
+        prompt: tuple[int, ...],
+        max_tokens: int,
+        *,
+        grammar: LlamaGrammar | None = None,
+        bias: Mapping[int, float] | None = None,
+    ) -> tuple[float, int, tuple[int, ...]]:
+        """Seconds for one greedy ``create_completion`` of ``prompt`` from an empty cache, the
+        number of tokens it generated (ended by ``max_tokens`` or, with a grammar, by the
+        end-of-generation token, which is not counted), and those of them it decoded (all but
+        a last one that ended the run by length), read from its input ids."""
+        self.llm.reset()  # type: ignore[no-untyped-call]
+        if self.llm.n_tokens != 0 or self.llm.cache is not None:
+            raise RuntimeError("llama-cpp-python would reuse a cached prompt prefix")
+        start = time.perf_counter()
+        out = self.llm.create_completion(
+            list(prompt),
+            max_tokens=max_tokens,
+            temperature=0.0,
+            grammar=grammar,
+            logit_bias=dict(bias) if bias else None,
+        )
+        seconds = time.perf_counter() - start
+        usage = out["usage"]  # type: ignore[index]
+        if usage["prompt_tokens"] != len(prompt):
+            raise RuntimeError(f"llama-cpp-python did not decode the whole prompt: {usage}")
+        n_prompt, n_generated = len(prompt), int(usage["completion_tokens"])
+        end = min(self.llm.n_tokens, n_prompt + n_generated)
+        return seconds, n_generated, tuple(int(t) for t in self.llm.input_ids[n_prompt:end])
+
+    def after_first(
+        self,
+        prompt: tuple[int, ...],
+        max_tokens: int,
+        *,
+        grammar: LlamaGrammar | None = None,
+        bias: Mapping[int, float] | None = None,
+    ) -> Sample:
+        """The tokens after the first one, per second: ``create_completion`` of up to
+        ``max_tokens`` minus ``create_completion`` of 1 token (its loop cannot be timed from
+        inside), both greedy from an empty cache; the tokens are those the longer run decoded."""
+        first, _, _ = self.complete(prompt, 1, grammar=grammar, bias=bias)
+        total, n_generated, decoded = self.complete(prompt, max_tokens, grammar=grammar, bias=bias)
+        return Sample(total - first, n_generated - 1, decoded)
+
     def close(self) -> None:
         self.llm.close()
 
@@ -280,17 +338,46 @@ class Lcgen:
         stop strings that never occur (so every token goes through the stop matcher)."""
         with self.model.sequence(work.prompt) as seq:
             seq.generate(max_tokens=1, temperature=0.0, logit_bias=work.bias)
-            options = {"max_tokens": work.n_tokens, "logit_bias": work.bias, "stop": list(stops)}
+            stop = list(stops)
             start = time.perf_counter()
             if stream:
-                text = "".join(chunk.text for chunk in seq.stream(**options))  # type: ignore[arg-type]
+                chunks = seq.stream(max_tokens=work.n_tokens, logit_bias=work.bias, stop=stop)
+                text = "".join(chunk.text for chunk in chunks)
             else:
-                text = seq.generate(**options)  # type: ignore[arg-type]
+                text = seq.generate(max_tokens=work.n_tokens, logit_bias=work.bias, stop=stop)
             seconds = time.perf_counter() - start
             generated = seq.tokens[len(work.prompt) :]
         check_count("generated", len(generated), work.n_tokens + 1)
         assert not any(stop in text for stop in stops), "a benchmark stop string occurred"
         return Sample(seconds, work.n_tokens, tuple(generated))
+
+    def after_first(
+        self,
+        prompt: tuple[int, ...],
+        max_tokens: int,
+        *,
+        grammar: lcgen.Grammar | None = None,
+        bias: Mapping[int, float] | None = None,
+    ) -> tuple[Sample, str, str | None]:
+        """Greedy ``seq.stream`` of up to ``max_tokens`` after ``prompt``, timed from the first
+        chunk to the last, so over the tokens after the first (end-of-generation ones not
+        counted). Also returns the text and the finish reason."""
+        with self.model.sequence(prompt) as seq:
+            chunks = seq.stream(
+                grammar=grammar, max_tokens=max_tokens, temperature=0.0, logit_bias=bias
+            )
+            first = next(chunks)
+            n_before = self.model.context.n_decoded
+            start = time.perf_counter()
+            rest = list(chunks)
+            seconds = time.perf_counter() - start
+            generated = seq.tokens[len(prompt) :]
+        # each step after the first decodes the previous token
+        check_count("after first", self.model.context.n_decoded - n_before, len(generated) - 1)
+        kept = tuple(t for t in generated if not self.model.is_eog(t))
+        text = first.text + "".join(chunk.text for chunk in rest)
+        finish = (rest[-1] if rest else first).finish_reason
+        return Sample(seconds, len(kept) - 1, kept), text, finish
 
     def long_sequence(self, work: Workload) -> lcgen.Sequence:
         """The ``n_context``-token sequence (its last token pending), decoded on first use."""

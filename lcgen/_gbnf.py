@@ -1,0 +1,413 @@
+"""Building blocks for writing GBNF: literals, character sets, rule sets and number ranges.
+
+Shared by the regex and JSON Schema compilers in :mod:`lcgen.grammar`. Everything here is
+pure text manipulation; nothing knows about llama.cpp.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from decimal import Decimal
+from typing import Literal
+
+from lcgen.errors import GrammarError
+
+MAX_CODEPOINT = 0x10FFFF
+SURROGATES = ((0xD800, 0xDFFF),)
+# llama.cpp turns a bounded repetition above this into an unbounded one, silently.
+MAX_REPEAT = 2000
+
+Ranges = tuple[tuple[int, int], ...]
+
+
+# character sets (sorted, disjoint, inclusive code point ranges) ------------------------------
+def ranges_of(items: Iterable[tuple[int, int]]) -> Ranges:
+    """Sort and merge code point ranges."""
+    merged: list[tuple[int, int]] = []
+    for lo, hi in sorted(items):
+        if merged and lo <= merged[-1][1] + 1:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return tuple(merged)
+
+
+def complement(ranges: Ranges) -> Ranges:
+    out: list[tuple[int, int]] = []
+    start = 0
+    for lo, hi in ranges:
+        if lo > start:
+            out.append((start, lo - 1))
+        start = hi + 1
+    if start <= MAX_CODEPOINT:
+        out.append((start, MAX_CODEPOINT))
+    return tuple(out)
+
+
+def subtract(ranges: Ranges, removed: Ranges) -> Ranges:
+    return intersect(ranges, complement(removed))
+
+
+def intersect(a: Ranges, b: Ranges) -> Ranges:
+    out: list[tuple[int, int]] = []
+    i = j = 0
+    while i < len(a) and j < len(b):
+        lo, hi = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if lo <= hi:
+            out.append((lo, hi))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return tuple(out)
+
+
+def _class_char(cp: int) -> str:
+    if cp in (0x5C, 0x5D, 0x5B, 0x2D, 0x5E, 0x22):  # \ ] [ - ^ "
+        return "\\" + chr(cp) if cp != 0x5E else "\\x5E"
+    if 0x20 < cp < 0x7F:
+        return chr(cp)
+    if cp <= 0xFF:
+        return f"\\x{cp:02X}"
+    if cp <= 0xFFFF:
+        return f"\\u{cp:04X}"
+    return f"\\U{cp:08X}"
+
+
+def char_class(ranges: Ranges) -> str:
+    """A GBNF character class matching exactly the code points in ``ranges``.
+
+    Raises:
+        GrammarError: the set is empty (no character matches).
+    """
+    if not ranges:
+        raise GrammarError("a character class matches no character")
+    negated = complement(ranges)
+    # llama.cpp rejects a token that ends inside a multi-byte character when a negated class
+    # excludes any character that token could still become: negate only ASCII characters.
+    ascii_only = not negated or negated[-1][1] < 0x80
+    use, prefix = (negated, "^") if ascii_only and len(negated) < len(ranges) else (ranges, "")
+    if not use:  # every code point
+        return "[\\x00-\\U0010FFFF]"
+    parts = [
+        _class_char(lo) if lo == hi else f"{_class_char(lo)}-{_class_char(hi)}" for lo, hi in use
+    ]
+    return "[" + prefix + "".join(parts) + "]"
+
+
+def literal(text: str) -> str:
+    """A GBNF string literal matching exactly ``text``."""
+    out = ['"']
+    for ch in text:
+        cp = ord(ch)
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ch == "\t":
+            out.append("\\t")
+        elif ch == "\r":
+            out.append("\\r")
+        elif cp < 0x20 or cp == 0x7F:
+            out.append(f"\\x{cp:02X}")
+        elif 0xD800 <= cp <= 0xDFFF:
+            raise GrammarError(f"a literal contains the lone surrogate U+{cp:04X}")
+        else:
+            out.append(ch)
+    out.append('"')
+    return "".join(out)
+
+
+def alternatives(options: Iterable[str]) -> str:
+    """``( a | b | ... )``; a single option is returned as it is."""
+    unique = list(dict.fromkeys(options))
+    if not unique:
+        raise GrammarError("no alternative matches")
+    return unique[0] if len(unique) == 1 else "(" + " | ".join(unique) + ")"
+
+
+def repeat(item: str, low: int, high: int | None) -> str:
+    """``item`` repeated ``low`` to ``high`` times (None: no upper bound)."""
+    for bound in (low, high):
+        if bound is not None and bound > MAX_REPEAT:
+            raise GrammarError(
+                f"a repetition bound of {bound} is over llama.cpp's limit of {MAX_REPEAT}"
+            )
+    if high is not None and high < low:
+        raise GrammarError(f"repetition {{{low},{high}}} has its maximum below its minimum")
+    if high == 0:
+        return '""'
+    if (low, high) == (0, None):
+        return f"{item}*"
+    if (low, high) == (1, None):
+        return f"{item}+"
+    if (low, high) == (0, 1):
+        return f"{item}?"
+    if high == low:
+        return f"{item}{{{low}}}" if low != 1 else item
+    return f"{item}{{{low},{'' if high is None else high}}}"
+
+
+class RuleSet:
+    """Named GBNF rules, added in order; identical bodies share one name."""
+
+    def __init__(self) -> None:
+        self.rules: dict[str, str] = {}
+        self._by_body: dict[str, str] = {}
+
+    def add(self, name: str, body: str) -> str:
+        existing = self._by_body.get(body)
+        if existing is not None:
+            return existing
+        base = re.sub(r"[^a-zA-Z0-9-]+", "-", name).strip("-") or "r"
+        name, n = base, 1
+        while name in self.rules:
+            n += 1
+            name = f"{base}-{n}"
+        self.rules[name] = body
+        self._by_body[body] = name
+        return name
+
+    def reserve(self, name: str) -> str:
+        """A fresh name whose body is given later with :meth:`define` (for recursion)."""
+        base, n, fresh = name, 1, name
+        while fresh in self.rules:
+            n += 1
+            fresh = f"{base}-{n}"
+        self.rules[fresh] = ""
+        return fresh
+
+    def define(self, name: str, body: str) -> None:
+        self.rules[name] = body
+
+    def text(self, root_body: str) -> str:
+        lines = [f"root ::= {root_body}"]
+        lines += [f"{name} ::= {body}" for name, body in self.rules.items()]
+        return "\n".join(lines) + "\n"
+
+
+# integer ranges -------------------------------------------------------------------------------
+def _digit_class(lo: int, hi: int) -> str:
+    return f"[{lo}]" if lo == hi else f"[{lo}-{hi}]"
+
+
+def _same_length(a: str, b: str) -> str:
+    """Digit strings of len(a) == len(b) between a and b (inclusive, a <= b)."""
+    if a == b:
+        return literal(a)
+    k = len(a) - 1
+    if k == 0:
+        return _digit_class(int(a), int(b))
+    common = 0
+    while a[common] == b[common]:
+        common += 1
+    if common:
+        return f"{literal(a[:common])} {_same_length(a[common:], b[common:])}"
+    tail = f" [0-9]{{{k}}}" if k > 1 else " [0-9]"
+    lo0, hi0 = int(a[0]), int(b[0])
+    options: list[str] = []
+    if a[1:] != "0" * k:
+        options.append(f"{literal(a[0])} {_group(_same_length(a[1:], '9' * k))}")
+        lo0 += 1
+    last = None
+    if b[1:] != "9" * k:
+        last = f"{literal(b[0])} {_group(_same_length('0' * k, b[1:]))}"
+        hi0 -= 1
+    if lo0 <= hi0:
+        options.append(_digit_class(lo0, hi0) + tail)
+    if last:
+        options.append(last)
+    return alternatives(options)
+
+
+def _group(expr: str) -> str:
+    return f"({expr})" if " " in expr or "|" in expr else expr
+
+
+def natural_range(lo: int, hi: int | None) -> str | None:
+    """Canonical decimal naturals (no leading zeros) in [lo, hi]; None when empty."""
+    if hi is not None and lo > hi:
+        return None
+    options = []
+    top = len(str(hi)) if hi is not None else len(str(lo))
+    for n_digits in range(len(str(lo)), top + 1):
+        a = max(lo, 10 ** (n_digits - 1) if n_digits > 1 else 0)
+        b = 10**n_digits - 1 if hi is None else min(hi, 10**n_digits - 1)
+        options.append(_same_length(str(a), str(b)))
+    if hi is None:
+        options.append(f"[1-9] {repeat('[0-9]', len(str(lo)), None)}")
+    return alternatives(options)
+
+
+def integer_range(lo: int | None, hi: int | None) -> str:
+    """Canonical decimal integers in [lo, hi] (None: unbounded on that side).
+
+    Raises:
+        GrammarError: the range is empty.
+    """
+    options = []
+    if hi is None or hi >= 0:
+        positive = natural_range(max(lo, 0) if lo is not None else 0, hi)
+        if positive:
+            options.append(positive)
+    if lo is None or lo < 0:
+        magnitude = natural_range(max(1, -hi) if hi is not None else 1, None if lo is None else -lo)
+        if magnitude:
+            options.append(f'"-" {_group(magnitude)}')
+    if not options:
+        raise GrammarError(f"no integer lies in [{lo}, {hi}]")
+    return alternatives(options)
+
+
+# decimal ranges (numbers written without an exponent) -----------------------------------------
+Bound = tuple[Decimal, bool]  # (value, exclusive)
+_Side = tuple[str, str] | None  # (fraction digits still tied with the bound, "ge"|"gt"|"le"|"lt")
+
+
+def _zero_ok(side: _Side) -> bool:
+    """Whether a fraction that ends here (all further digits 0) satisfies ``side``."""
+    if side is None:
+        return True
+    digits, op = side
+    if not digits:
+        return op in ("ge", "le")
+    return op in ("le", "lt")
+
+
+def _norm(side: _Side) -> _Side | Literal[False]:
+    """None when every fraction satisfies ``side``, False when none does."""
+    if side is not None and not side[0]:
+        if side[1] == "ge":
+            return None
+        if side[1] == "lt":
+            return False
+    return side
+
+
+def _next_side(side: _Side, digit: int) -> _Side | Literal[False]:
+    """The side after one more fraction digit: None when satisfied, False when violated."""
+    if side is None:
+        return None
+    digits, op = side
+    c = int(digits[0]) if digits else 0
+    if digit == c:
+        return _norm((digits[1:], op))
+    if (digit > c) == (op in ("ge", "gt")):
+        return None
+    return False
+
+
+class _Fractions:
+    """Named rules for fraction digit strings d1 d2 ... such that 0.d1d2... meets two bounds."""
+
+    def __init__(self, rules: RuleSet, need_fraction: bool) -> None:
+        self.rules = rules
+        self.need_fraction = need_fraction
+        self.names: dict[tuple[_Side, _Side], str | None] = {}
+
+    def part(self, lo: _Side, hi: _Side) -> str | None:
+        """The optional ``"." digits`` part of a number; None when no fraction fits."""
+        nlo, nhi = _norm(lo), _norm(hi)
+        if nlo is False or nhi is False:
+            return None
+        lo, hi = nlo, nhi
+        digits = self.nonempty(lo, hi)
+        if _zero_ok(lo) and _zero_ok(hi) and not self.need_fraction:
+            return f'("." {digits})?' if digits else '""'
+        return f'"." {digits}' if digits else None
+
+    def nonempty(self, lo: _Side, hi: _Side) -> str | None:
+        key = (lo, hi)
+        if key in self.names:
+            return self.names[key]
+        if lo is None and hi is None:
+            return "[0-9]+"
+        name = self.rules.reserve("frac")
+        self.names[key] = name
+        by_next: dict[tuple[_Side, _Side], list[int]] = {}
+        for digit in range(10):
+            nlo, nhi = _next_side(lo, digit), _next_side(hi, digit)
+            if nlo is not False and nhi is not False:
+                by_next.setdefault((nlo, nhi), []).append(digit)
+        options = []
+        for (nlo, nhi), digits in by_next.items():
+            cls = "[" + "".join(str(d) for d in digits) + "]"
+            rest = self.nonempty(nlo, nhi)
+            if _zero_ok(nlo) and _zero_ok(nhi):
+                optional = "[0-9]*" if rest == "[0-9]+" else f"{rest}?"
+                options.append(f"{cls} {optional}" if rest else cls)
+            elif rest:
+                options.append(f"{cls} {rest}")
+        if not options:
+            self.names[key] = None
+            del self.rules.rules[name]
+            return None
+        self.rules.define(name, " | ".join(options))
+        return name
+
+
+def _split(value: Decimal) -> tuple[int, str]:
+    """(integer part, fraction digits without trailing zeros) of a non-negative decimal."""
+    whole = int(value)
+    text = format(value - whole, "f")
+    fraction = text.split(".", 1)[1].rstrip("0") if "." in text else ""
+    return whole, fraction
+
+
+def _nonneg_decimal(rules: RuleSet, lo: Bound, hi: Bound | None, need_fraction: bool) -> str | None:
+    """Decimal texts (``int`` or ``int.digits``) of values in the range, lo >= 0."""
+    fr = _Fractions(rules, need_fraction)
+    a, fa = _split(lo[0])
+    lo_side: _Side = (fa, "gt" if lo[1] else "ge")
+    any_fraction = '"." [0-9]+' if need_fraction else '("." [0-9]+)?'
+    if hi is None:
+        options = [f"{literal(str(a))} {fr.part(lo_side, None)}"]
+        options.append(f"{_group(natural_range(a + 1, None) or '')} {any_fraction}")
+        return alternatives(options)
+    b, fb = _split(hi[0])
+    hi_side: _Side = (fb, "lt" if hi[1] else "le")
+    if lo[0] > hi[0] or (lo[0] == hi[0] and (lo[1] or hi[1])):
+        return None
+    options = []
+    if a == b:
+        part = fr.part(lo_side, hi_side)
+        if part:
+            options.append(f"{literal(str(a))} {part}")
+    else:
+        low_part, high_part = fr.part(lo_side, None), fr.part(None, hi_side)
+        if low_part:
+            options.append(f"{literal(str(a))} {low_part}")
+        middle = natural_range(a + 1, b - 1)
+        if middle:
+            options.append(f"{_group(middle)} {any_fraction}")
+        if high_part:
+            options.append(f"{literal(str(b))} {high_part}")
+    return alternatives(options) if options else None
+
+
+def decimal_range(
+    rules: RuleSet, lo: Bound | None, hi: Bound | None, need_fraction: bool = False
+) -> str:
+    """Numbers written ``-?int(.digits)?`` (``-?int.digits`` when ``need_fraction``) whose
+    value lies between the bounds.
+
+    Raises:
+        GrammarError: no number lies between the bounds.
+    """
+    zero = Decimal(0)
+    options = []
+    if hi is None or hi[0] > 0 or (hi[0] == 0 and not hi[1]):
+        low = lo if lo is not None and lo[0] >= 0 else (zero, False)
+        positive = _nonneg_decimal(rules, low, hi, need_fraction)
+        if positive:
+            options.append(positive)
+    if lo is None or lo[0] < 0:
+        m_lo = (-hi[0], hi[1]) if hi is not None and hi[0] < 0 else (zero, True)
+        m_hi = (-lo[0], lo[1]) if lo is not None else None
+        negative = _nonneg_decimal(rules, m_lo, m_hi, need_fraction)
+        if negative:
+            options.append(f'"-" {_group(negative)}')
+    if not options:
+        raise GrammarError(f"no number lies between {lo} and {hi}")
+    return alternatives(options)

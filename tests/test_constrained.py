@@ -1,0 +1,167 @@
+"""Constrained generation on the real model: every output validates, rollback keeps the grammar
+in step, and impossible requests fail cleanly."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pydantic
+import pytest
+from test_schemas import CASES, FORMATS
+
+import lcgen
+from lcgen.models import resolve
+from lcgen.sequence import step
+
+SCHEMAS = [case for case in CASES if isinstance(case.schema, dict)]
+
+
+def prompt_for(schema: dict[str, Any]) -> str:
+    return f"Write one JSON value that follows this JSON Schema.\nSchema: {json.dumps(schema)}\n"
+
+
+@pytest.mark.parametrize("case", SCHEMAS, ids=[case.name for case in SCHEMAS])
+def test_every_output_validates(model: lcgen.Model, case: Any) -> None:
+    for seed in (1, 2):
+        try:
+            value = model.generate(
+                prompt_for(case.schema),
+                schema=case.schema,
+                max_tokens=128,
+                temperature=0.8,
+                seed=seed,
+            )
+        except lcgen.IncompleteOutputError as exc:
+            # Cut by max_tokens: what was generated is still a valid prefix of the grammar.
+            state = lcgen.Grammar.from_json_schema(case.schema).state(model)
+            assert state.accepts_text(exc.text, complete=False)
+            continue
+        jsonschema.validate(value, case.schema, format_checker=FORMATS)
+
+
+class Pet(pydantic.BaseModel):
+    name: str = pydantic.Field(min_length=1, max_length=16)
+    kind: str = pydantic.Field(pattern=r"^(cat|dog|bird)$")
+    age: int = pydantic.Field(ge=0, le=25)
+    vaccinated: bool
+
+
+def test_pydantic_schema_returns_validated_instances(model: lcgen.Model) -> None:
+    prompt = "A pet as JSON with name, kind, age and vaccinated:\n"
+    pets = [
+        model.generate(prompt, schema=Pet, max_tokens=80, temperature=0.8, seed=s) for s in range(4)
+    ]
+    assert all(isinstance(p, Pet) for p in pets)
+    batch = model.generate([prompt] * 3, schema=Pet, max_tokens=80)
+    assert all(isinstance(p, Pet) for p in batch) and batch[0] == model.generate(
+        prompt, schema=Pet, max_tokens=80
+    )
+
+
+@pytest.mark.parametrize("name", ["object", "enum-strings", "integer-range", "format-date"])
+def test_bounded_schemas_complete(model: lcgen.Model, name: str) -> None:
+    (case,) = [c for c in SCHEMAS if c.name == name]
+    value = model.generate(prompt_for(case.schema), schema=case.schema, max_tokens=128)
+    jsonschema.validate(value, case.schema, format_checker=FORMATS)
+
+
+def test_incomplete_output_carries_the_partial_text(model: lcgen.Model) -> None:
+    with pytest.raises(lcgen.IncompleteOutputError, match="raise max_tokens") as info:
+        model.generate("A pet as JSON:\n", schema=Pet, max_tokens=4)
+    assert info.value.text.startswith("{")
+    chunks = list(model.stream("A pet as JSON:\n", schema=Pet, max_tokens=4))
+    assert chunks[-1].finish_reason == "length"
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4])
+def test_choice_and_regex(model: lcgen.Model, seed: int) -> None:
+    options = ["red", "green", "blue", "light blue"]
+    got = model.generate("My favourite colour is", choice=options, temperature=1.0, seed=seed)
+    assert got in options
+    pattern = r" ?\(\d{3}\) \d{3}-\d{4}"
+    phone = model.generate("Call us at", regex=pattern, temperature=1.0, seed=seed)
+    assert re.fullmatch(pattern, phone)
+
+
+@pytest.mark.parametrize("name", ["json", "json_array", "iso_date", "yes_no", "arithmetic"])
+def test_bundled_grammars_generate_accepted_text(model: lcgen.Model, name: str) -> None:
+    grammar = lcgen.Grammar.from_file(name)
+    chunks = list(
+        model.stream(
+            f"Example of {name}:\n", grammar=grammar, max_tokens=60, temperature=0.7, seed=2
+        )
+    )
+    text = "".join(c.text for c in chunks)
+    complete = chunks[-1].finish_reason == "stop"
+    assert grammar.state(model).accepts_text(text, complete=complete)
+    if name in {"json", "json_array"} and complete:
+        json.loads(text)
+
+
+def test_rewind_inside_a_json_object_stays_valid(model: lcgen.Model) -> None:
+    prompt = "A pet as JSON:\n"
+    with model.sequence(prompt, seed=4) as seq:
+        gen = seq.generator(schema=Pet, max_tokens=80, temperature=0.8)
+        chunks: list[lcgen.Chunk] = []
+        saved: list[tuple[lcgen.Checkpoint, lcgen.GeneratorState, int]] = []
+        while not gen.is_done:
+            chunks += step([(seq, gen)])
+            saved.append((seq.checkpoint(), gen.state, len(chunks)))
+        first = "".join(c.text for c in chunks)
+        Pet.model_validate_json(first)
+        cp, state, n = saved[len(saved) // 2]  # the middle of the object
+        seq.rewind(cp)
+        gen.restore(state)
+        again = list(chunks[:n])
+        while not gen.is_done:
+            again += step([(seq, gen)])
+        assert "".join(c.text for c in again) == first  # the RNG and grammar were restored
+        # From the same point with another seed: a different, still valid, object.
+        for seed in (7, 8):
+            seq.rewind(cp)
+            gen.restore(state)
+            gen.rng.bit_generator.state = lcgen.sampling.new_rng(seed).bit_generator.state
+            other = list(chunks[:n])
+            while not gen.is_done:
+                other += step([(seq, gen)])
+            Pet.model_validate_json("".join(c.text for c in other))
+
+
+def test_forbidden_token_and_impossible_grammars(model: lcgen.Model) -> None:
+    gen = lcgen.Generator(model, choice=["yes", "no"])
+    forbidden = model.tokenize(" maybe")[0]
+    with pytest.raises(lcgen.GrammarError):
+        gen.accept(forbidden)
+    assert gen.tokens == []  # the state is unchanged
+    with pytest.raises(lcgen.GrammarError):
+        lcgen.Grammar('root ::= "a" (')
+    # A grammar that never ends stops at max_tokens instead of hanging.
+    chunks = list(
+        model.stream("Letters:", grammar=lcgen.Grammar('root ::= "a" root'), max_tokens=12)
+    )
+    assert chunks[-1].finish_reason == "length"
+    assert set("".join(c.text for c in chunks)) == {"a"}
+    with pytest.raises(ValueError, match="at most one of"):
+        model.generate("x", choice=["a"], regex="b")
+
+
+def test_token_healing_with_a_grammar(model: lcgen.Model) -> None:
+    # The grammar sees each generated token whole, healed prompt text included.
+    out = model.generate("The answer is: ye", token_healing=True, choice=[" yes", " yellow"])
+    assert out in {"s", "llow"}
+
+
+def test_gemma_schema_output_validates(tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
+              "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},
+              "required": ["city", "population"], "additionalProperties": False}  # fmt: skip
+    with lcgen.Model(resolve("gemma3-270m", download=False), n_ctx=1024, n_seq_max=1) as gemma:
+        for seed in (1, 2):
+            value = gemma.generate(
+                prompt_for(schema), schema=schema, max_tokens=60, temperature=0.8, seed=seed
+            )
+            jsonschema.validate(value, schema)

@@ -1,0 +1,774 @@
+"""JSON Schema and pydantic to grammar: every text the grammar allows validates.
+
+Each schema has valid instances (the grammar must accept them, serialized three ways) and
+invalid ones (it must reject them); the tables themselves are checked with ``jsonschema``. Then
+random walks through each grammar (random tokens the grammar allows, no model) must produce
+JSON that validates, and keywords lcgen cannot enforce must raise, naming the keyword.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import functools
+import json
+import uuid
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any, Literal
+
+import jsonschema
+import numpy as np
+import pydantic
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import lcgen
+from lcgen.grammar import Grammar, GrammarState
+
+HYPOTHESIS = settings(
+    max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+FORMATS = jsonschema.FormatChecker()
+
+
+@FORMATS.checks("date-time", raises=ValueError)
+def _is_date_time(text: object) -> bool:
+    return not isinstance(text, str) or (
+        "T" in text and datetime.datetime.fromisoformat(text).tzinfo is not None
+    )
+
+
+@FORMATS.checks("time", raises=ValueError)
+def _is_time(text: object) -> bool:
+    return not isinstance(text, str) or datetime.time.fromisoformat(text).tzinfo is not None
+
+
+@dataclass
+class Case:
+    name: str
+    schema: dict[str, Any] | bool
+    valid: list[Any]
+    invalid: list[Any] = field(default_factory=list)
+    bad_texts: list[str] = field(default_factory=list)
+
+
+POINT = {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": "number"}},
+         "required": ["x", "y"], "additionalProperties": False}  # fmt: skip
+CAT = {"type": "object", "properties": {"kind": {"const": "cat"}, "lives": {"type": "integer",
+       "minimum": 0, "maximum": 9}}, "required": ["kind", "lives"]}  # fmt: skip
+DOG = {"type": "object", "properties": {"kind": {"const": "dog"}, "good": {"type": "boolean"}},
+       "required": ["kind", "good"]}  # fmt: skip
+UID = "123e4567-e89b-12d3-a456-426614174000"
+
+CASES = [
+    Case(
+        "object",
+        {
+            "type": "object",
+            "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+            "required": ["name", "age"],
+            "additionalProperties": False,
+        },
+        [{"name": "Ada", "age": 36}, {"name": "", "age": -1}, {"name": '日本 "q" \n', "age": 0}],
+        [
+            {"name": "Ada"},
+            {"name": "Ada", "age": "36"},
+            {"name": "Ada", "age": 36, "x": 1},
+            {"name": "Ada", "age": 3.5},
+            [],
+            "Ada",
+        ],
+        ['{"name": "Ada", "age": 36,}', '{"name": "Ada" "age": 36}', '{"name": "a\nb", "age": 1}'],
+    ),
+    Case(
+        "optional-properties",
+        {
+            "type": "object",
+            "properties": {
+                "a": {"type": "string"},
+                "b": {"type": "integer"},
+                "c": {"type": "boolean"},
+            },
+            "required": ["b"],
+        },
+        [{"b": 1}, {"a": "x", "b": 1}, {"a": "x", "b": 1, "c": True}, {"b": 1, "c": False}],
+        [{}, {"a": "x"}, {"b": "1"}, {"a": 1, "b": 1}],
+    ),
+    Case(
+        "nested-objects",
+        {
+            "type": "object",
+            "properties": {
+                "person": {
+                    "type": "object",
+                    "properties": {
+                        "name": {"type": "string", "minLength": 1},
+                        "address": {
+                            "type": "object",
+                            "properties": {
+                                "city": {"type": "string"},
+                                "zip": {"type": "string", "pattern": "^\\d{5}$"},
+                            },
+                            "required": ["city", "zip"],
+                        },
+                    },
+                    "required": ["name", "address"],
+                }
+            },
+            "required": ["person"],
+        },
+        [{"person": {"name": "Bo", "address": {"city": "Oslo", "zip": "12345"}}}],
+        [
+            {"person": {"name": "", "address": {"city": "Oslo", "zip": "12345"}}},
+            {"person": {"name": "Bo", "address": {"city": "Oslo", "zip": "1234"}}},
+            {"person": {"name": "Bo"}},
+        ],
+    ),
+    Case(
+        "array-bounds",
+        {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4},
+        [[1, 2], [1, 2, 3, 4], [-5, 0, 7]],
+        [[1], [1, 2, 3, 4, 5], [1, "2"], []],
+        ["[1, 2,]", "[1 2]"],
+    ),
+    Case(
+        "array-of-strings",
+        {"type": "array", "items": {"type": "string"}},
+        [[], ["a", "b"], ["", "\\", "\u00e9"]],
+        [[1], "a", [None]],
+    ),
+    Case(
+        "enum-strings",
+        {"enum": ["red", "green", "blue"]},
+        ["red", "green", "blue"],
+        ["Red", "yellow", 1],
+    ),
+    Case(
+        "enum-mixed",
+        {"enum": [1, "one", None, True, [1, 2], {"a": 1}, 2.5]},
+        [1, "one", None, True, [1, 2], {"a": 1}, 2.5],
+        [2, "two", False, [1], {"a": 2}, 2.4],
+    ),
+    Case("const-string", {"const": "fixed"}, ["fixed"], ["Fixed", "fixed ", 1]),
+    Case(
+        "const-object",
+        {"const": {"k": [1, 2], "n": None}},
+        [{"k": [1, 2], "n": None}],
+        [{"k": [1, 2]}, {"k": [2, 1], "n": None}],
+    ),
+    Case("enum-filtered-by-type", {"type": "string", "enum": ["a", 1, "b"]}, ["a", "b"], [1, "c"]),
+    Case(
+        "anyOf",
+        {"anyOf": [{"type": "string", "maxLength": 3}, {"type": "integer", "minimum": 10}]},
+        ["ab", "", 10, 99],
+        ["abcd", 9, 1.5, None],
+    ),
+    Case(
+        "oneOf-by-type",
+        {"oneOf": [{"type": "string"}, {"type": "boolean"}, {"type": "null"}]},
+        ["x", True, None],
+        [1, [], {}],
+    ),
+    Case(
+        "oneOf-discriminated",
+        {"oneOf": [CAT, DOG]},
+        [{"kind": "cat", "lives": 9}, {"kind": "dog", "good": True}],
+        [
+            {"kind": "cat", "good": True},
+            {"kind": "dog", "lives": 3},
+            {"kind": "cat", "lives": 10},
+            {"kind": "fish"},
+        ],
+    ),
+    Case(
+        "type-list", {"type": ["string", "null"], "minLength": 2}, ["ab", None, "xyz"], ["a", 1, ""]
+    ),
+    Case(
+        "nullable-anyOf",
+        {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": None, "title": "N"},
+        [5, None, -3],
+        ["5", 1.5],
+    ),
+    Case(
+        "integer-range",
+        {"type": "integer", "minimum": -5, "maximum": 120},
+        [-5, 0, 7, 99, 100, 120],
+        [-6, 121, 1000, 1.5, "7"],
+    ),
+    Case(
+        "integer-exclusive",
+        {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10},
+        [1, 5, 9],
+        [0, 10, -1, 11],
+    ),
+    Case(
+        "integer-minimum-only",
+        {"type": "integer", "minimum": 1000},
+        [1000, 1001, 99999999],
+        [999, -1000, 0],
+    ),
+    Case(
+        "integer-maximum-negative", {"type": "integer", "maximum": -3}, [-3, -4, -1000], [-2, 0, 5]
+    ),
+    Case(
+        "integer-draft4-exclusive",
+        {
+            "$schema": "http://json-schema.org/draft-04/schema#",
+            "type": "integer",
+            "minimum": 1,
+            "exclusiveMinimum": True,
+            "maximum": 3,
+        },
+        [2, 3],
+        [1, 4],
+    ),
+    Case(
+        "number-unit-interval",
+        {"type": "number", "minimum": 0, "maximum": 1},
+        [0, 1, 0.5, 0.999, 1.0, 0.0, 0.25],
+        [-0.1, 1.01, 2, -1],
+    ),
+    Case(
+        "number-exclusive",
+        {"type": "number", "exclusiveMinimum": -1.5, "exclusiveMaximum": 2.25},
+        [-1.49, 0, 2, 2.2499, -1],
+        [-1.5, 2.25, 3, -2],
+    ),
+    Case(
+        "number-wide",
+        {"type": "number", "minimum": -1e6, "maximum": 1e6},
+        [123456.789, -999999, 1000000, 0.001],
+        [1000001, -1000000.5],
+    ),
+    Case(
+        "string-length",
+        {"type": "string", "minLength": 2, "maxLength": 5},
+        ["ab", "héllo", "日本", 'a"b', "🙂🙂🙂"],
+        ["a", "abcdef", ""],
+    ),
+    Case(
+        "string-pattern-anchored",
+        {"type": "string", "pattern": "^[A-Z]{3}-\\d{3}$"},
+        ["ABC-123", "XYZ-000"],
+        ["abc-123", "ABC-1234", "ABC123"],
+    ),
+    Case(
+        "string-pattern-search",
+        {"type": "string", "pattern": "cat"},
+        ["cat", "concatenate", "a cat!", '"cat"\n'],
+        ["dog", "ca t", ""],
+    ),
+    Case(
+        "string-pattern-quotes",
+        {"type": "string", "pattern": '^"[^"\\\\]*"$'},
+        ['"hi"', '""'],
+        ["hi", '"a"b"', '"\\"'],
+    ),
+    Case(
+        "format-date",
+        {"type": "string", "format": "date"},
+        ["2024-02-29", "1999-12-31"],
+        ["2023-02-29", "2024-2-29", "2024-13-01"],
+    ),
+    Case(
+        "format-date-time",
+        {"type": "string", "format": "date-time"},
+        ["2024-01-01T12:00:00Z", "2024-01-01T12:00:00.5+01:00"],
+        ["2024-01-01 12:00:00", "2024-01-01T25:00:00Z", "2024-01-01T12:00:00"],
+    ),
+    Case(
+        "format-time",
+        {"type": "string", "format": "time"},
+        ["12:00:00Z", "23:59:59.999-05:00"],
+        ["12:00", "24:00:00Z"],
+    ),
+    Case(
+        "format-uuid",
+        {"type": "string", "format": "uuid"},
+        [UID, UID.upper()],
+        ["not-a-uuid", UID[:-1]],
+    ),
+    Case(
+        "format-email",
+        {"type": "string", "format": "email"},
+        ["a@b.co", "first.last+x@mail.example.org"],
+        ["no-at-sign"],
+    ),
+    Case(
+        "format-ipv4",
+        {"type": "string", "format": "ipv4"},
+        ["1.2.3.4", "255.255.255.255"],
+        ["1.2.3.256", "1.2.3", "01.2.3.4"],
+    ),
+    Case(
+        "ref-defs",
+        {
+            "$defs": {"point": POINT},
+            "type": "array",
+            "items": {"$ref": "#/$defs/point"},
+            "maxItems": 3,
+        },
+        [[], [{"x": 1, "y": 2.5}], [{"x": 0, "y": 0}] * 3],
+        [[{"x": 1}], [{"x": 1, "y": 2, "z": 3}], [{"x": 0, "y": 0}] * 4],
+    ),
+    Case(
+        "ref-recursive",
+        {
+            "$defs": {
+                "node": {
+                    "type": "object",
+                    "properties": {
+                        "value": {"type": "integer"},
+                        "children": {"type": "array", "items": {"$ref": "#/$defs/node"}},
+                    },
+                    "required": ["value"],
+                }
+            },
+            "$ref": "#/$defs/node",
+        },
+        [
+            {"value": 1},
+            {"value": 1, "children": [{"value": 2, "children": [{"value": 3}]}, {"value": 4}]},
+        ],
+        [{"children": []}, {"value": 1, "children": [{"value": "2"}]}],
+    ),
+    Case(
+        "ref-definitions-draft7",
+        {
+            "$schema": "http://json-schema.org/draft-07/schema#",
+            "definitions": {"id": {"type": "integer", "minimum": 1}},
+            "type": "object",
+            "properties": {"id": {"$ref": "#/definitions/id"}},
+            "required": ["id"],
+        },
+        [{"id": 1}, {"id": 42}],
+        [{"id": 0}, {}],
+    ),
+    Case(
+        "tuple-prefixItems",
+        {"type": "array", "prefixItems": [{"type": "string"}, {"type": "integer"}], "items": False},
+        [["a", 1], ["a"], []],
+        [["a", "b"], ["a", 1, 2], [1]],
+    ),
+    Case(
+        "tuple-draft7",
+        {
+            "$schema": "http://json-schema.org/draft-07/schema#",
+            "type": "array",
+            "items": [{"type": "boolean"}, {"type": "null"}],
+            "additionalItems": False,
+            "minItems": 2,
+        },
+        [[True, None]],
+        [[True], [True, None, None], [None, True]],
+    ),
+    Case(
+        "prefix-then-items",
+        {
+            "type": "array",
+            "prefixItems": [{"const": "head"}],
+            "items": {"type": "integer"},
+            "minItems": 2,
+            "maxItems": 4,
+        },
+        [["head", 1], ["head", 1, 2, 3]],
+        [["head"], ["head", "x"], [1, 2], ["head", 1, 2, 3, 4]],
+    ),
+    Case(
+        "map",
+        {"type": "object", "additionalProperties": {"type": "integer"}},
+        [{}, {"a": 1, "b": 2}, {"日本": -1}],
+        [{"a": "x"}, {"a": 1.5}],
+    ),
+    Case(
+        "properties-plus-map",
+        {
+            "type": "object",
+            "properties": {"id": {"type": "integer"}},
+            "required": ["id"],
+            "additionalProperties": {"type": "string"},
+        },
+        [{"id": 1}, {"id": 1, "x": "y", "idx": "z"}],
+        [{"id": "1"}, {"id": 1, "x": 2}, {"x": "y"}],
+        ['{"id": 1, "id": "x"}'],
+    ),
+    Case(
+        "any-value",
+        {},
+        [1, "x", [1, {"a": None}], None, {"k": [True, 2.5]}],
+        [],
+        ["{", "NaN", "[1,]"],
+    ),
+    Case("true-schema", True, [0, "s", [], {}], [], ["'s'"]),
+    Case("allOf-single", {"allOf": [{"type": "integer", "minimum": 5}]}, [5, 6], [4, "5"]),
+    Case(
+        "min-max-properties-settled",
+        {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "required": ["a"],
+            "minProperties": 1,
+            "maxProperties": 1,
+            "additionalProperties": False,
+        },
+        [{"a": 1}],
+        [{}, {"a": 1, "b": 2}],
+    ),
+    Case(
+        "unique-items-at-most-one",
+        {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 1},
+        [[], [3]],
+        [[3, 3], [1, 2]],
+    ),
+    Case("multipleOf-every-integer", {"type": "integer", "multipleOf": 0.5}, [1, -7], [1.5]),
+    Case(
+        "nested-arrays",
+        {
+            "type": "array",
+            "items": {
+                "type": "array",
+                "items": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+            },
+        },
+        [[], [[[True, False]], []], [[[], [False]]]],
+        [[[[True, True, True]]], [[True]]],
+    ),
+    Case(
+        "string-escapes-count-as-one",
+        {"type": "string", "maxLength": 3},
+        ['a"b', "\n\t\\", "🙂🙂🙂", "\u0000\u001f/", "\ud7ff"],
+        ["abcd", "🙂🙂🙂🙂"],
+        ['"\\ud800"', '"\\udc00x"', '"\\ud83dx"'],
+    ),
+]
+
+
+def _serializations(value: Any) -> list[str]:
+    return [
+        json.dumps(value, ensure_ascii=False),
+        json.dumps(value, ensure_ascii=False, separators=(",", ":")),
+        json.dumps(value, ensure_ascii=False, indent=2),
+    ]
+
+
+def _is_valid(schema: dict[str, Any] | bool, value: Any) -> bool:
+    cls = jsonschema.validators.validator_for(schema if isinstance(schema, dict) else {})
+    return bool(cls(schema, format_checker=FORMATS).is_valid(value))
+
+
+@functools.cache
+def _grammar(name: str) -> Grammar:
+    case = next(c for c in CASES if c.name == name)
+    return Grammar.from_json_schema(case.schema)
+
+
+def test_at_least_thirty_schemas() -> None:
+    assert len(CASES) >= 30
+    assert len({c.name for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_the_table_agrees_with_jsonschema(case: Case) -> None:
+    assert all(_is_valid(case.schema, v) for v in case.valid)
+    assert not any(_is_valid(case.schema, v) for v in case.invalid)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_schema_grammar_accepts_valid_instances(model: lcgen.Model, case: Case) -> None:
+    grammar = _grammar(case.name)
+    with grammar.state(model) as state:
+        for value in case.valid:
+            for text in _serializations(value):
+                assert state.accepts_text(text), text
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_schema_grammar_rejects_invalid_instances(model: lcgen.Model, case: Case) -> None:
+    grammar = _grammar(case.name)
+    with grammar.state(model) as state:
+        for value in case.invalid:
+            for text in _serializations(value)[:2]:
+                assert not state.accepts_text(text), text
+        for text in case.bad_texts:
+            assert not state.accepts_text(text), text
+
+
+# random walks: generation without a model ------------------------------------------------------
+@functools.cache
+def _short_tokens(model: lcgen.Model) -> np.ndarray:
+    """Tokens with pieces of 1-2 bytes: the random walks' alphabet."""
+    return np.array([t for t in range(model.n_vocab) if 1 <= len(model.token_piece(t)) <= 2])
+
+
+def random_walk(
+    model: lcgen.Model, state: GrammarState, seed: int, guide: str, max_tokens: int = 400
+) -> str | None:
+    """Random tokens the grammar allows, until it may end and a coin says stop.
+
+    The walk follows the tokens of ``guide`` (a valid text) for a random while, then leaves it:
+    it prefers the characters ``guide`` uses (so that patterns can be finished), then any
+    short token, then any allowed token. Returns None when it did not finish.
+    """
+    rng = np.random.default_rng(seed)
+    path = model.tokenize(guide)[: int(rng.integers(0, len(model.tokenize(guide)) + 1))]
+    favored = np.array(
+        sorted({t for ch in set(guide) | {'"', "}", "]"} for t in model.tokenize(ch)[:1]})
+    )
+    tokens: list[int] = []
+    with state.clone() as walker:
+        walker.accept_tokens(path)
+        tokens += path
+        for _ in range(max_tokens):
+            if walker.is_complete and (rng.random() < 0.4 or len(tokens) > max_tokens // 2):
+                return model.detokenize(tokens)
+            order = rng.permutation(_short_tokens(model))
+            if rng.random() < 0.7:
+                order = np.concatenate([rng.permutation(favored), order])
+            token = next((int(t) for t in order if walker.try_accept(int(t))), None)
+            if token is None:  # only longer tokens fit here: take one from the full mask
+                allowed = [t for t in np.flatnonzero(walker.allowed()) if not model.is_eog(t)]
+                if not allowed:
+                    return model.detokenize(tokens)
+                token = int(rng.choice(allowed))
+                walker.accept(token)
+            tokens.append(token)
+    return None
+
+
+WALKS = 6
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_random_walks_through_the_grammar_validate(model: lcgen.Model, case: Case) -> None:
+    guides = [json.dumps(v, ensure_ascii=False) for v in case.valid]
+    with _grammar(case.name).state(model) as state:
+        texts = [
+            random_walk(model, state, seed, guides[seed % len(guides)]) for seed in range(WALKS)
+        ]
+    finished = [t for t in texts if t is not None]
+    assert len(finished) >= WALKS // 2
+    for text in finished:
+        assert _is_valid(case.schema, json.loads(text)), text
+
+
+# exactness of ranges and lengths -----------------------------------------------------------------
+@HYPOTHESIS
+@given(
+    lo=st.none() | st.integers(-(10**6), 10**6),
+    hi=st.none() | st.integers(-(10**6), 10**6),
+    exclusive=st.booleans(),
+    x=st.integers(-2 * 10**6, 2 * 10**6),
+)
+def test_integer_ranges_are_exact(
+    model: lcgen.Model, lo: int | None, hi: int | None, exclusive: bool, x: int
+) -> None:
+    schema: dict[str, Any] = {"type": "integer"}
+    if lo is not None:
+        schema["exclusiveMinimum" if exclusive else "minimum"] = lo
+    if hi is not None:
+        schema["maximum"] = hi
+    try:
+        grammar = Grammar.from_json_schema(schema)
+    except lcgen.GrammarError:
+        assert lo is not None and hi is not None and lo + exclusive > hi
+        return
+    assert grammar.accepts(model, str(x)) == _is_valid(schema, x)
+
+
+@HYPOTHESIS
+@given(
+    lo=st.none() | st.decimals(-1000, 1000, places=2),
+    hi=st.none() | st.decimals(-1000, 1000, places=2),
+    lo_exclusive=st.booleans(),
+    hi_exclusive=st.booleans(),
+    x=st.decimals(-2000, 2000, places=4),
+)
+def test_number_ranges_are_exact(
+    model: lcgen.Model,
+    lo: Decimal | None,
+    hi: Decimal | None,
+    lo_exclusive: bool,
+    hi_exclusive: bool,
+    x: Decimal,
+) -> None:
+    schema: dict[str, Any] = {"type": "number"}
+    if lo is not None:
+        schema["exclusiveMinimum" if lo_exclusive else "minimum"] = float(lo)
+    if hi is not None:
+        schema["exclusiveMaximum" if hi_exclusive else "maximum"] = float(hi)
+    try:
+        grammar = Grammar.from_json_schema(schema)
+    except lcgen.GrammarError as exc:
+        assert "no number" in str(exc)
+        return
+    text = format(x, "f")
+    if x == 0 and text.startswith("-"):
+        text = text[1:]  # the grammar writes zero without a sign
+    assert grammar.accepts(model, text) == _is_valid(schema, json.loads(text)), text
+
+
+@HYPOTHESIS
+@given(
+    low=st.integers(0, 4),
+    extra=st.integers(0, 4),
+    text=st.text(st.characters(exclude_categories=["Cs"]), max_size=10),
+    ascii_only=st.booleans(),
+)
+def test_string_lengths_are_exact(
+    model: lcgen.Model, low: int, extra: int, text: str, ascii_only: bool
+) -> None:
+    schema = {"type": "string", "minLength": low, "maxLength": low + extra}
+    serialized = json.dumps(text, ensure_ascii=ascii_only)
+    try:
+        accepted = Grammar.from_json_schema(schema).accepts(model, serialized)
+    except lcgen.GrammarError as exc:  # SmolLM2 has no token for some bytes (e.g. 0xF1)
+        assert "no tokens for bytes" in str(exc)
+        return
+    assert accepted == (low <= len(text) <= low + extra)
+
+
+# what cannot be enforced raises ------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("schema", "named"),
+    [
+        ({"type": "integer", "multipleOf": 3}, "multipleOf"),
+        ({"type": "number", "multipleOf": 0.1}, "multipleOf"),
+        ({"not": {"type": "string"}}, "'not'"),
+        ({"if": {"type": "string"}, "then": {"minLength": 2}}, "'if'"),
+        ({"type": "object", "patternProperties": {"^x": {}}}, "'patternProperties'"),
+        ({"type": "object", "propertyNames": {"maxLength": 3}}, "'propertyNames'"),
+        ({"type": "object", "dependentRequired": {"a": ["b"]}}, "'dependentRequired'"),
+        ({"type": "object", "unevaluatedProperties": False}, "'unevaluatedProperties'"),
+        ({"type": "array", "contains": {"type": "integer"}}, "'contains'"),
+        ({"type": "array", "uniqueItems": True}, "uniqueItems"),
+        ({"type": "string", "format": "hostname"}, "format 'hostname'"),
+        ({"type": "string", "pattern": "(a)\\1"}, "backreference"),
+        ({"type": "string", "pattern": "(?=a)"}, "lookahead"),
+        ({"type": "string", "pattern": "^a", "minLength": 3}, "pattern with minLength"),
+        ({"type": "string", "format": "date", "maxLength": 3}, "format with maxLength"),
+        ({"type": "object", "minProperties": 2}, "minProperties"),
+        ({"type": "object", "properties": {"a": {}}, "maxProperties": 0}, "maxProperties"),
+        ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf"),
+        ({"type": "object", "anyOf": [{"required": ["a"]}]}, "anyOf together with type"),
+        ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf at # : alternatives 0 and 1"),
+        ({"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}, "oneOf"),
+        ({"$ref": "http://example.com/s.json"}, "only local references"),
+        ({"$ref": "#/$defs/missing"}, "does not resolve"),
+        ({"$ref": "#/$defs/a", "minimum": 1, "$defs": {"a": {}}}, "$ref together with minimum"),
+        ({"type": "string", "foo": 1}, "unknown JSON Schema keyword 'foo' at #"),
+        (
+            {"properties": {"x": {"type": "integer", "nullable": True}}},
+            "'nullable' at #/properties/x",
+        ),
+        ({"type": "string", "maxLength": 5000}, "2000"),
+        ({"type": "array", "maxItems": 5000}, "2000"),
+        ({"type": "integer", "minimum": 5, "maximum": 4}, "no integer"),
+        ({"type": "number", "minimum": 1, "exclusiveMaximum": 1}, "no number"),
+        (False, "false"),
+        (
+            {"type": "object", "properties": {"a": False}, "required": ["a"]},
+            "#/properties/a is false",
+        ),
+        (
+            {"type": "object", "required": ["a"], "additionalProperties": False},
+            "required property 'a'",
+        ),
+        ({"type": "strin"}, "invalid JSON Schema"),
+        ({"type": "string", "minLength": -1}, "invalid JSON Schema"),
+        ({"items": {"$id": "x", "type": "string"}}, "'$id' inside a subschema"),
+    ],
+)
+def test_unenforceable_schema_raises_naming_it(schema: dict[str, Any] | bool, named: str) -> None:
+    with pytest.raises(lcgen.GrammarError) as info:
+        Grammar.from_json_schema(schema)
+    assert named.replace("# :", "#:") in str(info.value)
+
+
+def test_schema_as_json_text_and_bad_text() -> None:
+    assert Grammar.from_json_schema('{"type": "integer"}') == Grammar.from_json_schema(
+        {"type": "integer"}
+    )
+    with pytest.raises(lcgen.GrammarError, match="not valid JSON"):
+        Grammar.from_json_schema("{type: integer}")
+    with pytest.raises(TypeError):
+        Grammar.from_json_schema(3)  # type: ignore[arg-type]
+
+
+# pydantic -------------------------------------------------------------------------------------
+class Color(enum.StrEnum):
+    red = "red"
+    green = "green"
+
+
+class Address(pydantic.BaseModel):
+    city: str = pydantic.Field(min_length=1, max_length=40)
+    zip: str = pydantic.Field(pattern=r"^\d{5}$")
+
+
+class Cat(pydantic.BaseModel):
+    kind: Literal["cat"]
+    lives: int = pydantic.Field(ge=0, le=9)
+
+
+class Dog(pydantic.BaseModel):
+    kind: Literal["dog"]
+    good: bool
+
+
+class Person(pydantic.BaseModel):
+    name: str
+    email: str | None = None
+    favorite: Color
+    tags: list[str] = pydantic.Field(default_factory=list, max_length=3)
+    address: Address
+    pet: Cat | Dog = pydantic.Field(discriminator="kind")
+    born: datetime.date
+    id: uuid.UUID
+    score: float = pydantic.Field(ge=0, le=1)
+    counts: dict[str, int] = {}
+    seen: datetime.datetime | None = None
+
+
+PEOPLE = [
+    Person(name="Ada", favorite=Color.red, address=Address(city="London", zip="12345"),
+           pet=Cat(kind="cat", lives=9), born=datetime.date(1815, 12, 10),
+           id=uuid.UUID(UID), score=1.0),
+    Person(name="Bo \"B\" 日本", email="bo@x.io", favorite=Color.green, tags=["a", "b"],
+           address=Address(city="Oslo", zip="00000"), pet=Dog(kind="dog", good=True),
+           born=datetime.date(2000, 2, 29), id=uuid.UUID(int=1), score=0.25,
+           counts={"x": 1}, seen=datetime.datetime(2024, 1, 1, 12, tzinfo=datetime.UTC)),
+]  # fmt: skip
+
+
+def test_pydantic_instances_are_accepted(model: lcgen.Model) -> None:
+    grammar = Grammar.from_pydantic(Person)
+    for person in PEOPLE:
+        assert grammar.accepts(model, person.model_dump_json())
+        assert grammar.accepts(model, person.model_dump_json(indent=2))
+
+
+def test_pydantic_random_walks_validate(model: lcgen.Model) -> None:
+    guides = [p.model_dump_json() for p in PEOPLE]
+    with Grammar.from_pydantic(Person).state(model) as state:
+        texts = [random_walk(model, state, seed, guides[seed % 2], 600) for seed in range(WALKS)]
+    finished = [t for t in texts if t is not None]
+    assert len(finished) >= WALKS // 2
+    for text in finished:
+        Person.model_validate_json(text)
+
+
+def test_pydantic_rejects_what_it_cannot_enforce() -> None:
+    class Tagged(pydantic.BaseModel):
+        tags: set[str]
+
+    class Even(pydantic.BaseModel):
+        n: int = pydantic.Field(multiple_of=2)
+
+    with pytest.raises(lcgen.GrammarError, match="uniqueItems"):
+        Grammar.from_pydantic(Tagged)
+    with pytest.raises(lcgen.GrammarError, match="multipleOf"):
+        Grammar.from_pydantic(Even)
+    with pytest.raises(TypeError):
+        Grammar.from_pydantic(dict)
