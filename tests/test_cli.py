@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -78,3 +81,27 @@ def test_generate_with_token_healing(model: lcgen.Model) -> None:
     assert out.returncode == 0, out.stderr
     expected = model.generate('<a href="http:', max_tokens=12, token_healing=True)
     assert out.stdout == expected + "\n" and expected.startswith("//")
+
+
+def test_generate_with_constraints(model: lcgen.Model, tmp_path: Path) -> None:
+    out = run("generate", "smollm2-135m", "Is water wet? Answer:", "--choice", "yes,no")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() in {"yes", "no"}
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
+              "required": ["city"], "additionalProperties": False}  # fmt: skip
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    out = run(
+        "generate",
+        "smollm2-135m",
+        "The capital of France as JSON:",
+        "--json-schema",
+        str(tmp_path / "s.json"),
+    )
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == model.generate("The capital of France as JSON:", schema=schema)
+    out = run("generate", "smollm2-135m", "Date:", "--grammar", "iso_date", "--max-tokens", "16")
+    assert out.returncode == 0 and re.fullmatch(r"\d{4}-\d{2}-\d{2}\n", out.stdout), out.stdout
+    out = run("generate", "smollm2-135m", "x", "--grammar", "nope")
+    assert out.returncode == 1 and "no bundled grammar" in out.stderr
+    out = run("generate", "smollm2-135m", "x", "--choice", "a", "--regex", "b")
+    assert out.returncode == 1 and "at most one of" in out.stderr
