@@ -18,8 +18,14 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", 
 def test_greedy_equals_llama_cpp_python(model_path: Path, flash_attn: bool) -> None:
     """Token for token, with the same attention kernel on both sides (it changes near-ties)."""
     llama_cpp = pytest.importorskip("llama_cpp")
+    gpu_layers = -1 if llama_cpp.llama_supports_gpu_offload() else 0  # as lcgen's default
     llm = llama_cpp.Llama(
-        model_path=str(model_path), n_ctx=512, n_batch=512, flash_attn=flash_attn, verbose=False
+        model_path=str(model_path),
+        n_ctx=512,
+        n_batch=512,
+        flash_attn=flash_attn,
+        n_gpu_layers=gpu_layers,
+        verbose=False,
     )
     ours = lcgen.Model(model_path, n_ctx=512, flash_attn=flash_attn)
     for prompt in PROMPTS[:3]:
