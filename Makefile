@@ -36,7 +36,7 @@ lint: $(SETUP)
 	$(VENV)/bin/ruff format --check lcgen tests bench
 	$(VENV)/bin/mypy lcgen
 
-bench: $(SETUP)
+bench: $(TEST_SETUP)
 	$(PY) bench/run.py
 
 # 10,000 random operation sequences against the re-decoding reference (about an hour).

@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 
 FinishReason = Literal["stop", "length"]
 SchemaLike = Mapping[str, Any] | type[Any]
+# Redraws after a grammar rejection before masking the whole vocabulary.
+_REDRAWS = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -225,9 +227,7 @@ class Generator:
             allowed[ids] = logits[ids]
         token = sample(allowed, self.sampler, self.rng, self.recent)
         if self.grammar is not None and not self.grammar.try_accept(token):
-            # Rejected: resample from the masked distribution (exact: p(a) / p(allowed)).
-            token = sample(self.grammar.mask(allowed), self.sampler, self.rng, self.recent)
-            self.grammar.accept(token)
+            token = self._sample_allowed(allowed, token)
         chunk = self._accept(token)
         if self.logprobs is None:
             return chunk
@@ -269,13 +269,29 @@ class Generator:
         if self.grammar is None or not self.grammar.is_complete:
             return False
         allowed = self.grammar.allowed()
-        allowed[list(self.grammar_eog)] = False
+        allowed[list(self.grammar.end_tokens)] = False
         return not allowed.any()
 
-    @property
-    def grammar_eog(self) -> frozenset[int]:
-        """End-of-generation token ids (the grammar allows them only where it is complete)."""
-        return frozenset(t for t in (self.model.eos, self.model.eot) if t >= 0)
+    def _sample_allowed(self, logits: np.ndarray, rejected: int) -> int:
+        """A token the grammar allows, drawn as if from ``logits`` masked to the grammar.
+
+        Redraws without the rejected tokens first (a few microseconds per check; exact, since
+        conditioning on "not rejected" keeps the allowed tokens' relative probabilities), and
+        masks the whole vocabulary (milliseconds on large vocabularies) only after a few misses.
+        """
+        assert self.grammar is not None
+        work = np.array(logits, dtype=np.float32)
+        work[rejected] = -np.inf
+        for _ in range(_REDRAWS):
+            if not np.isfinite(work).any():
+                break
+            token = sample(work, self.sampler, self.rng, self.recent)
+            if self.grammar.try_accept(token):
+                return token
+            work[token] = -np.inf
+        token = sample(self.grammar.mask(logits), self.sampler, self.rng, self.recent)
+        self.grammar.accept(token)
+        return token
 
     def _healed_piece(self, token: int) -> bytes:
         """The token's bytes less the part that re-creates healed prompt text."""

@@ -363,6 +363,11 @@ class GrammarState:
 
     allows_eos = is_complete
 
+    @property
+    def end_tokens(self) -> frozenset[int]:
+        """The end-of-generation tokens (allowed only where the grammar is complete)."""
+        return self._sampler.info.eog_set
+
     def accepts_text(self, text: str, *, complete: bool = True) -> bool:
         """Whether ``text`` (tokenized, then walked token by token from this state) is allowed.
 

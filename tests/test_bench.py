@@ -9,10 +9,12 @@ from typing import Any
 
 import pytest
 
-from lcgen.bench import ROWS, main
-from lcgen.bench.harness import Check, Row, Series, at_least, at_most, evaluate
+from lcgen.bench import NOT_QUICK, ROWS, constrained, main, select_rows
+from lcgen.bench.harness import Bench, Check, Row, Series, at_least, at_most, evaluate, run_rounds
 from lcgen.bench.report import number
 from lcgen.bench.runners import Sample
+from lcgen.errors import LcgenError
+from lcgen.models import resolve
 
 THREE_WAY = {"limit", "llama-cpp-python", "lcgen"}
 # --quick: a 64-token checkpoint sequence, so rewinds of 1 and 32 tokens (512 does not fit).
@@ -24,7 +26,16 @@ CHECKPOINT_SERIES = {
     "save-load": {"to_bytes", "from_bytes", "save", "load"},
     "regenerate": {"generate 32", "rewind 32 + regenerate 32"},
     "stream": {"generate", "stream", "generate, no stops"},
+    "constrained": set(constrained.CONSTRAINED_SERIES),
+    "grammar-rollback": {
+        "GrammarState.clone",
+        "gen.state",
+        "gen.restore",
+        "replay, per token",
+        "decode 1 token",
+    },
 }
+QUICK_ROWS = [name for name in ROWS if name not in NOT_QUICK]
 
 
 def run_quick(out: Path, model_path: Path, *extra: str) -> dict[str, Any]:
@@ -38,7 +49,8 @@ def test_quick_bench_writes_every_row(tmp_path: Path, model_path: Path) -> None:
     seen = {(r["row"], r["implementation"]) for r in results["rows"]}
     expected = {(row, impl) for row in ("prefill", "decode") for impl in THREE_WAY}
     expected |= {(row, name) for row, names in CHECKPOINT_SERIES.items() for name in names}
-    assert seen == expected and {r["row"] for r in results["rows"]} == set(ROWS)
+    assert seen == expected
+    assert list(dict.fromkeys(r["row"] for r in results["rows"])) == QUICK_ROWS
     for r in results["rows"]:
         assert r["samples"] and all(math.isfinite(x) and x > 0 for x in r["samples"]), r
         assert r["median"] > 0 and all(s > 0 for s in r["seconds"]), r
@@ -56,6 +68,12 @@ def test_quick_bench_writes_every_row(tmp_path: Path, model_path: Path) -> None:
         ("save-load", "from_bytes", None),
         ("regenerate", "rewind 32 + regenerate 32", "generate 32"),
         ("stream", "stream", "generate"),
+        ("constrained", "lcgen", "lcgen, no grammar"),
+        ("constrained", "lcgen", "llama-cpp-python"),
+        ("constrained", "llama-cpp-python", "llama-cpp-python, no grammar"),
+        ("grammar-rollback", "GrammarState.clone", "decode 1 token"),
+        ("grammar-rollback", "gen.state", "decode 1 token"),
+        ("grammar-rollback", "gen.restore", "decode 1 token"),
     }
     assert all(c["value"] > 0 for c in results["checks"])
     assert all(c["result"] in {"PASS", "MISS"} for c in results["checks"] if c["target"])
@@ -64,6 +82,8 @@ def test_quick_bench_writes_every_row(tmp_path: Path, model_path: Path) -> None:
     env, cfg = results["environment"], results["settings"]
     assert env["model_file"].endswith(".gguf") and env["n_threads"] >= 1
     assert (cfg["decode_tokens"], cfg["context_tokens"], cfg["rewind_ks"]) == (32, 64, [1, 32])
+    assert cfg["json_schemas"] == 1 and cfg["skipped"] == {}
+    assert "constrained" in results["same_tokens"]  # lcgen's and llama-cpp-python's JSON tokens
     markdown = (tmp_path / "RESULTS.md").read_text()
     assert "| decode | lcgen |" in markdown and "| prefill | limit |" in markdown
     assert "| rewind | rewind k=1 |" in markdown and "| save-load | from_bytes |" in markdown
@@ -93,6 +113,8 @@ def test_unknown_row_is_reported_before_loading_anything(
         ["--tokens", "5000"],
         ["--context-tokens", "1"],
         ["--context-tokens", "2049"],  # save-load holds the sequence twice in 4,096 cells
+        ["--schemas", "0"],
+        ["--schemas", str(len(constrained.SCHEMAS) + 1)],
     ],
 )
 def test_bad_numbers_are_rejected(argv: list[str]) -> None:
@@ -136,3 +158,68 @@ def test_checks_compare_medians_with_their_targets(
 )
 def test_numbers_keep_about_four_figures(x: float, text: str) -> None:
     assert number(x) == text
+
+
+def test_quick_leaves_out_the_rows_that_load_another_model() -> None:
+    assert select_rows(None) == list(ROWS)
+    assert select_rows(None, quick=True) == QUICK_ROWS
+    assert "constrained-gemma" in ROWS and "constrained-gemma" not in QUICK_ROWS
+    assert select_rows("constrained-gemma", quick=True) == ["constrained-gemma"]
+
+
+def test_every_schema_compiles_and_its_prompt_asks_for_it(model_path: Path) -> None:
+    import lcgen
+
+    with lcgen.Model(model_path, n_seq_max=1) as model:
+        for i, (name, schema, request) in enumerate(constrained.SCHEMAS):
+            case = constrained.json_case(model, i)
+            assert case.name == name and case.grammar.gbnf and case.prompt
+            assert all(key in request for key in schema["required"])
+        prefix = model.tokenize(constrained.ROLLBACK_PREFIX, add_bos=False)
+        rollback = constrained.json_case(model, constrained.ROLLBACK_SCHEMA)
+        with rollback.grammar.state(model) as state:
+            state.accept_tokens(prefix)  # a valid prefix, not yet complete
+            assert not state.is_complete
+
+
+def test_gemma_row_is_skipped_with_a_message_when_its_model_is_missing(
+    tmp_path: Path,
+    model_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(constrained, "GEMMA_MODEL", "no-such-model")
+    results = run_quick(tmp_path, model_path, "--rows", "constrained-gemma,grammar-rollback")
+    assert "skipping constrained-gemma: no-such-model is not available" in capsys.readouterr().err
+    assert {r["row"] for r in results["rows"]} == {"grammar-rollback"}
+    assert list(results["settings"]["skipped"]) == ["constrained-gemma"]
+    assert "- skipped constrained-gemma: " in (tmp_path / "RESULTS.md").read_text()
+
+
+def test_gemma_row_runs_on_its_own_model(tmp_path: Path, model_path: Path) -> None:
+    try:
+        resolve(constrained.GEMMA_MODEL, download=False)
+    except LcgenError:
+        pytest.skip(f"{constrained.GEMMA_MODEL} is not installed")
+    results = run_quick(tmp_path, model_path, "--rows", "constrained-gemma")
+    assert {r["implementation"] for r in results["rows"]} == set(constrained.CONSTRAINED_SERIES)
+    assert all(r["median"] > 0 and r["row"] == "constrained-gemma" for r in results["rows"])
+    assert "gemma-3-270m" in results["settings"]["rows"]["constrained-gemma"]
+    assert results["settings"]["skipped"] == {}
+
+
+def test_rows_that_load_a_model_close_it_after_their_rounds() -> None:
+    closed: list[str] = []
+
+    class Runner:
+        def close_long_sequence(self) -> None:
+            pass
+
+    def round_(bench: Bench, r: int) -> dict[str, Sample]:
+        assert not closed, "closed before the last round"
+        return {"x": Sample(1.0, 1)}
+
+    row = Row("row", "", {"x": "ms"}, round_, close=lambda: closed.append("row"))
+    bench = Bench(None, None, None, Runner(), Path())  # type: ignore[arg-type]
+    (series,) = run_rounds(bench, [row], 3)
+    assert len(series.samples) == 3 and closed == ["row"]

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pydantic
 import pytest
 from test_schemas import CASES, FORMATS
@@ -165,3 +166,16 @@ def test_gemma_schema_output_validates(tmp_path: Path) -> None:
                 prompt_for(schema), schema=schema, max_tokens=60, temperature=0.8, seed=seed
             )
             jsonschema.validate(value, schema)
+
+
+def test_rejected_token_is_replaced_by_the_best_allowed_one(model: lcgen.Model) -> None:
+    with model.sequence("My favourite colour is") as seq:
+        row = model.context.decode([seq._request()])[0]
+        assert row is not None
+        logits = np.array(row)
+    grammar = lcgen.Grammar.choice([" green", " purple", " orange"])
+    allowed = grammar.state(model).allowed()
+    assert not allowed[int(logits.argmax())]  # the model's favourite is rejected first
+    best = int(np.where(allowed, logits, -np.inf).argmax())
+    gen = lcgen.Generator(model, grammar=grammar, max_tokens=1)
+    assert gen.step(logits).tokens == (best,)
