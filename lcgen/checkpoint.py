@@ -19,9 +19,12 @@ import struct
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lcgen.errors import StateFileError
+
+if TYPE_CHECKING:
+    from lcgen.generator import GeneratorState
 
 FORMAT_VERSION = 1
 _MAGIC = b"LCGSEQ\x00"
@@ -41,12 +44,15 @@ class Checkpoint:
         stamp: identifies the token history up to ``n_tokens`` (shared by forks).
         seq_uid: the sequence it was taken on (for error messages).
         rng_state: the sampler RNG's state at that position.
+        generation: taken in the middle of a generation, the generator's state (text held
+            back, healing progress, grammar state, tokens generated); None between calls.
     """
 
     n_tokens: int
     stamp: int
     seq_uid: int
     rng_state: RngState
+    generation: GeneratorState | None = None
 
 
 @dataclass(slots=True)

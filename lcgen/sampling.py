@@ -37,6 +37,11 @@ class SamplerConfig:
     repeat_last_n: int = 64
     seed: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Derived: whether every bias only lowers a logit, and which tokens carry one.
+    only_bans: bool = dataclasses.field(default=True, init=False, repr=False, compare=False)
+    biased: frozenset[int] = dataclasses.field(
+        default=frozenset(), init=False, repr=False, compare=False
+    )
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -53,6 +58,8 @@ class SamplerConfig:
             raise ValueError(f"repeat_last_n must be >= 0, got {self.repeat_last_n!r}")
         if isinstance(self.logit_bias, Mapping):
             object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        object.__setattr__(self, "only_bans", all(bias <= 0 for _, bias in self.logit_bias))
+        object.__setattr__(self, "biased", frozenset(tok for tok, _ in self.logit_bias))
 
     @property
     def is_greedy(self) -> bool:
@@ -115,6 +122,11 @@ def sample(
     Returns:
         The chosen token id.
     """
+    if cfg.is_greedy and cfg.repeat_penalty == 1.0 and cfg.only_bans:
+        # Biases that only lower logits leave the raw argmax standing unless it carries one.
+        best = int(np.argmax(logits))
+        if best not in cfg.biased:
+            return best
     logits = _adjusted_logits(logits, cfg, recent)
     if cfg.is_greedy:
         return int(np.argmax(logits))

@@ -12,6 +12,7 @@ by position, so ``rewind(n)`` restores the sampler as exactly as ``rewind(checkp
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import itertools
 import os
 import weakref
@@ -139,10 +140,16 @@ class Sequence:
         return common
 
     # checkpoints -----------------------------------------------------------------------
-    def checkpoint(self) -> Checkpoint:
-        """The sequence's state now, as a value (no KV data is copied)."""
+    def checkpoint(self, generator: Generator | None = None) -> Checkpoint:
+        """The sequence's state now, as a value (no KV data is copied).
+
+        Args:
+            generator: the generator driving this sequence, when taken in the middle of a
+                generation: its state (held text, grammar, healing) goes into the checkpoint.
+        """
         self._check_open()
-        return self._checkpoint_at(len(self._tokens))
+        cp = self._checkpoint_at(len(self._tokens))
+        return cp if generator is None else dataclasses.replace(cp, generation=generator.state)
 
     def _checkpoint_at(self, n_tokens: int) -> Checkpoint:
         logged = list(self._rng_log)  # positions only grow between prunes: already sorted
@@ -150,17 +157,29 @@ class Sequence:
         rng_state = self._rng_log[logged[at]] if at < len(logged) else self._rng.bit_generator.state
         return Checkpoint(n_tokens, self._stamps[n_tokens], self._uid, rng_state)
 
-    def rewind(self, target: Checkpoint | int) -> None:
+    def rewind(self, target: Checkpoint | int, generator: Generator | None = None) -> None:
         """Go back to a checkpoint, or by ``target`` tokens; then continue as if the dropped
         tokens had never been generated (KV cells, sampler RNG and tokens restored).
+
+        Args:
+            target: a checkpoint of this sequence (or of its parent, within their shared
+                history), or a number of tokens.
+            generator: the generator driving this sequence; it is restored too, from a
+                checkpoint taken with it.
 
         Raises:
             RewindError: the target is not reachable: past the start, a checkpoint of another
                 sequence, one beyond the current position after an earlier rewind, one whose
                 history was since replaced, or the sequence is closed.
+            ValueError: a generator was given but the checkpoint holds no generator state.
         """
         if self.is_closed:
             raise RewindError("cannot rewind a closed sequence")
+        if generator is not None and (isinstance(target, int) or target.generation is None):
+            raise ValueError(
+                "to restore a generator, rewind to a checkpoint taken with it: "
+                "seq.checkpoint(generator)"
+            )
         if isinstance(target, int):
             if not 0 <= target <= len(self._tokens):
                 raise RewindError(
@@ -171,6 +190,8 @@ class Sequence:
             self._check_reachable(target)
             self._keep_prefix(target.n_tokens)
         self._rng.bit_generator.state = target.rng_state
+        if generator is not None and target.generation is not None:
+            generator.restore(target.generation)
         self.stats.rewinds += 1
 
     def _unheal(self, cp: Checkpoint) -> bool:

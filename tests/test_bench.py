@@ -132,9 +132,10 @@ def series(name: str, unit: str, *pairs: tuple[float, float]) -> Series:
     [
         (Check("fast", target=at_most(1.0)), 0.5, "ms", "PASS"),  # median of 0.4, 0.5, 3 ms
         (Check("fast", target=at_most(0.1)), 0.5, "ms", "MISS"),
-        (Check("slow", "fast", at_least(100.0)), 400.0, "x", "PASS"),  # 200 ms / 0.5 ms
-        (Check("fast", "slow", at_most(0.001)), 0.0025, "x", "MISS"),
-        (Check("slow", "fast"), 400.0, "x", ""),  # reported without a target
+        # Ratios are medians of per-round ratios: 200/0.4, 300/0.5, 100/3 -> 500.
+        (Check("slow", "fast", at_least(100.0)), 500.0, "x", "PASS"),
+        (Check("fast", "slow", at_most(0.001)), 0.002, "x", "MISS"),
+        (Check("slow", "fast"), 500.0, "x", ""),  # reported without a target
         (Check("rate", target=at_least(0.5)), 2.0, "GB/s", "PASS"),  # 2e9 bytes in 1 s
     ],
 )
@@ -143,8 +144,8 @@ def test_checks_compare_medians_with_their_targets(
 ) -> None:
     found = [
         series("fast", "ms", (4e-4, 1), (5e-4, 1), (3e-3, 1)),
-        series("slow", "ms", (0.2, 1)),
-        series("rate", "GB/s", (1.0, 2e9)),
+        series("slow", "ms", (0.2, 1), (0.3, 1), (0.1, 1)),
+        series("rate", "GB/s", (1.0, 2e9), (1.0, 2e9), (1.0, 2e9)),
     ]
     row = Row("row", "", {s.implementation: s.unit for s in found}, lambda b, r: {}, (check,))
     (result,) = evaluate([row], found)

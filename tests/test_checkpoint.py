@@ -293,3 +293,15 @@ def test_save_is_atomic(
             seq.save(path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["story.lcs"]
+
+
+def test_generator_restore_needs_a_checkpoint_taken_with_it(model: lcgen.Model) -> None:
+    with model.sequence(PROMPT) as seq:
+        gen = seq.generator(max_tokens=4)
+        plain = seq.checkpoint()
+        with pytest.raises(ValueError, match=r"seq\.checkpoint\(generator\)"):
+            seq.rewind(plain, gen)
+        with pytest.raises(ValueError, match=r"seq\.checkpoint\(generator\)"):
+            seq.rewind(1, gen)
+        with_gen = seq.checkpoint(gen)
+        assert with_gen.generation is not None and with_gen.generation.n_tokens == 0

@@ -167,12 +167,11 @@ def test_rewinding_into_held_stop_text_regenerates_the_same(model: lcgen.Model) 
         while not gen.is_done:
             chunks += step([(seq, gen)])
             if gen.text_state.held_text and saved is None:
-                saved = (seq.checkpoint(), gen.state, len(chunks))
+                saved = (seq.checkpoint(gen), len(chunks))
         assert saved is not None, "no step held text back"
-        cp, state, n = saved
+        cp, n = saved
         first = chunks[n:]
-        seq.rewind(cp)
-        gen.restore(state)
+        seq.rewind(cp, gen)
         again = []
         while not gen.is_done:
             again += step([(seq, gen)])

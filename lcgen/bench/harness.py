@@ -174,7 +174,8 @@ def run_rounds(bench: Bench, rows: Sequence[Row], repeats: int) -> list[Series]:
 
 
 def evaluate(rows: Sequence[Row], series: Sequence[Series]) -> list[CheckResult]:
-    """Every row's checks on the medians."""
+    """Every row's checks: a figure's median, or the median over rounds of the figure divided by
+    its baseline in the same round (paired: both ran back to back, on the same machine state)."""
     found = {(s.row, s.implementation): s for s in series}
     results = []
     for row in rows:
@@ -183,7 +184,8 @@ def evaluate(rows: Sequence[Row], series: Sequence[Series]) -> list[CheckResult]
             if check.baseline is None:
                 results.append(CheckResult(row.name, check, s.median, s.unit))
             else:
-                ratio = s.median / found[row.name, check.baseline].median
+                base = found[row.name, check.baseline].values
+                ratio = statistics.median(a / b for a, b in zip(s.values, base, strict=True))
                 results.append(CheckResult(row.name, check, ratio, "x"))
     return results
 
