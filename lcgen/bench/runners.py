@@ -222,35 +222,24 @@ class LlamaCppPython:
             verbose=False,
         )
 
-    def _complete(self, work: Workload, max_tokens: int) -> float:
-        """Seconds for one ``create_completion`` from an empty cache; checks it did it all."""
-        self.llm.reset()  # type: ignore[no-untyped-call]
-        # n_tokens == 0 turns off Llama.generate's prefix reuse; no LlamaCache is attached.
-        if self.llm.n_tokens != 0 or self.llm.cache is not None:
-            raise RuntimeError("llama-cpp-python would reuse a cached prompt prefix")
-        start = time.perf_counter()
-        out = self.llm.create_completion(
-            list(work.prompt), max_tokens=max_tokens, temperature=0.0, logit_bias=dict(work.bias)
-        )
-        seconds = time.perf_counter() - start
-        usage = out["usage"]  # type: ignore[index]
-        if (usage["prompt_tokens"], usage["completion_tokens"]) != (len(work.prompt), max_tokens):
-            raise RuntimeError(f"llama-cpp-python did not do the requested work: {usage}")
-        return seconds
-
-    def _generated(self, work: Workload) -> tuple[int, ...]:
-        n_prompt = len(work.prompt)  # the last sampled token is never evaluated, so not stored
-        return tuple(int(t) for t in self.llm.input_ids[n_prompt : self.llm.n_tokens])
+    def _exact(self, work: Workload, max_tokens: int) -> tuple[float, tuple[int, ...]]:
+        """:meth:`complete` of the workload's prompt, checked to make exactly ``max_tokens``."""
+        seconds, n_generated, decoded = self.complete(work.prompt, max_tokens, bias=work.bias)
+        if n_generated != max_tokens:
+            raise RuntimeError(
+                f"llama-cpp-python made {n_generated} tokens, {max_tokens} were asked for"
+            )
+        return seconds, decoded
 
     def prefill(self, work: Workload) -> Sample:
-        seconds = self._complete(work, 1)
-        return Sample(seconds, len(work.prompt), self._generated(work))
+        seconds, decoded = self._exact(work, 1)
+        return Sample(seconds, len(work.prompt), decoded)
 
     def decode(self, work: Workload) -> Sample:
         # The extra time of n_tokens more tokens: its decode loop cannot be timed from inside.
-        first = self._complete(work, 1)
-        total = self._complete(work, work.n_tokens + 1)
-        return Sample(total - first, work.n_tokens, self._generated(work))
+        first, _ = self._exact(work, 1)
+        total, decoded = self._exact(work, work.n_tokens + 1)
+        return Sample(total - first, work.n_tokens, decoded)
 
     def complete(
         self,
@@ -265,6 +254,7 @@ class LlamaCppPython:
         end-of-generation token, which is not counted), and those of them it decoded (all but
         a last one that ended the run by length), read from its input ids."""
         self.llm.reset()  # type: ignore[no-untyped-call]
+        # n_tokens == 0 turns off Llama.generate's prefix reuse; no LlamaCache is attached.
         if self.llm.n_tokens != 0 or self.llm.cache is not None:
             raise RuntimeError("llama-cpp-python would reuse a cached prompt prefix")
         start = time.perf_counter()
