@@ -240,11 +240,13 @@ class Generator:
             The chunk of text this token completes, with the finish reason on the last one.
 
         Raises:
-            ValueError: generation is finished, or the token does not continue the healed text.
+            ValueError: generation is finished, the token is outside the vocabulary, or it does
+                not continue the healed text.
             GrammarError: the grammar forbids the token here.
         """
         if self.is_done:
             raise ValueError(f"generation is finished ({self.finish_reason}); start a new one")
+        self.model.check_tokens([token])
         if self.grammar is not None:
             self.grammar.accept(token)
         return self._accept(token)

@@ -102,7 +102,10 @@ class Sequence:
     def append_tokens(self, tokens: Seq[int]) -> None:
         """Append token ids (checked against the vocabulary)."""
         self._check_open()
-        tokens = self.model.check_tokens(tokens)
+        self._extend(self.model.check_tokens(tokens))
+
+    def _extend(self, tokens: Seq[int]) -> None:
+        """Append checked tokens, each with a new stamp."""
         self._tokens.extend(tokens)
         self._stamps.extend(next(_stamps) for _ in tokens)
 
@@ -396,7 +399,7 @@ class Sequence:
 
     def _accept(self, chunk: Chunk) -> None:
         self._n_decoded = len(self._tokens)
-        self.append_tokens(chunk.tokens)
+        self._extend(chunk.tokens)  # a generator only emits tokens it checked
 
     def _check_open(self) -> None:
         if self.is_closed:

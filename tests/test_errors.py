@@ -92,6 +92,11 @@ def test_bad_token_ids(model: lcgen.Model) -> None:
         model.detokenize([-1])
     with pytest.raises(ValueError, match="token id 99999999"):
         model.generate("x", max_tokens=1, logit_bias={99999999: 1.0})
+    gen = lcgen.Generator(model, max_tokens=2)
+    for bad in (-1, model.n_vocab):
+        with pytest.raises(ValueError, match=f"token id {bad} is outside"):
+            gen.accept(bad)
+    assert gen.tokens == []
 
 
 @pytest.mark.parametrize(
