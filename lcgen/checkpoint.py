@@ -64,11 +64,13 @@ class SequenceStats:
         fallbacks: rewinds the KV memory could not do in place (sliding-window or recurrent
             memory), so the kept tokens were decoded again.
         tokens_redecoded: tokens decoded again because of those fallbacks.
+        tokens_decoded: every token of this sequence passed to ``llama_decode`` so far.
     """
 
     rewinds: int = 0
     fallbacks: int = 0
     tokens_redecoded: int = 0
+    tokens_decoded: int = 0
 
 
 def encode(

@@ -393,6 +393,21 @@ class Sequence:
         self._rng_log.setdefault(len(self._tokens), self._rng.bit_generator.state)
         self._rng.bit_generator.state = new_rng(seed).bit_generator.state
 
+    def prefill(self) -> int:
+        """Decode every pending token but the last now (the last stays pending, as always), so
+        forks taken next share the cells instead of each decoding the prompt.
+
+        Returns:
+            How many tokens were decoded.
+        """
+        self._check_open()
+        pending = self._tokens[self._n_decoded : -1]
+        if pending:
+            self._ctx.decode([DecodeRequest(self._slot, pending, self._n_decoded, False)])
+            self._n_decoded += len(pending)
+            self.stats.tokens_decoded += len(pending)
+        return len(pending)
+
     def _request(self) -> DecodeRequest:
         self._check_open()
         return DecodeRequest(self._slot, self._tokens[self._n_decoded :], self._n_decoded)
@@ -429,10 +444,12 @@ def step(pairs: Seq[tuple[Sequence, Generator]]) -> list[Chunk]:
         One chunk per pair, in order.
     """
     seqs = [seq for seq, _ in pairs]
-    rows = seqs[0]._ctx.decode([seq._request() for seq in seqs])
+    requests = [seq._request() for seq in seqs]
+    rows = seqs[0]._ctx.decode(requests)
     chunks = []
-    for (seq, gen), row in zip(pairs, rows, strict=True):
+    for (seq, gen), row, request in zip(pairs, rows, requests, strict=True):
         assert row is not None
+        seq.stats.tokens_decoded += len(request.tokens)
         if not gen.sampler.is_greedy:
             seq._rng_log.setdefault(len(seq._tokens), seq._rng.bit_generator.state)
         chunk = gen.step(row)
