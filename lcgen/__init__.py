@@ -19,13 +19,15 @@ from lcgen.errors import (
     LcgenError,
     ModelLoadError,
     ModelNotFoundError,
+    NoCandidatesError,
     RewindError,
     SequenceClosedError,
     SlotsExhaustedError,
     StateFileError,
 )
-from lcgen.generator import Chunk, GenerateOptions, Generator, GeneratorState
+from lcgen.generator import Chunk, GenerateOptions, GenerationStats, Generator, GeneratorState, Text
 from lcgen.grammar import Grammar, GrammarState
+from lcgen.hooks import Override, Resample, Rewind, Step
 from lcgen.model import Model
 from lcgen.sampling import SamplerConfig
 from lcgen.sequence import Sequence
@@ -63,6 +65,7 @@ __all__ = [
     "ContextFullError",
     "DecodeError",
     "GenerateOptions",
+    "GenerationStats",
     "Generator",
     "GeneratorState",
     "Grammar",
@@ -73,6 +76,10 @@ __all__ = [
     "Model",
     "ModelLoadError",
     "ModelNotFoundError",
+    "NoCandidatesError",
+    "Override",
+    "Resample",
+    "Rewind",
     "RewindError",
     "SamplerConfig",
     "Sequence",
@@ -80,5 +87,7 @@ __all__ = [
     "SequenceStats",
     "SlotsExhaustedError",
     "StateFileError",
+    "Step",
+    "Text",
     "load",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections.abc import Callable, Iterable
@@ -53,6 +54,27 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
         default=None,
         help="stop string (repeatable); text stops before it",
     )
+    p.add_argument(
+        "--ban",
+        action="append",
+        default=None,
+        metavar="PHRASE",
+        help="phrase the output must not contain (repeatable); generation backs up and retries",
+    )
+    p.add_argument(
+        "--ban-regex",
+        action="append",
+        default=None,
+        metavar="REGEX",
+        help="regular expression the output must not match (repeatable; bounded length)",
+    )
+    p.add_argument("--ban-ignore-case", action="store_true", help="match --ban in any case")
+    p.add_argument(
+        "--max-retries",
+        type=int,
+        default=None,
+        help="most rewinds and resamples for banned phrases (default 64)",
+    )
 
 
 def _load(args: argparse.Namespace) -> lcgen.Model:
@@ -76,7 +98,27 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "seed": args.seed,
         "stop": args.stop,
         "token_healing": args.token_healing,
+        **_bans(args),
     }
+
+
+def _bans(args: argparse.Namespace) -> dict[str, Any]:
+    """--ban / --ban-regex / --ban-ignore-case / --max-retries as generation options."""
+    patterns = []
+    for regex in args.ban_regex or ():
+        try:
+            patterns.append(re.compile(regex))
+        except re.error as exc:
+            raise ValueError(f"--ban-regex {regex!r} is not a regular expression: {exc}") from None
+    if not args.ban and not patterns:
+        return {}
+    options: dict[str, Any] = {
+        "banned": [*(args.ban or ()), *patterns],
+        "banned_ignore_case": args.ban_ignore_case,
+    }
+    if args.max_retries is not None:
+        options["max_retries"] = args.max_retries
+    return options
 
 
 def _print_stream(chunks: Iterable[Chunk]) -> Chunk | None:
@@ -112,7 +154,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     last = _print_stream(model.stream(args.prompt, **_options(args), **_constraint(args)))
     sys.stdout.write("\n")
     if args.verbose and last is not None:
-        print(f"[finish_reason={last.finish_reason}]", file=sys.stderr)
+        print(f"[finish_reason={last.finish_reason} {last.stats}]", file=sys.stderr)
     return 0
 
 

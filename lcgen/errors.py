@@ -35,6 +35,10 @@ class GrammarError(LcgenError):
     """A grammar could not be parsed, or a token it forbids was forced."""
 
 
+class NoCandidatesError(LcgenError):
+    """Every token is ruled out at a position: exclusions, bans and the grammar together."""
+
+
 class RewindError(LcgenError):
     """A rewind target is not reachable from the sequence's current state."""
 
@@ -53,3 +57,12 @@ class IncompleteOutputError(LcgenError):
     def __init__(self, message: str, text: str) -> None:
         super().__init__(message)
         self.text = text
+
+
+class BatchMismatch(LcgenError):
+    """Two sequence states were combined whose batch sizes differ (and neither is 1)."""
+
+
+class SampleMismatch(LcgenError):
+    """Two sequence states were combined whose sample counts differ (and neither is 1), or
+    samples were asked of a state that already has several per batch element."""

@@ -10,22 +10,24 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import numpy as np
 
-from lcgen.errors import IncompleteOutputError
+from lcgen.errors import IncompleteOutputError, NoCandidatesError
 from lcgen.grammar import Grammar, GrammarState
+from lcgen.hooks import Hook, Validator
 from lcgen.sampling import SamplerConfig, new_rng, sample
 from lcgen.text import Stops, TextState, text_flush, text_step
 
 if TYPE_CHECKING:
     from lcgen.model import Model
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "retries"]
 SchemaLike = Mapping[str, Any] | type[Any]
 # Redraws after a grammar rejection before masking the whole vocabulary.
 _REDRAWS = 8
@@ -40,11 +42,15 @@ class Chunk:
             or a possible stop string is held back).
         tokens: the token(s) sampled in this step.
         finish_reason: None while generating; ``"stop"`` (end-of-generation token, stop token
-            or stop string) or ``"length"`` (``max_tokens`` reached) on the last chunk.
+            or stop string), ``"length"`` (``max_tokens`` reached) or ``"retries"`` (hooks,
+            validators or banned phrases rejected more than ``max_retries`` candidates, or
+            every token was rejected) on the last chunk.
         stop: the stop string that ended generation, if one did.
         logprob: with ``logprobs`` set, the sampled token's log-probability under the model
             (log-softmax of the raw logits, before temperature and filters).
         top_logprobs: with ``logprobs=n``, the n most likely tokens and their log-probabilities.
+        stats: on the last chunk of a sequence's generation, what it cost (tokens decoded,
+            rewinds, resamples).
     """
 
     text: str
@@ -53,6 +59,59 @@ class Chunk:
     stop: str | None = None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+    stats: GenerationStats | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationStats:
+    """What one generation cost.
+
+    Attributes:
+        tokens: tokens generated (kept in the result).
+        decoded: tokens passed to ``llama_decode`` for it, pending prompt tokens included.
+        redecoded: of those, the ones decoded again because a rewind dropped them (a rewind
+            also re-decodes the last kept token, whose logits the next step needs).
+        rewinds: rewinds done by hooks, validators and banned phrases.
+        resamples: candidates redrawn because a hook returned ``Resample``.
+    """
+
+    tokens: int = 0
+    decoded: int = 0
+    redecoded: int = 0
+    rewinds: int = 0
+    resamples: int = 0
+
+
+class Text(str):
+    """The text a generation returned (a ``str``), with how it ended.
+
+    Attributes:
+        finish_reason: as on the last :class:`Chunk`.
+        stop: the stop string that ended it, if one did.
+        tokens: the generated token ids.
+        stats: what the generation cost (:class:`GenerationStats`).
+    """
+
+    finish_reason: FinishReason | None
+    stop: str | None
+    tokens: tuple[int, ...]
+    stats: GenerationStats
+
+    @classmethod
+    def of(cls, chunks: Iterable[Chunk]) -> Text:
+        """Join a generation's chunks."""
+        parts: list[str] = []
+        tokens: list[int] = []
+        last: Chunk | None = None
+        for last in chunks:
+            parts.append(last.text)
+            tokens.extend(last.tokens)
+        text = cls("".join(parts))
+        text.finish_reason = last.finish_reason if last else "length"
+        text.stop = last.stop if last else None
+        text.tokens = tuple(tokens)
+        text.stats = (last.stats if last else None) or GenerationStats()
+        return text
 
 
 class GenerateOptions(TypedDict, total=False):
@@ -76,6 +135,12 @@ class GenerateOptions(TypedDict, total=False):
     grammar: Grammar | None
     choice: Sequence[str] | None
     regex: str | None
+    hooks: Sequence[Hook] | None
+    validators: Sequence[Validator] | None
+    banned: Sequence[str | re.Pattern[str]] | None
+    banned_ignore_case: bool
+    max_retries: int
+    lookback: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +235,7 @@ class Generator:
         self.tokens: list[int] = []
         self.text_state = TextState()
         self.finish_reason: FinishReason | None = "length" if max_tokens == 0 else None
+        self.stop_hit: str | None = None  # the stop string that ended generation
         self.logprobs = logprobs
         constraint = _grammar_from(grammar=grammar, choice=choice, regex=regex, schema=schema)
         self.grammar = constraint.state(model) if constraint is not None else None
@@ -207,27 +273,50 @@ class Generator:
         self.text_state, self.heal = state.text, state.heal
         self.rng.bit_generator.state = state.rng
         self.finish_reason = state.finish_reason
+        self.stop_hit = None
         if state.grammar is not None:
             self.grammar = state.grammar.clone()
         self.recent.clear()
         self.recent.extend(self._history_tail + tuple(self.tokens))
 
-    def step(self, logits: np.ndarray) -> Chunk:
+    def step(
+        self,
+        logits: np.ndarray,
+        *,
+        exclude: Collection[int] = (),
+        temperature: float | None = None,
+    ) -> Chunk:
         """Sample the next token from ``logits`` (shape (n_vocab,)) and accept it.
+
+        Args:
+            logits: the model's logits for the next position.
+            exclude: tokens that must not be drawn here (a ban, or a hook's ``Resample``).
+            temperature: use this temperature for this draw instead of the sampler's.
 
         Raises:
             ValueError: the logits have the wrong shape, or generation is already finished.
+            NoCandidatesError: ``exclude`` and the grammar together leave no token.
         """
         if logits.shape != (self.model.n_vocab,):
             raise ValueError(f"logits must have shape ({self.model.n_vocab},), got {logits.shape}")
+        if self.is_done:
+            raise ValueError(f"generation is finished ({self.finish_reason}); start a new one")
         allowed = logits
         if self.heal:
             allowed = np.full_like(logits, -np.inf)
             ids = self.model.tokens_extending(self.heal)
             allowed[ids] = logits[ids]
-        token = sample(allowed, self.sampler, self.rng, self.recent)
+        if exclude:
+            allowed = np.array(allowed, dtype=np.float32)
+            allowed[self.model.check_tokens(exclude)] = -np.inf
+            if not np.isfinite(allowed).any():
+                raise NoCandidatesError(f"all {self.model.n_vocab} tokens are excluded here")
+        sampler = self.sampler
+        if temperature is not None:
+            sampler = dataclasses.replace(sampler, temperature=temperature)
+        token = sample(allowed, sampler, self.rng, self.recent)
         if self.grammar is not None and not self.grammar.try_accept(token):
-            token = self._sample_allowed(allowed, token)
+            token = self._sample_allowed(allowed, token, sampler)
         chunk = self._accept(token)
         if self.logprobs is None:
             return chunk
@@ -256,15 +345,15 @@ class Generator:
         self.tokens.append(token)
         self.recent.append(token)
         if token in self.stop_tokens or self.model.is_eog(token):
-            return self._finish(token, "stop", None)
+            return self._finish((token,), "stop", None)
         state, text, hit = text_step(self.text_state, piece, self.stops)
         self.text_state = state
         if hit is not None:
-            return self._finish(token, "stop", hit, text)
+            return self._finish((token,), "stop", hit, text)
         if self._grammar_can_only_end():
-            return self._finish(token, "stop", None, text)
+            return self._finish((token,), "stop", None, text)
         if len(self.tokens) >= self.max_tokens:
-            return self._finish(token, "length", None, text)
+            return self._finish((token,), "length", None, text)
         return Chunk(text, (token,))
 
     def _grammar_can_only_end(self) -> bool:
@@ -274,7 +363,7 @@ class Generator:
         allowed[list(self.grammar.end_tokens)] = False
         return not allowed.any()
 
-    def _sample_allowed(self, logits: np.ndarray, rejected: int) -> int:
+    def _sample_allowed(self, logits: np.ndarray, rejected: int, sampler: SamplerConfig) -> int:
         """A token the grammar allows, drawn as if from ``logits`` masked to the grammar.
 
         Redraws without the rejected tokens first (a few microseconds per check; exact, since
@@ -287,11 +376,14 @@ class Generator:
         for _ in range(_REDRAWS):
             if not np.isfinite(work).any():
                 break
-            token = sample(work, self.sampler, self.rng, self.recent)
+            token = sample(work, sampler, self.rng, self.recent)
             if self.grammar.try_accept(token):
                 return token
             work[token] = -np.inf
-        token = sample(self.grammar.mask(logits), self.sampler, self.rng, self.recent)
+        masked = self.grammar.mask(logits)
+        if not np.isfinite(masked).any():
+            raise NoCandidatesError("the grammar allows none of the tokens not excluded here")
+        token = sample(masked, sampler, self.rng, self.recent)
         self.grammar.accept(token)
         return token
 
@@ -310,14 +402,26 @@ class Generator:
             f"token {token} ({piece!r}) does not continue the healed text {self.heal!r}"
         )
 
-    def _finish(self, token: int, reason: FinishReason, hit: str | None, text: str = "") -> Chunk:
+    def end(self, reason: FinishReason) -> Chunk:
+        """Finish now (no token): release the text held back, with ``reason`` on the chunk.
+
+        Raises:
+            ValueError: generation is already finished.
+        """
+        if self.is_done:
+            raise ValueError(f"generation is finished ({self.finish_reason}); start a new one")
+        return self._finish((), reason, None)
+
+    def _finish(
+        self, tokens: tuple[int, ...], reason: FinishReason, hit: str | None, text: str = ""
+    ) -> Chunk:
         if hit is None:
             rest, hit = text_flush(self.text_state, self.stops)
             text += rest
             reason = "stop" if hit is not None else reason
         self.text_state = TextState()
-        self.finish_reason = reason
-        return Chunk(text, (token,), reason, hit)
+        self.finish_reason, self.stop_hit = reason, hit
+        return Chunk(text, tokens, reason, hit)
 
 
 def _logprobs(logits: np.ndarray, token: int, n_top: int) -> dict[str, Any]:

@@ -17,9 +17,10 @@ from typing import Any, TypeVar, Unpack, overload
 import numpy as np
 
 from lcgen import _llama
+from lcgen.backtrack import Backtracker
 from lcgen.context import Context
-from lcgen.generator import Chunk, GenerateOptions, Generator, SchemaLike, parse_structured
-from lcgen.sequence import Sequence, step
+from lcgen.generator import Chunk, GenerateOptions, SchemaLike, Text, parse_structured
+from lcgen.sequence import Run, Sequence, step
 
 Message = Mapping[str, str]
 _M = TypeVar("_M")
@@ -190,9 +191,9 @@ class Model:
         """The prompt tokens for ``messages``, ending where the assistant's reply starts."""
         return self.tokenize(self.format_chat(messages), special=True)
 
-    def chat(self, messages: Seq[Message], **options: Unpack[GenerateOptions]) -> str:
+    def chat(self, messages: Seq[Message], **options: Unpack[GenerateOptions]) -> Text:
         """The assistant's reply to ``messages`` (see :meth:`generate` for the options)."""
-        return "".join(chunk.text for chunk in self.chat_stream(messages, **options))
+        return Text.of(self.chat_stream(messages, **options))
 
     def chat_stream(
         self, messages: Seq[Message], **options: Unpack[GenerateOptions]
@@ -248,7 +249,7 @@ class Model:
         self, prompt: str, *, schema: Mapping[str, Any], **options: Unpack[GenerateOptions]
     ) -> Any: ...
     @overload
-    def generate(self, prompt: str, **options: Unpack[GenerateOptions]) -> str: ...
+    def generate(self, prompt: str, **options: Unpack[GenerateOptions]) -> Text: ...
     @overload
     def generate(self, prompt: list[str], **options: Unpack[GenerateOptions]) -> list[Any]: ...
     def generate(
@@ -282,33 +283,34 @@ class Model:
 
     def _generate_batch(
         self, prompts: list[str], schema: SchemaLike | None, options: GenerateOptions
-    ) -> list[str]:
-        texts: list[list[str]] = [[] for _ in prompts]
+    ) -> list[Text]:
+        chunks: list[list[Chunk]] = [[] for _ in prompts]
         waiting = deque(enumerate(prompts))
-        running: list[tuple[int, Sequence, Generator]] = []
+        running: list[tuple[int, Sequence, Run | Backtracker]] = []
         try:
             while waiting or running:
                 while waiting and (self.context.n_free_slots or not running):
                     i, prompt = waiting.popleft()
                     seq = self.sequence(prompt)
-                    gen = seq.generator(schema=schema, **options)
-                    if gen.is_done:  # max_tokens=0
+                    run = seq.run(schema=schema, **options)
+                    if run.is_done:  # max_tokens=0
                         seq.close()
                         continue
-                    running.append((i, seq, gen))
+                    running.append((i, seq, run))
                 if not running:
                     break
-                chunks = step([(seq, gen) for _, seq, gen in running])
-                for (i, _, _), chunk in zip(running, chunks, strict=True):
-                    texts[i].append(chunk.text)
-                for _, seq, gen in running:
-                    if gen.is_done:
+                for (i, _, _), chunk in zip(
+                    running, step([(seq, run) for _, seq, run in running]), strict=True
+                ):
+                    chunks[i].append(chunk)
+                for _, seq, run in running:
+                    if run.is_done:
                         seq.close()
                 running = [job for job in running if not job[2].is_done]
         finally:
             for _, seq, _ in running:
                 seq.close()
-        return ["".join(parts) for parts in texts]
+        return [Text.of(parts) for parts in chunks]
 
     # lifetime --------------------------------------------------------------------------
     def close(self) -> None:

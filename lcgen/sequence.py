@@ -20,11 +20,22 @@ from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
 from typing import TYPE_CHECKING, Any, TypeVar, Unpack, overload
 
+import numpy as np
+
 from lcgen import checkpoint as ckpt
+from lcgen.backtrack import BACKTRACK_OPTIONS, Backtracker
 from lcgen.checkpoint import Checkpoint, RngState, SequenceStats
 from lcgen.context import Context, DecodeRequest
 from lcgen.errors import ContextFullError, RewindError, SequenceClosedError, StateFileError
-from lcgen.generator import Chunk, GenerateOptions, Generator, SchemaLike, parse_structured
+from lcgen.generator import (
+    Chunk,
+    GenerateOptions,
+    GenerationStats,
+    Generator,
+    SchemaLike,
+    Text,
+    parse_structured,
+)
 from lcgen.sampling import new_rng
 
 if TYPE_CHECKING:
@@ -155,6 +166,9 @@ class Sequence:
         return cp if generator is None else dataclasses.replace(cp, generation=generator.state)
 
     def _checkpoint_at(self, n_tokens: int) -> Checkpoint:
+        if n_tokens == len(self._tokens):  # nothing is logged past the end
+            rng_state = self._rng_log.get(n_tokens) or self._rng.bit_generator.state
+            return Checkpoint(n_tokens, self._stamps[n_tokens], self._uid, rng_state)
         logged = list(self._rng_log)  # positions only grow between prunes: already sorted
         at = bisect.bisect_left(logged, n_tokens)
         rng_state = self._rng_log[logged[at]] if at < len(logged) else self._rng.bit_generator.state
@@ -331,16 +345,16 @@ class Sequence:
             SequenceClosedError: the sequence was closed.
             GrammarError: the constraint cannot be built or enforced.
         """
-        gen = self.generator(schema=schema, **options)
-        while not gen.is_done:
-            yield step([(self, gen)])[0]
+        run = self.run(schema=schema, **options)
+        while not run.is_done:
+            yield step([(self, run)])[0]
 
     @overload
     def generate(self, *, schema: type[_M], **options: Unpack[GenerateOptions]) -> _M: ...
     @overload
     def generate(self, *, schema: Mapping[str, Any], **options: Unpack[GenerateOptions]) -> Any: ...
     @overload
-    def generate(self, **options: Unpack[GenerateOptions]) -> str: ...
+    def generate(self, **options: Unpack[GenerateOptions]) -> Text: ...
     @overload
     def generate(self, *, schema: SchemaLike | None, **options: Unpack[GenerateOptions]) -> Any: ...
     def generate(
@@ -353,14 +367,37 @@ class Sequence:
             IncompleteOutputError: with ``schema``, generation stopped before the value was
                 complete (the partial text is on the exception).
         """
-        text = "".join(chunk.text for chunk in self.stream(schema=schema, **options))
+        text = Text.of(self.stream(schema=schema, **options))
         return text if schema is None else parse_structured(text, schema)
+
+    def run(
+        self, *, schema: SchemaLike | None = None, **options: Unpack[GenerateOptions]
+    ) -> Run | Backtracker:
+        """One generation on this sequence, to advance with :func:`step` (``stream`` is this
+        in a loop): a plain one, or a :class:`~lcgen.backtrack.Backtracker` when hooks,
+        validators or banned phrases are given."""
+        settings: dict[str, Any] = dict(options)
+        backtrack = {key: settings.pop(key) for key in BACKTRACK_OPTIONS & settings.keys()}
+        gen = self.generator(schema=schema, **settings)
+        if backtrack.get("hooks") or backtrack.get("validators") or backtrack.get("banned"):
+            return Backtracker(self, gen, **backtrack)
+        return Run(self, gen)
 
     def generator(
         self, *, schema: SchemaLike | None = None, **options: Unpack[GenerateOptions]
     ) -> Generator:
-        """A :class:`Generator` set up to continue this sequence (checks the context size)."""
+        """A :class:`Generator` set up to continue this sequence (checks the context size).
+
+        Raises:
+            ValueError: an option that needs the sequence's rewinds (hooks, validators,
+                banned, ...) was given: use :meth:`run`, :meth:`stream` or :meth:`generate`.
+        """
         self._check_open()
+        if BACKTRACK_OPTIONS & options.keys():
+            raise ValueError(
+                f"{sorted(BACKTRACK_OPTIONS & options.keys())} need the sequence to rewind: "
+                "use seq.run(), seq.stream() or seq.generate()"
+            )
         if not self._tokens:
             raise ValueError("the sequence is empty: append a prompt before generating")
         settings: dict[str, Any] = dict(options)
@@ -408,6 +445,18 @@ class Sequence:
             self.stats.tokens_decoded += len(pending)
         return len(pending)
 
+    def _log_rng(self, gen: Generator, temperature: float | None = None) -> None:
+        """Log the RNG state before the first draw at this position (rewinds restore it)."""
+        if not gen.sampler.is_greedy or temperature:
+            self._rng_log.setdefault(len(self._tokens), self._rng.bit_generator.state)
+
+    def _sample(self, gen: Generator, row: np.ndarray) -> Chunk:
+        """Sample the next token from ``row`` with ``gen`` and append it."""
+        self._log_rng(gen)
+        chunk = gen.step(row)
+        self._extend(chunk.tokens)  # a generator only emits tokens it checked
+        return chunk
+
     def _request(self) -> DecodeRequest:
         self._check_open()
         return DecodeRequest(self._slot, self._tokens[self._n_decoded :], self._n_decoded)
@@ -434,14 +483,38 @@ class Sequence:
         self.close()
 
 
-def step(pairs: Seq[tuple[Sequence, Generator]]) -> list[Chunk]:
-    """Advance every (sequence, generator) pair by one token, decoding them in one batch.
+class Run:
+    """One plain generation on a sequence (see :meth:`Sequence.run`): its generator, and the
+    cost put on the last chunk."""
+
+    def __init__(self, seq: Sequence, gen: Generator) -> None:
+        self.seq, self.gen = seq, gen
+        self._decoded0, self._kv0 = seq.stats.tokens_decoded, seq._n_decoded
+
+    @property
+    def is_done(self) -> bool:
+        return self.gen.is_done
+
+    def advance(self, row: np.ndarray) -> Chunk:
+        chunk = self.seq._sample(self.gen, row)
+        if not self.gen.is_done:
+            return chunk
+        decoded = self.seq.stats.tokens_decoded - self._decoded0
+        kept = self.seq._n_decoded - self._kv0
+        stats = GenerationStats(len(self.gen.tokens), decoded, decoded - kept)
+        return dataclasses.replace(chunk, stats=stats)
+
+
+def step(pairs: Seq[tuple[Sequence, Generator | Run | Backtracker]]) -> list[Chunk]:
+    """Advance every sequence by one token, decoding them all in one batch.
 
     Each sequence's pending tokens (a prompt, appended text, or the last sampled token) are
-    decoded together; each generator then samples from its sequence's logits.
+    decoded together; each generation (a :class:`Generator`, or a run from
+    :meth:`Sequence.run`) then samples from its sequence's logits.
 
     Returns:
-        One chunk per pair, in order.
+        One chunk per pair, in order (a backtracking run's chunk holds the text that became
+        final, possibly none).
     """
     seqs = [seq for seq, _ in pairs]
     requests = [seq._request() for seq in seqs]
@@ -450,9 +523,13 @@ def step(pairs: Seq[tuple[Sequence, Generator]]) -> list[Chunk]:
     for (seq, gen), row, request in zip(pairs, rows, requests, strict=True):
         assert row is not None
         seq.stats.tokens_decoded += len(request.tokens)
-        if not gen.sampler.is_greedy:
-            seq._rng_log.setdefault(len(seq._tokens), seq._rng.bit_generator.state)
-        chunk = gen.step(row)
-        seq._accept(chunk)
-        chunks.append(chunk)
+        seq._n_decoded = len(seq._tokens)
+        try:
+            chunks.append(seq._sample(gen, row) if isinstance(gen, Generator) else gen.advance(row))
+        except BaseException:
+            # Sampling failed (a hook raised, an interrupt): keep the last token pending, as
+            # every step expects, by dropping its cell; the next step decodes it again.
+            if not seq.is_closed and seq._n_decoded == len(seq._tokens):
+                seq._keep_prefix(len(seq._tokens))
+            raise
     return chunks

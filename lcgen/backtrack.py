@@ -1,0 +1,329 @@
+"""Backtracking generation: hooks, validators and banned phrases, paid for with rewinds.
+
+A :class:`Backtracker` drives one (sequence, generator) pair. Each step it samples a candidate,
+lets the hooks accept, replace, redraw or reject it, appends it, runs the validators and the
+banned-phrase matcher on the text, and rewinds through the sequence's checkpoints when any of
+them asks to. Nothing is decoded again except the tokens a rewind dropped (plus the last kept
+token, whose logits the next step needs): the prompt is decoded once.
+
+Streaming holds text back only as far as a rewind could still reach: the part that could become
+a banned phrase and, when hooks or validators are given, the last ``lookback`` tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from lcgen.checkpoint import Checkpoint
+from lcgen.errors import NoCandidatesError, RewindError
+from lcgen.generator import Chunk, FinishReason, GenerationStats, Generator
+from lcgen.hooks import BannedPhrases, Hook, Override, Resample, Rewind, Step, Validator
+
+if TYPE_CHECKING:
+    import re
+
+    from lcgen.sequence import Sequence
+
+DEFAULT_MAX_RETRIES = 64
+DEFAULT_LOOKBACK = 16
+
+
+# The generation options that need a sequence to rewind (see :class:`Backtracker`).
+BACKTRACK_OPTIONS = frozenset(
+    ("hooks", "validators", "banned", "banned_ignore_case", "max_retries", "lookback")
+)
+
+
+@dataclass(slots=True)
+class _Mark:
+    """What the backtracker knows about the state before one generated token."""
+
+    checkpoint: Checkpoint | None  # None once no rewind can reach it (frees the grammar clone)
+    out_len: int  # characters of the generator's output before the token
+    visible: int  # characters of the text so far (output + text held for stop strings)
+    held_bytes: bool  # whether part of a character was held (it started in an earlier token)
+
+
+class Backtracker:
+    """Runs hooks, validators and banned phrases over one sequence's generation.
+
+    Args:
+        seq: the sequence generated on.
+        gen: its generator (created by ``seq.generator``).
+        hooks: called with a :class:`~lcgen.hooks.Step` for each sampled candidate, in order;
+            each returns None (accept), ``Override(token)`` (the next hooks see the new
+            token), ``Resample(exclude, temperature)`` or ``Rewind(n, ban)`` (the hooks then
+            start over on the next candidate).
+        validators: called with the generated text after each token; return None or
+            ``Rewind(n, ban)``.
+        banned: phrases the output must not contain (``str`` literal, ``re.Pattern``): the
+            sequence is rewound to the token where one starts, that token is banned at that
+            position, and generation goes on.
+        banned_ignore_case: match the literal phrases regardless of case.
+        max_retries: the most resamples and rewinds in the whole generation; one more ends it
+            with finish reason ``"retries"`` (what was rejected is still removed).
+        lookback: the most tokens a hook's or validator's ``Rewind`` can drop; streams hold
+            back the text of that many tokens when hooks or validators are given.
+
+    Raises:
+        ValueError: a setting is out of range, or ``logprobs`` was asked for too.
+    """
+
+    def __init__(
+        self,
+        seq: Sequence,
+        gen: Generator,
+        *,
+        hooks: Seq[Hook] | None = None,
+        validators: Seq[Validator] | None = None,
+        banned: Seq[str | re.Pattern[str]] | None = None,
+        banned_ignore_case: bool = False,
+        max_retries: int = DEFAULT_MAX_RETRIES,
+        lookback: int = DEFAULT_LOOKBACK,
+    ) -> None:
+        if max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {max_retries!r}")
+        if lookback < 1:
+            raise ValueError(f"lookback must be >= 1, got {lookback!r}")
+        if gen.logprobs is not None:
+            raise ValueError("logprobs cannot be combined with hooks, validators or banned yet")
+        self.seq, self.gen = seq, gen
+        self.hooks = tuple(hooks or ())
+        self.validators = tuple(validators or ())
+        self.banned = BannedPhrases(banned or (), banned_ignore_case)
+        self.max_retries, self.lookback = max_retries, lookback
+        self.finish_reason: FinishReason | None = gen.finish_reason  # set when max_tokens=0
+        self._marks: list[_Mark] = []
+        self._visible_at: list[int] = []  # _marks[i].visible, for bisecting
+        self._out = ""  # the generator's output so far
+        self._emitted = 0  # characters of it streamed
+        self._emitted_tokens = 0
+        self._scan_from = 0  # banned matches cannot start before this character
+        self._bans: dict[int, set[int]] = {}  # generated index -> tokens banned there
+        self._rewinds = self._resamples = 0
+        self._decoded0 = seq.stats.tokens_decoded
+        self._kv0 = seq._n_decoded
+
+    @property
+    def is_done(self) -> bool:
+        return self.finish_reason is not None
+
+    # one step ----------------------------------------------------------------------------
+    def advance(self, row: np.ndarray) -> Chunk:
+        """Sample, check and append the next token from ``row`` (the logits after the
+        sequence's last token); rewind when asked. Returns the text that became final."""
+        seq, gen = self.seq, self.gen
+        index = len(gen.tokens)
+        if len(self._marks) == index:
+            mark = self._mark()
+            self._marks.append(mark)
+            self._visible_at.append(mark.visible)
+        before = self._marks[index].checkpoint
+        assert before is not None and before.generation is not None
+        exclude = set(self._bans.get(index, ()))
+        temperature: float | None = None
+        while True:
+            seq._log_rng(gen, temperature)
+            try:
+                chunk = gen.step(row, exclude=exclude, temperature=temperature)
+            except NoCandidatesError:
+                return self._exhausted(index)
+            try:
+                chunk, action = self._run_hooks(chunk, row, before)
+            except BaseException:
+                gen.restore(before.generation)
+                raise
+            if not isinstance(action, Resample):
+                break
+            drawn = gen.rng.bit_generator.state  # a redraw takes fresh randomness
+            gen.restore(before.generation)
+            gen.rng.bit_generator.state = drawn
+            if not self._retry():
+                return self._end("retries")
+            self._resamples += 1
+            exclude.update(action.exclude)
+            temperature = action.temperature if action.temperature is not None else temperature
+        seq._extend(chunk.tokens)
+        self._out += chunk.text
+        if isinstance(action, Rewind):
+            return self._rewind(action, "a hook")
+        text = self._visible()
+        for validator in self.validators:
+            try:
+                verdict = validator(text)
+            except BaseException:
+                self.seq.rewind(before, gen)  # back to the last good state: before the token
+                raise
+            if verdict is not None:
+                if not isinstance(verdict, Rewind):
+                    raise TypeError(
+                        f"validator {validator!r} returned {verdict!r}; expected None or Rewind"
+                    )
+                return self._rewind(verdict, "a validator")
+        if self.banned:
+            start = self.banned.find(text, self._scan_from, gen.is_done)
+            if start is not None:
+                return self._rewind_to(self._token_of(start), ban=True)
+            self._scan_from = self.banned.hold_from(text)
+        return self._emit()
+
+    def _mark(self) -> _Mark:
+        held = self.gen.text_state.held_bytes
+        cp = self.seq.checkpoint(self.gen)
+        return _Mark(cp, len(self._out), len(self._visible()), bool(held))
+
+    def _visible(self) -> str:
+        return self._out + self.gen.text_state.held_text
+
+    def _run_hooks(
+        self, chunk: Chunk, row: np.ndarray, before: Checkpoint
+    ) -> tuple[Chunk, Resample | Rewind | None]:
+        step: Step | None = None
+        for hook in self.hooks:
+            if step is None or step.token != chunk.tokens[0]:
+                text = self._out + chunk.text + self.gen.text_state.held_text
+                index = len(self.gen.tokens) - 1
+                step = Step(self.seq.model, len(self.seq), index, chunk.tokens[0], text, row)
+            action = hook(step)
+            if action is None:
+                continue
+            if isinstance(action, Override):
+                assert before.generation is not None
+                drawn = self.gen.rng.bit_generator.state
+                self.gen.restore(before.generation)
+                self.gen.rng.bit_generator.state = drawn
+                chunk = self.gen.accept(action.token)
+            elif isinstance(action, Resample | Rewind):
+                return chunk, action
+            else:
+                raise TypeError(
+                    f"hook {hook!r} returned {action!r}; "
+                    "expected None, Override, Resample or Rewind"
+                )
+        return chunk, None
+
+    # rewinds -----------------------------------------------------------------------------
+    def _rewind(self, action: Rewind, who: str) -> Chunk:
+        n_gen = len(self.gen.tokens)
+        if action.chars is None:
+            n = 1 if action.n is None else action.n
+        else:
+            text = self._visible()
+            if action.chars > len(text):
+                raise RewindError(
+                    f"{who} asked to rewind {action.chars} characters, but only {len(text)} "
+                    "were generated; the prompt cannot be rewound"
+                )
+            n = n_gen - self._token_of(len(text) - action.chars)
+        if n > min(self.lookback, n_gen):
+            raise RewindError(
+                f"{who} asked to rewind {n} tokens, but only {min(self.lookback, n_gen)} can be "
+                f"(generated: {n_gen}, lookback={self.lookback}); the prompt cannot be rewound"
+            )
+        return self._rewind_to(n_gen - n, action.ban)
+
+    def _rewind_to(self, index: int, ban: bool) -> Chunk:
+        """Drop the generated tokens from ``index`` on; with ``ban``, forbid the one there."""
+        if not self._retry():
+            self._rewind_quietly(index)
+            return self._end("retries")
+        token = self.gen.tokens[index]
+        self._rewind_quietly(index)
+        self._rewinds += 1
+        if ban:
+            self._bans.setdefault(index, set()).add(token)
+        return self._emit()
+
+    def _rewind_quietly(self, index: int) -> None:
+        mark = self._marks[index]
+        if not self._reachable(index) or mark.checkpoint is None:
+            raise RewindError(
+                f"cannot rewind to generated token {index}: the text before it is final "
+                "(already streamed)"
+            )
+        self.seq.rewind(mark.checkpoint, self.gen)
+        del self._marks[index + 1 :]
+        del self._visible_at[index + 1 :]
+        self._out = self._out[: mark.out_len]
+        for later in [i for i in self._bans if i > index]:
+            del self._bans[later]  # the text before them changed: they no longer apply
+        self._scan_from = min(self._scan_from, self.banned.hold_from(self._visible()))
+
+    def _exhausted(self, index: int) -> Chunk:
+        """Every token is ruled out here: the token before was a dead end (unless it is final)."""
+        if index == 0 or not self._reachable(index - 1):
+            return self._end("retries")
+        return self._rewind_to(index - 1, ban=True)
+
+    def _reachable(self, index: int) -> bool:
+        mark = self._marks[index]
+        return mark.checkpoint is not None and mark.out_len >= self._emitted
+
+    def _retry(self) -> bool:
+        return self._rewinds + self._resamples < self.max_retries
+
+    def _token_of(self, char: int) -> int:
+        """The generated token holding the first byte of character ``char``."""
+        n = len(self.gen.tokens)
+        if char >= len(self._visible()):  # the next character: not complete yet
+            index = n
+        else:
+            index = bisect.bisect_right(self._visible_at, char, 0, n) - 1
+        # A character that was waiting for bytes when a token began started in an earlier one.
+        while index > 0 and self._starts_inside(index, char):
+            index -= 1
+        return index
+
+    def _starts_inside(self, index: int, char: int) -> bool:
+        if index == len(self.gen.tokens):
+            return bool(self.gen.text_state.held_bytes) and len(self._visible()) == char
+        mark = self._marks[index]
+        return mark.held_bytes and mark.visible == char
+
+    # output ------------------------------------------------------------------------------
+    def _emit(self) -> Chunk:
+        """The output text no rewind can reach any more (all of it once generation ended)."""
+        gen = self.gen
+        if gen.is_done:
+            return self._chunk(len(self._out), len(gen.tokens), gen.finish_reason)
+        final = len(gen.tokens)
+        if self.hooks or self.validators:
+            final = max(0, final - self.lookback)
+        if self.banned:
+            final = min(final, self._token_of(self.banned.hold_from(self._visible())))
+        for mark in self._marks[self._emitted_tokens : final]:
+            mark.checkpoint = None
+        end = self._marks[final].out_len if final < len(self._marks) else len(self._out)
+        return self._chunk(max(end, self._emitted), final, None)
+
+    def _end(self, reason: FinishReason) -> Chunk:
+        """Finish early; first cut any banned match that counts now that the text ends."""
+        while True:
+            self._out += self.gen.end(reason).text
+            start = self.banned.find(self._out, self._scan_from, True) if self.banned else None
+            if start is None:
+                return self._chunk(len(self._out), len(self.gen.tokens), self.gen.finish_reason)
+            self._rewind_quietly(self._token_of(start))
+
+    def _chunk(self, end: int, n_tokens: int, reason: FinishReason | None) -> Chunk:
+        text = self._out[self._emitted : end]
+        tokens = tuple(self.gen.tokens[self._emitted_tokens : n_tokens])
+        self._emitted, self._emitted_tokens = end, max(n_tokens, self._emitted_tokens)
+        if reason is None:
+            return Chunk(text, tokens)
+        self.finish_reason = reason
+        return Chunk(text, tokens, reason, self.gen.stop_hit, stats=self.stats())
+
+    def stats(self) -> GenerationStats:
+        """What the generation has cost so far."""
+        seq = self.seq
+        decoded = seq.stats.tokens_decoded - self._decoded0
+        kept = seq._n_decoded - self._kv0
+        return GenerationStats(
+            len(self.gen.tokens), decoded, decoded - kept, self._rewinds, self._resamples
+        )
