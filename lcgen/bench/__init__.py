@@ -56,7 +56,7 @@ from pathlib import Path
 import llama_cpp as C
 
 import lcgen
-from lcgen.bench import checkpoints, constrained, rows
+from lcgen.bench import antislop, checkpoints, constrained, rows
 from lcgen.bench.harness import (
     Bench,
     Row,
@@ -95,6 +95,7 @@ ROWS: dict[str, RowFactory] = {
     **rows.FACTORIES,
     **checkpoints.FACTORIES,
     **constrained.FACTORIES,
+    **antislop.FACTORIES,
 }
 NOT_QUICK = ("constrained-gemma",)  # loads a second model: only when named under --quick
 DESCRIPTION = (

@@ -19,6 +19,7 @@ UNITS: dict[str, Callable[[Sample], float]] = {
     "ms": lambda s: 1e3 * s.seconds / s.count,
     "GB/s": lambda s: s.count / s.seconds / 1e9,
     "bytes": lambda s: s.count,
+    "count": lambda s: s.count,
 }
 
 
