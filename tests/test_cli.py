@@ -40,6 +40,23 @@ def test_generate_with_stop_and_seed(model: lcgen.Model) -> None:
     assert out.stdout == expected + "\n"
 
 
+def test_generate_with_banned_phrases(model: lcgen.Model) -> None:
+    prompt = "The history of Rome is a rich"
+    assert "tapestry" in model.generate(prompt, max_tokens=12)  # measured
+    args = ["--ban", "tapestry", "--ban-regex", r"\bmosaic\b", "--ban-ignore-case"]
+    out = run("generate", "smollm2-135m", prompt, *ARGS, *args)
+    assert out.returncode == 0, out.stderr
+    expected = model.generate(
+        prompt,
+        max_tokens=12,
+        banned=["tapestry", re.compile(r"\bmosaic\b")],
+        banned_ignore_case=True,
+    )
+    assert out.stdout == expected + "\n" and "tapestry" not in out.stdout
+    bad = run("generate", "smollm2-135m", prompt, *ARGS, "--ban-regex", "(")
+    assert bad.returncode != 0 and "--ban-regex '('" in bad.stderr
+
+
 def test_chat_reads_turns_from_stdin(model: lcgen.Model) -> None:
     out = run("chat", "smollm2-135m", *ARGS, stdin="Name three colors.\n/exit\n")
     assert out.returncode == 0, out.stderr
