@@ -157,7 +157,7 @@ class Backtracker:
             try:
                 verdict = validator(text)
             except BaseException:
-                self.seq.rewind(before, gen)  # back to the last good state: before the token
+                self._rewind_quietly(index)  # back to the last good state: before the token
                 raise
             if verdict is not None:
                 if not isinstance(verdict, Rewind):

@@ -370,6 +370,23 @@ def test_a_validator_rewinds_by_characters(model: lcgen.Model) -> None:
     )
 
 
+def test_validator_errors_leave_the_sequence_before_the_token(model: lcgen.Model) -> None:
+    plain = chat(model, ROME, max_tokens=8)
+
+    def picky(text: str) -> None:
+        if len(text) > 10:
+            raise LookupError(text)
+
+    with model.sequence(model.chat_tokens(ROME)) as seq:
+        n = seq.n_tokens
+        with pytest.raises(LookupError) as info:
+            seq.generate(max_tokens=8, validators=[picky])
+        kept = seq.tokens[n:]
+        assert model.detokenize(kept) == model.detokenize(plain.tokens[: len(kept)])
+        assert len(model.detokenize(kept)) <= 10 < len(str(info.value))
+        assert seq.generate(max_tokens=8 - len(kept)).tokens == plain.tokens[len(kept) :]
+
+
 def test_no_digits_validator(model: lcgen.Model) -> None:
     count = [{"role": "user", "content": "Count from 1 to 10."}]
     assert re.search(r"\d", chat(model, count, max_tokens=20))
