@@ -10,8 +10,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from lcgen import generate
 from lcgen.checkpoint import Checkpoint, SequenceStats
+from lcgen.continuous import SequenceState, continuous
 from lcgen.errors import (
+    BatchMismatch,
     ContextFullError,
     DecodeError,
     GrammarError,
@@ -21,6 +24,7 @@ from lcgen.errors import (
     ModelNotFoundError,
     NoCandidatesError,
     RewindError,
+    SampleMismatch,
     SequenceClosedError,
     SlotsExhaustedError,
     StateFileError,
@@ -60,6 +64,7 @@ def load(ref: str | os.PathLike[str] = DEFAULT_MODEL, **options: Any) -> Model:
 
 __all__ = [
     "DEFAULT_MODEL",
+    "BatchMismatch",
     "Checkpoint",
     "Chunk",
     "ContextFullError",
@@ -81,13 +86,17 @@ __all__ = [
     "Resample",
     "Rewind",
     "RewindError",
+    "SampleMismatch",
     "SamplerConfig",
     "Sequence",
     "SequenceClosedError",
+    "SequenceState",
     "SequenceStats",
     "SlotsExhaustedError",
     "StateFileError",
     "Step",
     "Text",
+    "continuous",
+    "generate",
     "load",
 ]

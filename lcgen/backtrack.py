@@ -13,6 +13,8 @@ a banned phrase and, when hooks or validators are given, the last ``lookback`` t
 from __future__ import annotations
 
 import bisect
+import dataclasses
+import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -21,7 +23,7 @@ import numpy as np
 
 from lcgen.checkpoint import Checkpoint
 from lcgen.errors import NoCandidatesError, RewindError
-from lcgen.generator import Chunk, FinishReason, GenerationStats, Generator
+from lcgen.generator import Chunk, FinishReason, GenerationStats, Generator, logprobs_of
 from lcgen.hooks import BannedPhrases, Hook, Override, Resample, Rewind, Step, Validator
 
 if TYPE_CHECKING:
@@ -71,7 +73,7 @@ class Backtracker:
             back the text of that many tokens when hooks or validators are given.
 
     Raises:
-        ValueError: a setting is out of range, or ``logprobs`` was asked for too.
+        ValueError: a setting is out of range.
     """
 
     def __init__(
@@ -90,8 +92,6 @@ class Backtracker:
             raise ValueError(f"max_retries must be >= 0, got {max_retries!r}")
         if lookback < 1:
             raise ValueError(f"lookback must be >= 1, got {lookback!r}")
-        if gen.logprobs is not None:
-            raise ValueError("logprobs cannot be combined with hooks, validators or banned yet")
         self.seq, self.gen = seq, gen
         self.hooks = tuple(hooks or ())
         self.validators = tuple(validators or ())
@@ -106,6 +106,9 @@ class Backtracker:
         self._scan_from = 0  # banned matches cannot start before this character
         self._bans: dict[int, set[int]] = {}  # generated index -> tokens banned there
         self._rewinds = self._resamples = 0
+        # With ``logprobs``: each generated token's log-probability (a released chunk carries
+        # the sum over its tokens).
+        self.token_logprobs: list[float] = []
         self._decoded0 = seq.stats.tokens_decoded
         self._kv0 = seq._n_decoded
 
@@ -150,6 +153,11 @@ class Backtracker:
             temperature = action.temperature if action.temperature is not None else temperature
         seq._extend(chunk.tokens)
         self._out += chunk.text
+        if gen.logprobs is not None:
+            if chunk.logprob is None:  # an Override: accepted without sampling
+                chunk = dataclasses.replace(chunk, **logprobs_of(row, chunk.tokens[0], 0))
+            assert chunk.logprob is not None
+            self.token_logprobs.append(chunk.logprob)
         if isinstance(action, Rewind):
             return self._rewind(action, "a hook")
         text = self._visible()
@@ -249,6 +257,7 @@ class Backtracker:
         self.seq.rewind(mark.checkpoint, self.gen)
         del self._marks[index + 1 :]
         del self._visible_at[index + 1 :]
+        del self.token_logprobs[index:]
         self._out = self._out[: mark.out_len]
         for later in [i for i in self._bans if i > index]:
             del self._bans[later]  # the text before them changed: they no longer apply
@@ -314,10 +323,14 @@ class Backtracker:
         text = self._out[self._emitted : end]
         tokens = tuple(self.gen.tokens[self._emitted_tokens : n_tokens])
         self._emitted, self._emitted_tokens = end, max(n_tokens, self._emitted_tokens)
+        logprob = None
+        if self.gen.logprobs is not None and tokens:
+            logprob = math.fsum(self.token_logprobs[n_tokens - len(tokens) : n_tokens])
         if reason is None:
-            return Chunk(text, tokens)
+            return Chunk(text, tokens, logprob=logprob)
         self.finish_reason = reason
-        return Chunk(text, tokens, reason, self.gen.stop_hit, stats=self.stats())
+        stop = self.gen.stop_hit
+        return Chunk(text, tokens, reason, stop, logprob, stats=self.stats())
 
     def stats(self) -> GenerationStats:
         """What the generation has cost so far."""

@@ -320,7 +320,7 @@ class Generator:
         chunk = self._accept(token)
         if self.logprobs is None:
             return chunk
-        return dataclasses.replace(chunk, **_logprobs(logits, token, self.logprobs))
+        return dataclasses.replace(chunk, **logprobs_of(logits, token, self.logprobs))
 
     def accept(self, token: int) -> Chunk:
         """Take ``token`` as the next token (sampled here or chosen elsewhere).
@@ -424,7 +424,7 @@ class Generator:
         return Chunk(text, tokens, reason, hit)
 
 
-def _logprobs(logits: np.ndarray, token: int, n_top: int) -> dict[str, Any]:
+def logprobs_of(logits: np.ndarray, token: int, n_top: int) -> dict[str, Any]:
     """The sampled token's log-probability and the ``n_top`` best, under the raw logits."""
     top = logits.max()
     log_norm = float(top + np.log(np.exp(logits - top, dtype=np.float64).sum()))

@@ -34,6 +34,8 @@ CHECKPOINT_SERIES = {
         "replay, per token",
         "decode 1 token",
     },
+    "anti-slop": {"plain", "anti-slop", "rewinds"},
+    "continuous": {"together", "one after another"},
 }
 QUICK_ROWS = [name for name in ROWS if name not in NOT_QUICK]
 
@@ -74,6 +76,8 @@ def test_quick_bench_writes_every_row(tmp_path: Path, model_path: Path) -> None:
         ("grammar-rollback", "GrammarState.clone", "decode 1 token"),
         ("grammar-rollback", "gen.state", "decode 1 token"),
         ("grammar-rollback", "gen.restore", "decode 1 token"),
+        ("anti-slop", "anti-slop", "plain"),
+        ("continuous", "together", "one after another"),
     }
     assert all(c["value"] > 0 for c in results["checks"])
     assert all(c["result"] in {"PASS", "MISS"} for c in results["checks"] if c["target"])

@@ -135,6 +135,18 @@ def test_streaming_holds_back_only_what_could_still_be_banned(model: lcgen.Model
         assert released > 20
 
 
+def test_released_chunks_carry_the_summed_logprob_of_their_tokens(model: lcgen.Model) -> None:
+    plain = list(model.chat_stream(ROME, max_tokens=30, logprobs=0))
+    held = list(model.chat_stream(ROME, max_tokens=30, logprobs=0, banned=["zqxj", "a testament"]))
+    assert [t for c in held for t in c.tokens] == [t for c in plain for t in c.tokens]
+    assert any(len(c.tokens) > 1 for c in held)  # text held back, then released together
+    assert sum(c.logprob or 0 for c in held) == pytest.approx(sum(c.logprob or 0 for c in plain))
+    for c in held:
+        assert (c.logprob is None) == (not c.tokens)
+    banned = list(model.chat_stream(ROME, max_tokens=30, logprobs=0, banned=["tapestry"]))
+    assert all(c.logprob is None or c.logprob <= 0 for c in banned)
+
+
 def test_holdback_table() -> None:
     bans = BannedPhrases(["tapestry", "a testament to"], ignore_case=True)
     assert bans.hold_from("rich history is a Tap") == len("rich history is a ")
@@ -343,8 +355,6 @@ def test_bad_hook_results(model: lcgen.Model) -> None:
         lcgen.Rewind(1, chars=2)
     with pytest.raises(ValueError, match="max_retries"):
         chat(model, ROME, banned=["x"], max_retries=-1)
-    with pytest.raises(ValueError, match="logprobs"):
-        chat(model, ROME, banned=["x"], logprobs=1)
     with model.sequence("x") as seq, pytest.raises(ValueError, match=r"seq\.run"):
         seq.generator(banned=["x"])  # type: ignore[call-arg]
 

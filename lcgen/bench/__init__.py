@@ -56,7 +56,7 @@ from pathlib import Path
 import llama_cpp as C
 
 import lcgen
-from lcgen.bench import antislop, checkpoints, constrained, rows
+from lcgen.bench import antislop, checkpoints, constrained, continuous, rows
 from lcgen.bench.harness import (
     Bench,
     Row,
@@ -96,6 +96,7 @@ ROWS: dict[str, RowFactory] = {
     **checkpoints.FACTORIES,
     **constrained.FACTORIES,
     **antislop.FACTORIES,
+    **continuous.FACTORIES,
 }
 NOT_QUICK = ("constrained-gemma",)  # loads a second model: only when named under --quick
 DESCRIPTION = (

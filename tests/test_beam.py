@@ -1,0 +1,90 @@
+"""Beam search on the real bundled model: width 1 is greedy, width 4 scores at least as well."""
+
+from __future__ import annotations
+
+import gc
+import math
+from collections.abc import Iterator
+
+import pytest
+
+import lcgen
+from lcgen import generate
+from lcgen.continuous import continuous
+
+PROMPTS = ["The capital of France is", "My favourite food is"]
+
+
+@pytest.fixture(autouse=True)
+def _no_slot_leaks(model: lcgen.Model) -> Iterator[None]:
+    yield
+    gc.collect()
+    assert model.context.n_free_slots == model.context.n_seq_max
+
+
+def no_end(model: lcgen.Model) -> dict[int, float]:
+    """A ban on the end-of-generation tokens: every sequence gets max_tokens tokens."""
+    return {tok: -math.inf for tok in range(model.n_vocab) if model.is_eog(tok)}
+
+
+def test_width_one_is_greedy(model: lcgen.Model) -> None:
+    greedy = continuous(generate.text(model, max_tokens=12))
+    beam = continuous(generate.text(model, max_tokens=12, beams=1))
+    for prompt in PROMPTS:
+        with greedy(prompt) as g, beam(prompt) as b:
+            assert b.shape == (1, 1)
+            assert b.tokens == g.tokens
+            assert b.weights[0, 0] == pytest.approx(g.weights[0, 0], abs=1e-9)
+
+
+def test_width_four_scores_at_least_greedy(model: lcgen.Model) -> None:
+    bans = no_end(model)
+    greedy = continuous(generate.text(model, max_tokens=10, logit_bias=bans))
+    beam = continuous(
+        generate.text(model, max_tokens=10, logit_bias=bans, beams=4, length_penalty=0.0)
+    )
+    with beam(PROMPTS) as beams:  # both prompts searched together: 8 live sequences
+        assert beams.shape == (2, 4)
+        found = beams.weights
+        tokens = beams.tokens
+    for b, prompt in enumerate(PROMPTS):
+        n_prompt = len(model.tokenize(prompt))
+        assert all(len(t) == n_prompt + 10 for t in tokens[b])
+        assert len({tuple(t) for t in tokens[b]}) == 4  # four different beams
+        assert list(found[b]) == sorted(found[b], reverse=True)  # ranked (no length penalty)
+        with greedy(prompt) as g:
+            # The same tokens scored in another KV layout may differ in the last bits.
+            assert found[b, 0] >= g.weights[0, 0] - 1e-3
+
+
+def test_length_penalty_ranks_finished_beams(model: lcgen.Model) -> None:
+    beam = continuous(generate.text(model, max_tokens=12, beams=3, length_penalty=1.0))
+    with beam(PROMPTS[0]) as beams:
+        n_prompt = len(model.tokenize(PROMPTS[0]))
+        ranks = [
+            w / max(len(t) - n_prompt, 1)
+            for w, t in zip(beams.weights[0], beams.tokens[0], strict=True)
+        ]
+        assert ranks == sorted(ranks, reverse=True)
+        assert all(text.startswith(PROMPTS[0]) for text in beams)
+
+
+def test_beams_with_a_constraint(model: lcgen.Model) -> None:
+    pick = continuous(generate.choice(model, [" Paris", " Lyon", " Rome"], beams=3))
+    with pick(PROMPTS[0]) as picked:
+        endings = [text[len(PROMPTS[0]) :] for text in picked]
+        # Every beam spells a choice (two may spell the same one with other tokens).
+        assert set(endings) <= {" Paris", " Lyon", " Rome"} and len(endings) == 3
+        assert endings[0] == " Paris"  # the most likely, first
+        assert len({tuple(t) for t in picked.tokens[0]}) == 3
+
+
+def test_beam_arguments(model: lcgen.Model) -> None:
+    with pytest.raises(ValueError, match="n_seq_max=8"):
+        generate.text(model, beams=9)
+    with pytest.raises(ValueError, match=r"temperature=0\.7"):
+        generate.text(model, beams=2, temperature=0.7)
+    with pytest.raises(ValueError, match="beams must be"):
+        generate.text(model, beams=0)
+    with pytest.raises(ValueError, match="num_samples=2"):
+        continuous(generate.text(model, beams=2, max_tokens=2))("x", num_samples=2)

@@ -1,0 +1,330 @@
+"""The continuous API on the real bundled model: indexing tables, and invariants of slicing,
+adding, batches x samples and slots."""
+
+from __future__ import annotations
+
+import gc
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import lcgen
+from lcgen import generate
+from lcgen.continuous import Continuous, SequenceState, continuous
+from lcgen.errors import BatchMismatch, LcgenError, SampleMismatch
+
+PROMPTS = ["The capital of France is", "Once upon a time"]
+GRID = [["a0", "a1", "a2"], ["b0", "b1", "b2"]]
+
+
+@pytest.fixture(autouse=True)
+def _no_slot_leaks(model: lcgen.Model) -> Iterator[None]:
+    """Every test ends with all slots free again (its states closed or dropped)."""
+    yield
+    gc.collect()
+    assert model.context.n_free_slots == model.context.n_seq_max
+
+
+def greedy(model: lcgen.Model, max_tokens: int = 12, **options: object) -> Continuous:
+    return continuous(generate.text(model, max_tokens=max_tokens, **options))  # type: ignore[arg-type]
+
+
+# indexing ----------------------------------------------------------------------------------
+# (grid, key, expected texts): the shorthands of every shape, and integers and slices.
+INDEXING = [
+    ([["hello"]], slice(1, 4), [["ell"]]),
+    ([["hello"]], -1, [["o"]]),
+    ([["hello"]], (0, 0, slice(None, 2)), [["he"]]),
+    ([["hello"]], (0, slice(None, 3)), [["hel"]]),
+    ([GRID[0]], 1, [["a1"]]),
+    ([GRID[0]], (slice(1, None), slice(None, 1)), [["a", "a"]]),
+    ([GRID[0]], (0, 2, slice(1, None)), [["2"]]),
+    ([["a0"], ["b0"]], 1, [["b0"]]),
+    ([["a0"], ["b0"]], (slice(None), slice(1, None)), [["0"], ["0"]]),
+    ([["a0"], ["b0"]], (-1, 0), [["b"]]),
+    (GRID, 1, [GRID[1]]),
+    (GRID, (1, 2), [["b2"]]),
+    (GRID, (slice(None), 0), [["a0"], ["b0"]]),
+    (GRID, (slice(None), slice(None, None, 2)), [["a0", "a2"], ["b0", "b2"]]),
+    (GRID, (1, 2, slice(None, 1)), [["b"]]),
+    (GRID, (slice(None), -1, 1), [["2"], ["2"]]),
+]
+
+
+@pytest.mark.parametrize(("grid", "key", "expected"), INDEXING)
+def test_indexing_shorthands(
+    model: lcgen.Model, grid: list[list[str]], key: object, expected: list[list[str]]
+) -> None:
+    state = SequenceState.from_text(model, grid)
+    picked = state[key]  # type: ignore[index]
+    assert picked.texts == expected
+    assert picked.shape == (len(expected), len(expected[0]))
+    assert list(picked) == [t for row in expected for t in row]
+    assert len(picked) == picked.shape[0] * picked.shape[1]
+
+
+@pytest.mark.parametrize(
+    ("grid", "key", "error", "named"),
+    [
+        (GRID, 2, IndexError, "batch index 2"),
+        (GRID, (0, 3), IndexError, "sample index 3"),
+        (GRID, (0, 0, 7), IndexError, "character index 7"),
+        (GRID, (0, 0, 0, 0), IndexError, "4"),
+        (GRID, "x", TypeError, "'x'"),
+        (GRID, (0, 1.5), TypeError, "1.5"),
+        (GRID, slice(5, None), IndexError, "slice(5, None, None)"),
+    ],
+)
+def test_bad_indexes_name_the_value(
+    model: lcgen.Model, grid: list[list[str]], key: object, error: type[Exception], named: str
+) -> None:
+    with pytest.raises(error, match=named.replace("(", r"\(").replace(")", r"\)")):
+        SequenceState.from_text(model, grid)[key]  # type: ignore[index]
+
+
+# slicing keeps the cache -------------------------------------------------------------------
+def test_slice_then_continue_equals_a_fresh_run(model: lcgen.Model) -> None:
+    text = greedy(model, 16)
+    story = text(PROMPTS[0])
+    full = str(story)
+    space = full.index(" ", len(PROMPTS[0]) + 3)
+    # inside a generated word, at a token boundary, inside the prompt, and everything
+    cuts = (space + 3, space, len(PROMPTS[0]) - 4, len(full))
+    continued = {}
+    for cut in cuts:
+        sliced = story[:cut]
+        assert str(sliced) == full[:cut]
+        # The comparison below needs the kept tokens to be the text's own tokenization.
+        assert sliced.tokens[0][0] == model.tokenize(full[:cut])
+        kept = _common(story.tokens[0][0], sliced.tokens[0][0])
+        before = model.context.n_decoded
+        with text(sliced) as went_on:
+            decoded = model.context.n_decoded - before
+            continued[cut] = went_on.tokens
+            n_generated = len(went_on.tokens[0][0]) - len(sliced.tokens[0][0])
+        # Only the retokenized tail and the last kept token (decoded again for its logits)
+        # are decoded before generating: the rest of the cache is reused.
+        assert decoded == len(sliced.tokens[0][0]) - (kept - 1) + n_generated - 1
+    story.close()  # nothing live: the runs below start from nothing
+    for cut in cuts:
+        with text(full[:cut]) as fresh:
+            assert fresh.tokens == continued[cut], cut
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_slices_not_from_the_start_and_partial_tokens(model: lcgen.Model) -> None:
+    state = SequenceState.from_text(model, [["Hello wonderful world"]])
+    middle = state[6:15]
+    assert str(middle) == "wonderful" and middle.tokens[0][0] == model.tokenize("wonderful")
+    partial = state[:10]  # "Hello wond": "Hello" kept, " wond" tokenized again
+    assert str(partial) == "Hello wond"
+    assert partial.tokens[0][0][:1] == state.tokens[0][0][:1]
+    assert model.detokenize(partial.tokens[0][0]) == "Hello wond"
+    assert str(state[::2]) == "Hello wonderful world"[::2]
+
+
+# adding ------------------------------------------------------------------------------------
+def test_adding_text_and_states(model: lcgen.Model) -> None:
+    a = SequenceState.from_text(model, [["x"], ["y"]])
+    b = SequenceState.from_text(model, [["1", "2", "3"]])
+    assert (a + " and").texts == [["x and"], ["y and"]]
+    assert ("Say: " + a).texts == [["Say: x"], ["Say: y"]]
+    assert (a + b).texts == [["x1", "x2", "x3"], ["y1", "y2", "y3"]]
+    assert (b + a).shape == (2, 3)
+    with pytest.raises(BatchMismatch, match=r"\(2, 1\) and \(3, 1\)"):
+        a + SequenceState.from_text(model, [["p"], ["q"], ["r"]])
+    with pytest.raises(SampleMismatch, match=r"\(1, 3\) and \(1, 2\)"):
+        b + SequenceState.from_text(model, [["p", "q"]])
+    assert issubclass(BatchMismatch, LcgenError) and issubclass(SampleMismatch, LcgenError)
+    with pytest.raises(TypeError):
+        a + 3  # type: ignore[operator]
+
+
+def test_mixing_generators_on_one_sequence(model: lcgen.Model) -> None:
+    text = greedy(model, 10)
+    pick = continuous(generate.choice(model, [" happy", " sad"]))
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+    }
+    as_json = continuous(generate.json(model, schema, max_tokens=30))
+    s = text("Write a story about a cat:")
+    s = text(s)  # keep going
+    asked = s + " The cat felt"
+    before = model.context.n_decoded
+    picked = pick(asked)
+    felt = str(picked)[len(str(asked)) :]
+    assert felt in (" happy", " sad")
+    n_new = len(picked.tokens[0][0]) - len(asked.tokens[0][0])
+    # s's pending last token, the appended text, each chosen token but the last
+    n_pending = len(asked.tokens[0][0]) - len(s.tokens[0][0]) + 1
+    assert model.context.n_decoded - before == n_pending + n_new - 1
+    s = picked
+    prefix = str(s) + ". As JSON: "
+    s = as_json(s + ". As JSON: ")
+    value = json.loads(str(s)[len(prefix) :])
+    assert set(value) == {"name", "age"} and len(value["name"]) <= 6
+    assert list(s) == [str(s)] and s.weights.shape == (1, 1) and s.weights[0, 0] < 0
+
+
+def test_only_new_tokens_are_decoded_when_continuing(model: lcgen.Model) -> None:
+    text = greedy(model, 8)
+    s = text(PROMPTS[1])
+    appended = model.tokenize(" Then", add_bos=False)
+    before = model.context.n_decoded
+    s2 = text(s + " Then")
+    n_generated = len(s2.tokens[0][0]) - len(s.tokens[0][0]) - len(appended)
+    # the pending last token of s, the appended text, and each generated token but the last
+    assert model.context.n_decoded - before == 1 + len(appended) + n_generated - 1
+    assert str(s2).startswith(str(s) + " Then")
+    assert s2.weights[0, 0] < s.weights[0, 0] < 0
+
+
+def test_a_stop_string_ends_the_state_text(model: lcgen.Model) -> None:
+    prompt = "1, 2, 3, 4,"
+    expected = prompt + model.generate(prompt, max_tokens=16, stop=" 7,")
+    counting = continuous(generate.text(model, max_tokens=16, stop=" 7,"))
+    with counting(prompt) as s:
+        assert str(s) == expected  # the stop string and what its token held after it are cut
+        assert s.tokens[0][0] == model.tokenize(expected)
+        with counting(s) as again:  # the same stop comes next: nothing is added
+            assert str(again) == expected
+        with greedy(model, 4)(s) as more:
+            assert str(more).startswith(expected + " 7,")
+
+
+# batches x samples -------------------------------------------------------------------------
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_batch_by_samples_equals_each_element_alone(model: lcgen.Model, temperature: float) -> None:
+    text = greedy(model, 10, temperature=temperature)
+    before = model.context.n_decoded
+    with text(PROMPTS, num_samples=3, seed=11) as both:
+        decoded = model.context.n_decoded - before
+        assert both.shape == (2, 3)
+        n_prompts = [len(model.tokenize(p)) for p in PROMPTS]
+        n_generated = sum(len(t) - n_prompts[b] for b, row in enumerate(both.tokens) for t in row)
+        # Each prompt is decoded once (all but its last token; each sample decodes that one).
+        assert decoded == sum(n - 1 for n in n_prompts) + n_generated
+        expected = both.tokens
+        weights = both.weights
+    for b, prompt in enumerate(PROMPTS):
+        for j in range(3):
+            with text(prompt, seed=11 + j) as alone:
+                assert alone.tokens[0][0] == expected[b][j], (b, j)
+                assert alone.weights[0, 0] == pytest.approx(weights[b, j], abs=1e-3)
+    if temperature:
+        assert len({tuple(t) for t in expected[0]}) > 1  # the samples differ
+
+
+def test_more_elements_than_slots_are_queued(model_path: Path, model: lcgen.Model) -> None:
+    with lcgen.Model(model_path, n_seq_max=3, n_ctx=1024) as small:
+        text = continuous(generate.text(small, max_tokens=6))
+        queued = text(PROMPTS, num_samples=3)
+        assert queued.shape == (2, 3) and queued.n_live <= 3
+        tokens = queued.tokens
+        # The elements that gave their slot up are rebuilt when continued.
+        more = continuous(generate.text(small, max_tokens=2))(queued)
+        assert [
+            [t[: len(o)] for t, o in zip(*rows, strict=True)]
+            for rows in zip(more.tokens, tokens, strict=True)
+        ] == tokens
+        del queued, more
+        gc.collect()
+        assert small.context.n_free_slots == 3
+        with text(PROMPTS[0]) as alone:  # the first wave: fresh cells, as a lone run's
+            assert [alone.tokens[0][0]] * 3 == tokens[0]
+        # The later wave lands in cells the first wave freed, in another order than a lone
+        # run's: logits may differ in the last bits (up to ~0.5), enough to flip a near-tie.
+        # Each of its tokens must be the lone run's argmax or within that noise of it.
+        for elem_tokens in tokens[1]:
+            assert_greedy_up_to_noise(small, PROMPTS[1], elem_tokens)
+        # Seeded: for the same reason, compare with the same call in the same layout.
+        sample = continuous(generate.text(small, max_tokens=6, temperature=0.8))
+        with sample(PROMPTS, num_samples=3, seed=3) as first:
+            drawn = first.tokens
+        with sample(PROMPTS, num_samples=3, seed=3) as again:
+            assert again.tokens == drawn
+        assert len({tuple(t) for t in drawn[1]}) > 1
+
+
+def assert_greedy_up_to_noise(
+    model: lcgen.Model, prompt: str, tokens: list[int], tolerance: float = 0.5
+) -> None:
+    """Each token after the prompt is within ``tolerance`` of the best logit of a lone run
+    fed the same tokens (and at least half of them are its argmax exactly)."""
+    prompt_tokens = model.tokenize(prompt)
+    assert tokens[: len(prompt_tokens)] == prompt_tokens
+    exact = 0
+    with model.sequence(prompt_tokens) as seq:
+        for tok in tokens[len(prompt_tokens) :]:
+            row = model.context.decode([seq._request()])[0]
+            assert row is not None
+            seq._n_decoded = seq.n_tokens
+            assert row[tok] >= row.max() - tolerance, (tok, float(row.max() - row[tok]))
+            exact += int(row[tok] == row.max())
+            seq.append_tokens([tok])
+    assert 2 * exact >= len(tokens) - len(prompt_tokens)
+
+
+# slots -------------------------------------------------------------------------------------
+def test_slots_come_back_over_100_states(model: lcgen.Model) -> None:
+    text = greedy(model, 2)
+    s = text("Count: 1")
+    for i in range(100):
+        s = text(s[:8] + f" {i}") if i % 2 else text(f"Count: {i}")
+        assert model.context.n_free_slots >= model.context.n_seq_max - 2
+    with text(["a", "b"], num_samples=2) as closed:
+        assert closed.n_live == 4
+    assert closed.n_live == 0
+    assert text(closed).shape == (2, 2)  # a closed state is decoded again when used
+    del s
+    gc.collect()
+
+
+def test_state_api_and_errors(model: lcgen.Model) -> None:
+    text = greedy(model, 4)
+    with pytest.raises(TypeError, match="spec"):
+        continuous("text")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_samples"):
+        text("x", num_samples=0)
+    wide = SequenceState.from_text(model, GRID)
+    with pytest.raises(SampleMismatch, match=r"\(2, 3\)"):
+        text(wide, num_samples=2)
+    with pytest.raises(TypeError, match="42"):
+        text(42)  # type: ignore[arg-type]
+    s = text(PROMPTS[0])
+    assert "shape=(1, 1)" in repr(s) and "1 live" in repr(s)
+    assert s.shape == (1, 1) and len(s) == 1 and s.weights.shape == (1, 1)
+    assert s.texts == [[str(s)]]
+    s.close()
+    s.close()
+
+
+# backtracking inside a spec --------------------------------------------------------------------
+def test_banned_phrases_and_hooks_work_in_a_continuous_spec(model: lcgen.Model) -> None:
+    prompt = "The history of Rome is a rich"
+    assert "tapestry" in model.generate(prompt, max_tokens=24)  # measured
+    text = greedy(model, 24, banned=["tapestry"])
+    with text(prompt) as s:
+        (out,) = list(s)
+        assert out.startswith(prompt) and "tapestry" not in out
+        # The weight is the summed log-probability of the tokens kept, as the stream reports it.
+        chunks = list(model.stream(prompt, max_tokens=24, banned=["tapestry"], logprobs=0))
+        assert prompt + "".join(c.text for c in chunks) == out
+        assert s.weights[0, 0] == pytest.approx(sum(c.logprob or 0.0 for c in chunks))
+    seen: list[int] = []
+    with greedy(model, 6, hooks=[lambda step: seen.append(step.token)])([prompt, prompt]) as b:
+        assert len(seen) == 12 and b.shape == (2, 1)
+    with pytest.raises(ValueError, match="beam search does not take"):
+        generate.text(model, beams=2, banned=["x"])
+    with pytest.raises(ValueError, match="empty"):
+        generate.text(model, banned=[""])
