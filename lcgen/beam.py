@@ -11,9 +11,7 @@ beam can still beat the ``width``-th finished one. A beam with several kept chil
 
 from __future__ import annotations
 
-import copy
 import math
-from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -22,7 +20,7 @@ import numpy as np
 from lcgen._elements import Element, Pool, cut_at_stop, settle, text_of
 from lcgen.errors import SlotsExhaustedError
 from lcgen.generator import Chunk, Generator
-from lcgen.sequence import Sequence
+from lcgen.sequence import Sequence, decode
 
 if TYPE_CHECKING:
     from lcgen.generate import GenerateSpec
@@ -52,32 +50,6 @@ class _Search:
     text_before: str
     live: list[_Beam]
     finished: list[tuple[float, Element]] = field(default_factory=list)  # (rank, beam), best first
-
-
-def _clone(gen: Generator) -> Generator:
-    """An independent copy of a generator mid-generation (beam search accepts a different
-    token on each copy)."""
-    # TODO(seq-api): a public Generator.clone() in lcgen.generator would own this.
-    twin = copy.copy(gen)
-    twin.tokens = list(gen.tokens)
-    twin.recent = deque(gen.recent, maxlen=gen.recent.maxlen)
-    if gen.grammar is not None:
-        twin.grammar = gen.grammar.clone()
-    return twin
-
-
-def _decode(seqs: list[Sequence]) -> list[np.ndarray]:
-    """Decode every sequence's pending tokens in one batch; the logits after each."""
-    # TODO(seq-api): sequence.step without sampling (decode and return the rows) would own this.
-    requests = [seq._request() for seq in seqs]
-    rows = seqs[0]._ctx.decode(requests)
-    out = []
-    for seq, request, row in zip(seqs, requests, rows, strict=True):
-        assert row is not None
-        seq._n_decoded = len(seq._tokens)
-        seq.stats.tokens_decoded += len(request.tokens)
-        out.append(row)
-    return out
 
 
 def _log_norm(row: np.ndarray) -> float:
@@ -124,7 +96,7 @@ def _expand(search: _Search, rows: list[np.ndarray], width: int, bans: list[int]
     n_live = 0
     for _, i, tok, logprob in candidates[: 2 * width]:
         parent = search.live[i]
-        child = _Beam(None, _clone(parent.gen), [*parent.logprobs, logprob], list(parent.parts))
+        child = _Beam(None, parent.gen.clone(), [*parent.logprobs, logprob], list(parent.parts))
         child.last = child.gen.accept(tok)
         child.parts.append(child.last.text)
         if not child.gen.is_done:
@@ -248,7 +220,7 @@ def search(spec: GenerateSpec, pool: Pool, roots: list[Element]) -> list[list[El
         searches = [_start(spec, pool, root) for root in group]
         while active := [s for s in searches if not _is_done(s, width, spec.length_penalty)]:
             beams = [beam.seq for s in active for beam in s.live if beam.seq is not None]
-            rows = _decode(beams)
+            rows = decode(beams)
             offset = 0
             for s in active:
                 n = len(s.live)

@@ -8,6 +8,7 @@ built on it, so there is one implementation of all of this.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import re
@@ -278,6 +279,25 @@ class Generator:
             self.grammar = state.grammar.clone()
         self.recent.clear()
         self.recent.extend(self._history_tail + tuple(self.tokens))
+
+    def clone(self, rng: np.random.Generator | None = None) -> Generator:
+        """An independent copy in the same state (tokens, held text, grammar state), to
+        continue on another sequence (a fork).
+
+        Args:
+            rng: the random generator the copy draws from (a fork passes its own); None gives
+                it a new one in the same state as this one's.
+        """
+        twin = copy.copy(self)
+        twin.tokens = list(self.tokens)
+        twin.recent = deque(self.recent, maxlen=self.recent.maxlen)
+        if self.grammar is not None:
+            twin.grammar = self.grammar.clone()
+        if rng is None:
+            rng = np.random.Generator(np.random.PCG64())
+            rng.bit_generator.state = self.rng.bit_generator.state
+        twin.rng = rng
+        return twin
 
     def step(
         self,

@@ -505,6 +505,24 @@ class Run:
         return dataclasses.replace(chunk, stats=stats)
 
 
+def decode(seqs: Seq[Sequence]) -> list[np.ndarray]:
+    """Decode every sequence's pending tokens in one batch (none is sampled).
+
+    Returns:
+        The logits after each sequence's last token (views into llama.cpp's buffer when there
+        is one sequence: valid until the next decode).
+    """
+    requests = [seq._request() for seq in seqs]
+    rows = seqs[0]._ctx.decode(requests)
+    out = []
+    for seq, request, row in zip(seqs, requests, rows, strict=True):
+        assert row is not None
+        seq.stats.tokens_decoded += len(request.tokens)
+        seq._n_decoded = len(seq._tokens)
+        out.append(row)
+    return out
+
+
 def step(pairs: Seq[tuple[Sequence, Generator | Run | Backtracker]]) -> list[Chunk]:
     """Advance every sequence by one token, decoding them all in one batch.
 
@@ -516,14 +534,9 @@ def step(pairs: Seq[tuple[Sequence, Generator | Run | Backtracker]]) -> list[Chu
         One chunk per pair, in order (a backtracking run's chunk holds the text that became
         final, possibly none).
     """
-    seqs = [seq for seq, _ in pairs]
-    requests = [seq._request() for seq in seqs]
-    rows = seqs[0]._ctx.decode(requests)
+    rows = decode([seq for seq, _ in pairs])
     chunks = []
-    for (seq, gen), row, request in zip(pairs, rows, requests, strict=True):
-        assert row is not None
-        seq.stats.tokens_decoded += len(request.tokens)
-        seq._n_decoded = len(seq._tokens)
+    for (seq, gen), row in zip(pairs, rows, strict=True):
         try:
             chunks.append(seq._sample(gen, row) if isinstance(gen, Generator) else gen.advance(row))
         except BaseException:

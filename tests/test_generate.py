@@ -190,3 +190,17 @@ def test_generator_steps_on_logits_from_elsewhere(model: lcgen.Model) -> None:
     # The sequence's stream also reports the cost on its last chunk: 3 prompt tokens + 7.
     assert expected[-1].stats == lcgen.GenerationStats(tokens=8, decoded=3 + 7, redecoded=0)
     assert chunks == [*expected[:-1], dataclasses.replace(expected[-1], stats=None)]
+
+
+def test_generator_clone_is_independent(model: lcgen.Model) -> None:
+    gen = lcgen.Generator(model, choice=[" yes please", " no thanks"], temperature=0.7, seed=3)
+    (yes,) = model.tokenize(" yes", add_bos=False)[:1]
+    (no,) = model.tokenize(" no", add_bos=False)[:1]
+    twin = gen.clone()
+    gen.accept(yes)
+    twin.accept(no)  # the grammar states went separate ways
+    assert gen.tokens == [yes] and twin.tokens == [no]
+    assert gen.grammar is not None and twin.grammar is not None
+    assert not gen.grammar.allows(no) or not twin.grammar.allows(yes)
+    draws = gen.rng.random(), twin.rng.random()  # the same state, separate generators
+    assert draws[0] == draws[1] and gen.rng is not twin.rng
