@@ -237,8 +237,31 @@ def cmd_demo(args: argparse.Namespace) -> int:
     print(f"\nThree prompts decoded together in one batch per step: {prompts}")
     for p, out in zip(prompts, model.generate(prompts, max_tokens=12, stop=["\n"]), strict=True):
         print(f"  {p!r} -> {out!r}")
+    _demo_backtracking(model)
     model.close()
     return 0
+
+
+def _demo_backtracking(model: lcgen.Model) -> None:
+    """Banned phrases and the continuous API, on the same model."""
+    rome = [{"role": "user", "content": "Tell me about the history of Rome."}]
+    plain = model.chat(rome, max_tokens=24)
+    clean = model.chat(rome, max_tokens=24, banned=["tapestry", "cradle"])
+    print("\nBanned phrases rewind and retry; the prompt is decoded once:")
+    print(f"  plain:  {plain.strip()!r}\n  banned: {clean.strip()!r}")
+    stats = clean.stats
+    print(f"  ({stats.rewinds} rewinds, {stats.redecoded} tokens decoded again)")
+    print("\nContinuous: 3 samples of one prompt decoded together, then a choice on each:")
+    text = lcgen.continuous(
+        lcgen.generate.text(model, max_tokens=10, temperature=0.8, stop=["\n", ".", "?", "!"])
+    )
+    pick = lcgen.continuous(lcgen.generate.choice(model, [" Yes", " No"]))
+    with (
+        text("My favourite animal is", num_samples=3, seed=1) as story,
+        pick(story + ". Is it a mammal? Answer:") as answers,
+    ):
+        for answer, weight in zip(answers, answers.weights.ravel(), strict=True):
+            print(f"  {answer!r} (log-probability {weight:.1f})")
 
 
 def build_parser() -> argparse.ArgumentParser:

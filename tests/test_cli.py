@@ -75,6 +75,9 @@ def test_demo_runs() -> None:
     out = run("demo")
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout and "decoded together" in out.stdout
+    banned = next(line for line in out.stdout.splitlines() if line.startswith("  banned: "))
+    assert "tapestry" not in banned and "cradle" not in banned
+    assert out.stdout.count("Is it a mammal? Answer:") == 3
 
 
 @pytest.mark.parametrize("command", ["generate", "chat", "models", "demo", "bench"])
