@@ -143,9 +143,7 @@ class Backtracker:
                 raise
             if not isinstance(action, Resample):
                 break
-            drawn = gen.rng.bit_generator.state  # a redraw takes fresh randomness
-            gen.restore(before.generation)
-            gen.rng.bit_generator.state = drawn
+            self._undo_candidate(before)
             if not self._retry():
                 return self._end("retries")
             self._resamples += 1
@@ -201,10 +199,7 @@ class Backtracker:
             if action is None:
                 continue
             if isinstance(action, Override):
-                assert before.generation is not None
-                drawn = self.gen.rng.bit_generator.state
-                self.gen.restore(before.generation)
-                self.gen.rng.bit_generator.state = drawn
+                self._undo_candidate(before)
                 chunk = self.gen.accept(action.token)
             elif isinstance(action, Resample | Rewind):
                 return chunk, action
@@ -214,6 +209,14 @@ class Backtracker:
                     "expected None, Override, Resample or Rewind"
                 )
         return chunk, None
+
+    def _undo_candidate(self, before: Checkpoint) -> None:
+        """Take back the candidate the generator accepted, keeping the randomness it drew (the
+        next draw here must not repeat it)."""
+        assert before.generation is not None
+        drawn = self.gen.rng.bit_generator.state
+        self.gen.restore(before.generation)
+        self.gen.rng.bit_generator.state = drawn
 
     # rewinds -----------------------------------------------------------------------------
     def _rewind(self, action: Rewind, who: str) -> Chunk:

@@ -20,6 +20,7 @@ import numpy as np
 from lcgen._elements import Element, Pool, cut_at_stop, settle, text_of
 from lcgen.errors import SlotsExhaustedError
 from lcgen.generator import Chunk, Generator
+from lcgen.sampling import log_normalizer, top_ids
 from lcgen.sequence import Sequence, decode
 
 if TYPE_CHECKING:
@@ -52,13 +53,6 @@ class _Search:
     finished: list[tuple[float, Element]] = field(default_factory=list)  # (rank, beam), best first
 
 
-def _log_norm(row: np.ndarray) -> float:
-    """log(sum(exp(logits))) computed as the generator's logprobs option computes it, so the
-    weights of beams and of sampled sequences are comparable."""
-    top = row.max()
-    return float(top + np.log(np.exp(row - top, dtype=np.float64).sum()))
-
-
 def _best_tokens(beam: _Beam, row: np.ndarray, width: int, bans: list[int]) -> list[int]:
     """The ``width`` most likely allowed next tokens, most likely first."""
     ranked = row
@@ -67,11 +61,8 @@ def _best_tokens(beam: _Beam, row: np.ndarray, width: int, bans: list[int]) -> l
         ranked[bans] = -np.inf
         if beam.gen.grammar is not None:
             ranked[~beam.gen.grammar.allowed()] = -np.inf
-    if width == 1:
-        best = [int(np.argmax(ranked))]  # as greedy sampling picks it (first of ties)
-    else:
-        ids = np.argpartition(-ranked, width)[:width]
-        best = [int(i) for i in ids[np.argsort(-ranked[ids], kind="stable")]]
+    # Width 1 takes the argmax as greedy sampling does (the first of ties).
+    best = [int(np.argmax(ranked))] if width == 1 else [int(i) for i in top_ids(ranked, width)]
     return [tok for tok in best if np.isfinite(ranked[tok])]
 
 
@@ -87,7 +78,7 @@ def _expand(search: _Search, rows: list[np.ndarray], width: int, bans: list[int]
     candidates, and up to ``width`` that go on."""
     candidates = []
     for i, (beam, row) in enumerate(zip(search.live, rows, strict=True)):
-        log_norm = _log_norm(row)
+        log_norm = log_normalizer(row)
         for tok in _best_tokens(beam, row, width, bans):
             logprob = float(row[tok]) - log_norm
             candidates.append((beam.score + logprob, i, tok, logprob))

@@ -22,7 +22,7 @@ import numpy as np
 from lcgen.errors import IncompleteOutputError, NoCandidatesError
 from lcgen.grammar import Grammar, GrammarState
 from lcgen.hooks import Hook, Validator
-from lcgen.sampling import SamplerConfig, new_rng, sample
+from lcgen.sampling import SamplerConfig, log_normalizer, new_rng, sample, top_ids
 from lcgen.text import Stops, TextState, text_flush, text_step
 
 if TYPE_CHECKING:
@@ -446,13 +446,10 @@ class Generator:
 
 def logprobs_of(logits: np.ndarray, token: int, n_top: int) -> dict[str, Any]:
     """The sampled token's log-probability and the ``n_top`` best, under the raw logits."""
-    top = logits.max()
-    log_norm = float(top + np.log(np.exp(logits - top, dtype=np.float64).sum()))
+    log_norm = log_normalizer(logits)
     best: tuple[tuple[int, float], ...] = ()
     if n_top:
-        ids = np.argpartition(logits, -n_top)[-n_top:]
-        ids = ids[np.argsort(-logits[ids], kind="stable")]
-        best = tuple((int(i), float(logits[i]) - log_norm) for i in ids)
+        best = tuple((int(i), float(logits[i]) - log_norm) for i in top_ids(logits, n_top))
     return {"logprob": float(logits[token]) - log_norm, "top_logprobs": best}
 
 

@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Union
 
 import numpy as np
 
+from lcgen.sampling import log_normalizer, top_ids
+
 if TYPE_CHECKING:
     from lcgen.model import Model
 
@@ -115,8 +117,7 @@ class Step:
 
     def _norm(self) -> float:
         if self._logsumexp is None:
-            top = float(self.logits.max())
-            self._logsumexp = top + float(np.log(np.exp(self.logits - top, dtype=np.float64).sum()))
+            self._logsumexp = log_normalizer(self.logits)
         return self._logsumexp
 
     @property
@@ -132,11 +133,10 @@ class Step:
         """The ``n`` most likely tokens and their probabilities, most likely first."""
         if n < 1:
             raise ValueError(f"n must be >= 1, got {n!r}")
-        n = min(n, self.logits.shape[0])
-        ids = np.argpartition(self.logits, -n)[-n:]
-        ids = ids[np.argsort(-self.logits[ids], kind="stable")]
         norm = self._norm()
-        return [(int(i), float(np.exp(float(self.logits[i]) - norm))) for i in ids]
+        return [
+            (int(i), float(np.exp(float(self.logits[i]) - norm))) for i in top_ids(self.logits, n)
+        ]
 
     @property
     def candidates(self) -> list[tuple[int, float]]:

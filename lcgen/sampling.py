@@ -77,6 +77,20 @@ def new_rng(seed: int | None) -> np.random.Generator:
     return np.random.Generator(np.random.PCG64(seed))
 
 
+def log_normalizer(logits: np.ndarray) -> float:
+    """``log(sum(exp(logits)))`` in float64: a log-probability is a logit minus this."""
+    top = float(logits.max())
+    return top + float(np.log(np.exp(logits - top, dtype=np.float64).sum()))
+
+
+def top_ids(logits: np.ndarray, n: int) -> np.ndarray:
+    """Ids of the ``n`` largest logits, largest first; among equal logits the lower id first
+    (which of several equal logits at the cut are kept is arbitrary)."""
+    n = min(n, logits.shape[0])
+    ids = np.sort(np.argpartition(logits, -n)[-n:])
+    return ids[np.argsort(-logits[ids], kind="stable")]
+
+
 def _adjusted_logits(logits: np.ndarray, cfg: SamplerConfig, recent: Iterable[int]) -> np.ndarray:
     if not cfg.logit_bias and cfg.repeat_penalty == 1.0:
         return logits
