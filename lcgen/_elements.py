@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from lcgen.backtrack import Backtracker
 from lcgen.errors import SlotsExhaustedError
 from lcgen.generator import Chunk
-from lcgen.sequence import Run, Sequence, step
+from lcgen.sequence import Run, Sequence, common_prefix, step
 
 if TYPE_CHECKING:
     from lcgen.generate import GenerateSpec
@@ -68,15 +68,6 @@ class Element:
             self.seq = None
 
 
-def _common(a: Seq[int], b: Seq[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class Pool:
     """The elements of one model that hold live sequences (weakly: a dropped state frees its
     slots), and the policy that hands slots out."""
@@ -100,7 +91,7 @@ class Pool:
         """The live element sharing the longest prefix with ``tokens`` (at least 2 tokens)."""
         best, best_n = None, _SHARED_MIN - 1
         for elem in self.live():
-            n = _common(elem.tokens, tokens)
+            n = common_prefix(elem.tokens, tokens)
             if n > best_n:
                 best, best_n = elem, n
         return best
@@ -188,7 +179,7 @@ def _cut(model: Model, elem: Element, n_chars: int) -> None:
 def settle(elem: Element, new_tokens: list[int], generated: Seq[float]) -> None:
     """Record a finished generation on ``elem``: its tokens now, and the log-probabilities of
     the ``len(generated)`` tokens generated at their end."""
-    kept = _common(elem.tokens, new_tokens)  # less than all when token healing redid one
+    kept = common_prefix(elem.tokens, new_tokens)  # less than all when token healing redid one
     pad = len(new_tokens) - kept - len(generated)
     elem.logprobs = elem.logprobs[:kept] + [0.0] * pad + list(generated)
     elem.tokens = new_tokens

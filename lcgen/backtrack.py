@@ -109,8 +109,7 @@ class Backtracker:
         # With ``logprobs``: each generated token's log-probability (a released chunk carries
         # the sum over its tokens).
         self.token_logprobs: list[float] = []
-        self._decoded0 = seq.stats.tokens_decoded
-        self._kv0 = seq._n_decoded
+        self._start = seq._cost_mark()
 
     @property
     def is_done(self) -> bool:
@@ -337,9 +336,6 @@ class Backtracker:
 
     def stats(self) -> GenerationStats:
         """What the generation has cost so far."""
-        seq = self.seq
-        decoded = seq.stats.tokens_decoded - self._decoded0
-        kept = seq._n_decoded - self._kv0
-        return GenerationStats(
-            len(self.gen.tokens), decoded, decoded - kept, self._rewinds, self._resamples
+        return self.seq._cost_since(
+            self._start, len(self.gen.tokens), self._rewinds, self._resamples
         )

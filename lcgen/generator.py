@@ -319,8 +319,7 @@ class Generator:
         """
         if logits.shape != (self.model.n_vocab,):
             raise ValueError(f"logits must have shape ({self.model.n_vocab},), got {logits.shape}")
-        if self.is_done:
-            raise ValueError(f"generation is finished ({self.finish_reason}); start a new one")
+        self._check_not_done()
         allowed = logits
         if self.heal:
             allowed = np.full_like(logits, -np.inf)
@@ -353,8 +352,7 @@ class Generator:
                 not continue the healed text.
             GrammarError: the grammar forbids the token here.
         """
-        if self.is_done:
-            raise ValueError(f"generation is finished ({self.finish_reason}); start a new one")
+        self._check_not_done()
         self.model.check_tokens([token])
         if self.grammar is not None:
             self.grammar.accept(token)
@@ -375,6 +373,10 @@ class Generator:
         if len(self.tokens) >= self.max_tokens:
             return self._finish((token,), "length", None, text)
         return Chunk(text, (token,))
+
+    def _check_not_done(self) -> None:
+        if self.is_done:
+            raise ValueError(f"generation is finished ({self.finish_reason}); start a new one")
 
     def _grammar_can_only_end(self) -> bool:
         if self.grammar is None or not self.grammar.is_complete:
@@ -428,8 +430,7 @@ class Generator:
         Raises:
             ValueError: generation is already finished.
         """
-        if self.is_done:
-            raise ValueError(f"generation is finished ({self.finish_reason}); start a new one")
+        self._check_not_done()
         return self._finish((), reason, None)
 
     def _finish(

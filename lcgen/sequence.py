@@ -144,11 +144,7 @@ class Sequence:
         """
         self._check_open()
         tokens = self.model.check_tokens(tokens)
-        common = 0
-        for a, b in zip(self._tokens, tokens, strict=False):
-            if a != b:
-                break
-            common += 1
+        common = common_prefix(self._tokens, tokens)
         self._keep_prefix(common)
         self.append_tokens(tokens[common:])
         return common
@@ -457,6 +453,19 @@ class Sequence:
         self._extend(chunk.tokens)  # a generator only emits tokens it checked
         return chunk
 
+    def _cost_mark(self) -> tuple[int, int]:
+        """The decode counters now, for :meth:`_cost_since` at the end of a generation."""
+        return self.stats.tokens_decoded, self._n_decoded
+
+    def _cost_since(
+        self, mark: tuple[int, int], n_tokens: int, rewinds: int = 0, resamples: int = 0
+    ) -> GenerationStats:
+        """What a generation of ``n_tokens`` kept tokens cost since ``mark``: every token
+        decoded, and those beyond the growth of the cache (decoded again after rewinds)."""
+        decoded = self.stats.tokens_decoded - mark[0]
+        kept = self._n_decoded - mark[1]
+        return GenerationStats(n_tokens, decoded, decoded - kept, rewinds, resamples)
+
     def _request(self) -> DecodeRequest:
         self._check_open()
         return DecodeRequest(self._slot, self._tokens[self._n_decoded :], self._n_decoded)
@@ -489,7 +498,7 @@ class Run:
 
     def __init__(self, seq: Sequence, gen: Generator) -> None:
         self.seq, self.gen = seq, gen
-        self._decoded0, self._kv0 = seq.stats.tokens_decoded, seq._n_decoded
+        self._start = seq._cost_mark()
 
     @property
     def is_done(self) -> bool:
@@ -499,10 +508,18 @@ class Run:
         chunk = self.seq._sample(self.gen, row)
         if not self.gen.is_done:
             return chunk
-        decoded = self.seq.stats.tokens_decoded - self._decoded0
-        kept = self.seq._n_decoded - self._kv0
-        stats = GenerationStats(len(self.gen.tokens), decoded, decoded - kept)
+        stats = self.seq._cost_since(self._start, len(self.gen.tokens))
         return dataclasses.replace(chunk, stats=stats)
+
+
+def common_prefix(a: Seq[int], b: Seq[int]) -> int:
+    """How many tokens ``a`` and ``b`` share from the start."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def decode(seqs: Seq[Sequence]) -> list[np.ndarray]:
