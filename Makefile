@@ -34,7 +34,7 @@ test: $(TEST_SETUP)
 lint: $(SETUP)
 	$(VENV)/bin/ruff check lcgen tests bench
 	$(VENV)/bin/ruff format --check lcgen tests bench
-	$(VENV)/bin/mypy lcgen
+	$(VENV)/bin/mypy lcgen bench
 
 bench: $(TEST_SETUP)
 	$(PY) bench/run.py

@@ -1,8 +1,25 @@
 """lcgen: controllable, reversible generation with GGUF models on llama.cpp.
 
-import lcgen
-model = lcgen.load("smollm2-135m")
-print(model.generate("Once upon a time", max_tokens=64))
+::
+
+    import lcgen
+    model = lcgen.load("smollm2-135m")
+    print(model.generate("Once upon a time", max_tokens=64))
+
+The public names, by layer (each layer imports only from those listed before it):
+
+- errors: :class:`LcgenError` and its subclasses.
+- vocabulary: ``model.vocab``, a :class:`~lcgen.vocab.Vocab`.
+- constraints: :class:`Grammar`, :class:`GrammarState`.
+- one position: :class:`Generator`, :class:`GeneratorState`, :class:`SamplerConfig`,
+  :class:`Chunk`, :class:`Text`, :class:`GenerationStats`, the hook values :class:`Step`,
+  :class:`Override`, :class:`Resample`, :class:`Rewind`, and :class:`GenerateOptions` /
+  :class:`Plan` / :func:`make_plan` (generation options made into a value).
+- live KV: :class:`Sequence`, :class:`Checkpoint`, :class:`SequenceStats`, the runs
+  :class:`PlainRun` and :class:`Backtracker`, and the :class:`Scheduler`.
+- continuous: :class:`SequenceState`, :func:`continuous`, :class:`Continuous`, and
+  ``lcgen.generate`` (the specs ``text``, ``choice``, ``json``, ``regex``, ``grammar``).
+- entry points: :func:`load`, :class:`Model`.
 """
 
 from __future__ import annotations
@@ -10,11 +27,28 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from lcgen import generate
-from lcgen.checkpoint import Checkpoint, SequenceStats
-from lcgen.continuous import SequenceState, continuous
+from lcgen.constrain import Grammar, GrammarState
+from lcgen.continuous import Continuous, SequenceState, continuous
+from lcgen.continuous import specs as generate
+from lcgen.decoding import (
+    Chunk,
+    GenerateOptions,
+    GenerationStats,
+    Generator,
+    GeneratorState,
+    Override,
+    Plan,
+    Resample,
+    Rewind,
+    SamplerConfig,
+    Step,
+    Text,
+    make_plan,
+)
 from lcgen.errors import (
     BatchMismatch,
+    BatchMismatchError,
+    ClosedError,
     ContextFullError,
     DecodeError,
     GrammarError,
@@ -25,16 +59,13 @@ from lcgen.errors import (
     NoCandidatesError,
     RewindError,
     SampleMismatch,
+    SampleMismatchError,
     SequenceClosedError,
     SlotsExhaustedError,
     StateFileError,
 )
-from lcgen.generator import Chunk, GenerateOptions, GenerationStats, Generator, GeneratorState, Text
-from lcgen.grammar import Grammar, GrammarState
-from lcgen.hooks import Override, Resample, Rewind, Step
 from lcgen.model import Model
-from lcgen.sampling import SamplerConfig
-from lcgen.sequence import Sequence
+from lcgen.runtime import Backtracker, Checkpoint, PlainRun, Scheduler, Sequence, SequenceStats
 
 __version__ = "0.1.0"
 
@@ -47,7 +78,7 @@ def load(ref: str | os.PathLike[str] = DEFAULT_MODEL, **options: Any) -> Model:
     Args:
         ref: what to load; see ``lcgen models`` for the registry names.
         **options: passed to :class:`Model` (n_ctx, n_batch, n_seq_max, n_gpu_layers,
-            n_threads, verbose).
+            n_threads, flash_attn, swa_full, verbose).
 
     Returns:
         The loaded model.
@@ -57,17 +88,21 @@ def load(ref: str | os.PathLike[str] = DEFAULT_MODEL, **options: Any) -> Model:
             to get it).
         ModelLoadError: llama.cpp cannot load the file.
     """
-    from lcgen.models import resolve
+    from lcgen.registry import resolve
 
     return Model(resolve(ref), **options)
 
 
 __all__ = [
     "DEFAULT_MODEL",
+    "Backtracker",
     "BatchMismatch",
+    "BatchMismatchError",
     "Checkpoint",
     "Chunk",
+    "ClosedError",
     "ContextFullError",
+    "Continuous",
     "DecodeError",
     "GenerateOptions",
     "GenerationStats",
@@ -83,11 +118,15 @@ __all__ = [
     "ModelNotFoundError",
     "NoCandidatesError",
     "Override",
+    "PlainRun",
+    "Plan",
     "Resample",
     "Rewind",
     "RewindError",
     "SampleMismatch",
+    "SampleMismatchError",
     "SamplerConfig",
+    "Scheduler",
     "Sequence",
     "SequenceClosedError",
     "SequenceState",
@@ -99,4 +138,5 @@ __all__ = [
     "continuous",
     "generate",
     "load",
+    "make_plan",
 ]

@@ -7,6 +7,7 @@ repository root, next to the ``lcgen/`` folder.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
@@ -35,3 +36,9 @@ def resource_path(name: str) -> Path:
         f"lcgen resource {name!r} not found at {tried}; reinstall lcgen, or run it from a "
         "complete checkout of its repository"
     )
+
+
+def user_cache_dir() -> Path:
+    """lcgen's folder in the user's cache: ``$XDG_CACHE_HOME/lcgen``, else ``~/.cache/lcgen``."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "lcgen"

@@ -1,4 +1,4 @@
-"""The ``lcgen`` command: generate, chat, models, demo, bench."""
+"""The ``lcgen`` command: generate, chat, models, demo."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import lcgen
+from lcgen.decoding import Chunk
 from lcgen.errors import LcgenError
-from lcgen.generator import Chunk
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -190,7 +190,7 @@ def _tee(chunks: Iterable[Chunk]) -> Iterable[Chunk]:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from lcgen.models import list_models
+    from lcgen.registry import list_models
 
     rows = list_models()
     width = max(len(entry.name) for entry, _ in rows)
@@ -275,7 +275,6 @@ def build_parser() -> argparse.ArgumentParser:
         ("chat", "chat on stdin/stdout with the model's own chat template", cmd_chat),
         ("models", "list the model registry and what is available locally", cmd_models),
         ("demo", "run the demo on the bundled model", cmd_demo),
-        ("bench", "run the benchmarks (options: `lcgen bench --help`)", _run_bench),
     ]
     for name, help_text, func in commands:
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -302,18 +301,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _run_bench(argv: list[str]) -> int:
-    from lcgen.bench import main as bench_main
-
-    return bench_main(argv)
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the ``lcgen`` command; returns the exit status."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["bench"]:  # the benchmark parses its own options
-        return _run_bench(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return int(args.func(args))
     except (LcgenError, ValueError, OSError) as exc:

@@ -1,4 +1,11 @@
-"""lcgen's exception hierarchy: every error lcgen raises on purpose is an ``LcgenError``."""
+"""lcgen's exception hierarchy, and the contract of what raises what.
+
+Every error lcgen raises on purpose is an :class:`LcgenError`, except bad arguments at the
+public boundary: those raise ``ValueError`` or ``TypeError`` naming the offending value. A
+failure inside llama.cpp never ends the process: lcgen checks what llama.cpp would abort on
+before calling it, and turns every failing return code into one of these errors, with the
+reason llama.cpp logged. ``assert`` guards lcgen's own invariants only.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +22,10 @@ class ModelLoadError(LcgenError):
     """llama.cpp could not load a GGUF file (missing, not GGUF, truncated, unsupported)."""
 
 
+class ClosedError(LcgenError):
+    """The model, sequence or grammar state was closed; it cannot be used any more."""
+
+
 class ContextFullError(LcgenError):
     """A sequence would grow past the context size, or the KV cache has no free cells."""
 
@@ -25,10 +36,6 @@ class SlotsExhaustedError(LcgenError):
 
 class DecodeError(LcgenError):
     """``llama_decode`` failed for a reason other than a full context."""
-
-
-class SequenceClosedError(LcgenError):
-    """An operation was attempted on a sequence that was closed."""
 
 
 class GrammarError(LcgenError):
@@ -59,10 +66,16 @@ class IncompleteOutputError(LcgenError):
         self.text = text
 
 
-class BatchMismatch(LcgenError):
+class BatchMismatchError(LcgenError):
     """Two sequence states were combined whose batch sizes differ (and neither is 1)."""
 
 
-class SampleMismatch(LcgenError):
+class SampleMismatchError(LcgenError):
     """Two sequence states were combined whose sample counts differ (and neither is 1), or
     samples were asked of a state that already has several per batch element."""
+
+
+# Earlier names, kept so existing code keeps working.
+SequenceClosedError = ClosedError
+BatchMismatch = BatchMismatchError
+SampleMismatch = SampleMismatchError

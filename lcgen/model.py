@@ -1,14 +1,14 @@
 """``Model``: a loaded GGUF, its vocabulary, and the generation entry points.
 
 A model owns one llama.cpp context with ``n_seq_max`` sequence slots; every generation call
-(and every live :class:`~lcgen.Sequence`) holds one slot while it runs.
+(and every live :class:`~lcgen.Sequence`) holds one slot while it runs. A list of prompts runs
+through the one :class:`~lcgen.runtime.Scheduler`, decoded together one batch per step.
 """
 
 from __future__ import annotations
 
 import functools
 import os
-from collections import deque
 from collections.abc import Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -16,11 +16,12 @@ from typing import Any, TypeVar, Unpack, overload
 
 import numpy as np
 
-from lcgen import _llama
-from lcgen.backtrack import Backtracker
-from lcgen.context import Context
-from lcgen.generator import Chunk, GenerateOptions, SchemaLike, Text, parse_structured
-from lcgen.sequence import Run, Sequence, step
+from lcgen._native.log import init, supports_gpu_offload
+from lcgen._native.model import ModelHandle, render_chat_template
+from lcgen.decoding import Chunk, GenerateOptions, Plan, Text, make_plan
+from lcgen.decoding.results import SchemaLike, parse_structured
+from lcgen.runtime import Context, Run, Scheduler, Sequence
+from lcgen.vocab import Vocab
 
 Message = Mapping[str, str]
 _M = TypeVar("_M")
@@ -70,20 +71,28 @@ class Model:
         ):
             if value < low:
                 raise ValueError(f"{name} must be >= {low}, got {value!r}")
-        _llama.init(verbose)
+        init(verbose)
         self.path = Path(path)
         if n_gpu_layers is None:
-            n_gpu_layers = -1 if _llama.supports_gpu_offload() else 0
-        self._handle = _llama.ModelHandle(str(self.path), n_gpu_layers)
-        self.n_vocab = self._handle.n_vocab
+            n_gpu_layers = -1 if supports_gpu_offload() else 0
+        self._handle = ModelHandle(str(self.path), n_gpu_layers)
+        self.vocab = Vocab(self._handle)
+        self.n_vocab = self.vocab.n_vocab
+        self.bos, self.eos, self.eot, self.add_bos = (
+            self.vocab.bos,
+            self.vocab.eos,
+            self.vocab.eot,
+            self.vocab.add_bos,
+        )
+        self.description = self._handle.description()
+        # Whether llama.cpp's extra CPU buffers (AMX, repacked weights) are used: off where
+        # the CPU reports AMX that crashes (see lcgen._native.cpu).
+        self.extra_cpu_buffers = self._handle.extra_cpu_buffers
         self.n_threads = n_threads or _default_threads()
         n_ctx = n_ctx or self._handle.n_ctx_train
         self.context = Context(
             self._handle, n_ctx, n_batch, n_seq_max, self.n_threads, flash_attn, swa_full
         )
-        self.bos, self.eos, self.eot, self.add_bos = self._handle.special_tokens()
-        self._pieces: list[bytes | None] = [None] * self.n_vocab
-        self._eog: dict[int, bool] = {}
 
     @property
     def n_ctx(self) -> int:
@@ -96,76 +105,39 @@ class Model:
         return self._handle.fingerprint()
 
     @property
-    def description(self) -> str:
-        return self._handle.description()
+    def is_closed(self) -> bool:
+        return not self._handle.is_open
 
     def __repr__(self) -> str:
-        return f"<lcgen.Model {self.path.name} ({self.description}), n_ctx={self.n_ctx}>"
+        state = ", closed" if self.is_closed else ""
+        return f"<lcgen.Model {self.path.name} ({self.description}), n_ctx={self.n_ctx}{state}>"
 
-    # vocabulary ------------------------------------------------------------------------
+    # vocabulary (see :class:`~lcgen.vocab.Vocab`) -------------------------------------
     def tokenize(
         self, text: str, *, add_bos: bool | None = None, special: bool = False
     ) -> list[int]:
-        """Text to token ids.
-
-        Args:
-            text: the text.
-            add_bos: prepend BOS; None follows the model's own setting.
-            special: parse special-token text such as ``<|im_start|>`` into those tokens.
-        """
-        tokens = self._handle.tokenize(text.encode("utf-8"), False, special)
-        wants_bos = self.add_bos if add_bos is None else add_bos
-        if wants_bos and self.bos >= 0 and tokens[:1] != [self.bos]:
-            tokens.insert(0, self.bos)
-        return tokens
+        """Text to token ids (see :meth:`lcgen.vocab.Vocab.tokenize`)."""
+        return self.vocab.tokenize(text, add_bos=add_bos, special=special)
 
     def detokenize(self, tokens: Iterable[int], *, special: bool = False) -> str:
         """Token ids to text (invalid UTF-8 becomes U+FFFD)."""
-        data = self._handle.detokenize(self.check_tokens(tokens), special)
-        return data.decode("utf-8", "replace")
+        return self.vocab.detokenize(tokens, special=special)
 
     def token_piece(self, token: int) -> bytes:
         """The bytes of one token (may be part of a UTF-8 character); cached."""
-        piece = self._pieces[token]
-        if piece is None:
-            piece = self._pieces[token] = self._handle.token_to_piece(token, False)
-        return piece
+        return self.vocab.piece(token)
 
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends generation (EOS, EOT and the like)."""
-        flag = self._eog.get(token)
-        if flag is None:
-            flag = self._eog[token] = self._handle.is_eog(token)
-        return flag
+        return self.vocab.is_eog(token)
 
-    @functools.lru_cache(maxsize=64)  # noqa: B019 -- the model lives as long as its cache
     def tokens_extending(self, prefix: bytes) -> np.ndarray:
-        """Ids of the tokens whose text starts with ``prefix`` or starts it (token healing).
-
-        End-of-generation tokens and tokens with no text are left out.
-        """
-        pieces = self._all_pieces()
-        ids = [
-            tok
-            for tok, piece in enumerate(pieces)
-            if piece and (piece.startswith(prefix) or prefix.startswith(piece))
-        ]
-        return np.array([tok for tok in ids if not self.is_eog(tok)], dtype=np.int64)
-
-    def _all_pieces(self) -> list[bytes]:
-        return [self.token_piece(tok) for tok in range(self.n_vocab)]
+        """Ids of the tokens whose text starts with ``prefix`` or starts it (token healing)."""
+        return self.vocab.tokens_extending(prefix)
 
     def check_tokens(self, tokens: Iterable[int]) -> list[int]:
-        """The tokens as a list, after checking each is a valid id (llama.cpp does not).
-
-        Raises:
-            ValueError: a token id is outside ``[0, n_vocab)``.
-        """
-        out = [int(t) for t in tokens]
-        for tok in out:
-            if not 0 <= tok < self.n_vocab:
-                raise ValueError(f"token id {tok} is outside the vocabulary [0, {self.n_vocab})")
-        return out
+        """The tokens as a list, each checked to be a valid id (see :class:`Vocab`)."""
+        return self.vocab.check_tokens(tokens)
 
     def metadata(self, key: str) -> str | None:
         """A GGUF metadata value (e.g. ``"general.name"``), or None when absent."""
@@ -181,9 +153,9 @@ class Model:
         template = self._handle.chat_template()
         if template is None:
             raise ValueError(f"{self.path.name} has no chat template; use generate() instead")
-        bos = self._handle.token_to_piece(self.bos, True).decode() if self.bos >= 0 else ""
-        eos = self._handle.token_to_piece(self.eos, True).decode() if self.eos >= 0 else ""
-        return _llama.render_chat_template(
+        bos = self.vocab.special_piece(self.bos).decode() if self.bos >= 0 else ""
+        eos = self.vocab.special_piece(self.eos).decode() if self.eos >= 0 else ""
+        return render_chat_template(
             template, [dict(m) for m in messages], bos, eos, add_generation_prompt
         )
 
@@ -278,37 +250,35 @@ class Model:
         if isinstance(prompt, str):
             with self.sequence(prompt) as seq:
                 return seq.generate(schema=schema, **options)
-        texts = self._generate_batch(list(prompt), schema, options)
+        plan = make_plan(schema=schema, **options)
+        texts = self._generate_batch([self.tokenize(p) for p in prompt], plan)
         return texts if schema is None else [parse_structured(t, schema) for t in texts]
 
-    def _generate_batch(
-        self, prompts: list[str], schema: SchemaLike | None, options: GenerateOptions
-    ) -> list[Text]:
+    def _generate_batch(self, prompts: list[list[int]], plan: Plan) -> list[Text]:
+        """Every prompt through the scheduler: as many at once as slots allow, the rest queued,
+        each slot given back as soon as its generation ends."""
         chunks: list[list[Chunk]] = [[] for _ in prompts]
-        waiting = deque(enumerate(prompts))
-        running: list[tuple[int, Sequence, Run | Backtracker]] = []
+        opened: list[Sequence] = []
+
+        def start(tokens: list[int]) -> Run | None:
+            if self.context.n_free_slots == 0:
+                return None
+            seq = Sequence(self, tokens)
+            opened.append(seq)
+            return seq.run_plan(plan)
+
+        scheduler = Scheduler(self.context)
+        for tokens in prompts:
+            scheduler.submit(functools.partial(start, tokens))
         try:
-            while waiting or running:
-                while waiting and (self.context.n_free_slots or not running):
-                    i, prompt = waiting.popleft()
-                    seq = self.sequence(prompt)
-                    run = seq.run(schema=schema, **options)
-                    if run.is_done:  # max_tokens=0
+            for event in scheduler:
+                if event.chunk is not None:
+                    chunks[event.ticket].append(event.chunk)
+                if event.is_last:
+                    for seq in event.run.sequences():
                         seq.close()
-                        continue
-                    running.append((i, seq, run))
-                if not running:
-                    break
-                for (i, _, _), chunk in zip(
-                    running, step([(seq, run) for _, seq, run in running]), strict=True
-                ):
-                    chunks[i].append(chunk)
-                for _, seq, run in running:
-                    if run.is_done:
-                        seq.close()
-                running = [job for job in running if not job[2].is_done]
         finally:
-            for _, seq, _ in running:
+            for seq in opened:
                 seq.close()
         return [Text.of(parts) for parts in chunks]
 

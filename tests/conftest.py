@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import lcgen
-from lcgen.models import resolve
+from lcgen.registry import resolve
 
 
 @pytest.fixture(scope="session")

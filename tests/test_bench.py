@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from lcgen.bench import NOT_QUICK, ROWS, constrained, main, select_rows
-from lcgen.bench.harness import Bench, Check, Row, Series, at_least, at_most, evaluate, run_rounds
-from lcgen.bench.report import number
-from lcgen.bench.runners import Sample
-from lcgen.errors import LcgenError
-from lcgen.models import resolve
+import lcgen
+from bench import NOT_QUICK, ROWS, constrained, default_out_dir, main, select_rows
+from bench.harness import Bench, Check, Row, Series, at_least, at_most, evaluate, run_rounds
+from bench.report import number
+from bench.runners import Sample
+from lcgen.registry import resolve
 
+ROOT = Path(__file__).resolve().parent.parent
 THREE_WAY = {"limit", "llama-cpp-python", "lcgen"}
 # --quick: a 64-token checkpoint sequence, so rewinds of 1 and 32 tokens (512 does not fit).
 CHECKPOINT_SERIES = {
@@ -109,6 +112,29 @@ def test_unknown_row_is_reported_before_loading_anything(
     assert not (tmp_path / "results.json").exists()
 
 
+def bench_command(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    command = [sys.executable, *argv]
+    return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("entry", [[str(ROOT / "bench" / "run.py")], ["-m", "bench"]])
+def test_entry_points_show_the_options(entry: list[str]) -> None:
+    out = bench_command(*entry, "--help", cwd=ROOT)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: python bench/run.py") and "--quick" in out.stdout
+
+
+def test_script_runs_from_any_folder_and_returns_mains_status(tmp_path: Path) -> None:
+    script = str(ROOT / "bench" / "run.py")
+    out = bench_command(script, "--quick", "--rows", "nope", "--out", str(tmp_path), cwd=tmp_path)
+    assert out.returncode == 2 and "unknown benchmark rows ['nope']" in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and not any(tmp_path.iterdir())
+
+
+def test_results_go_to_the_bench_folder_by_default() -> None:
+    assert default_out_dir() == ROOT / "bench"
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -173,8 +199,6 @@ def test_quick_leaves_out_the_rows_that_load_another_model() -> None:
 
 
 def test_every_schema_compiles_and_its_prompt_asks_for_it(model_path: Path) -> None:
-    import lcgen
-
     with lcgen.Model(model_path, n_seq_max=1) as model:
         for i, (name, schema, request) in enumerate(constrained.SCHEMAS):
             case = constrained.json_case(model, i)
@@ -204,7 +228,7 @@ def test_gemma_row_is_skipped_with_a_message_when_its_model_is_missing(
 def test_gemma_row_runs_on_its_own_model(tmp_path: Path, model_path: Path) -> None:
     try:
         resolve(constrained.GEMMA_MODEL, download=False)
-    except LcgenError:
+    except lcgen.LcgenError:
         pytest.skip(f"{constrained.GEMMA_MODEL} is not installed")
     results = run_quick(tmp_path, model_path, "--rows", "constrained-gemma")
     assert {r["implementation"] for r in results["rows"]} == set(constrained.CONSTRAINED_SERIES)

@@ -9,36 +9,27 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import lcgen
-from lcgen import checkpoint as ckpt
-from lcgen.sequence import step
+from lcgen.runtime import statefile as ckpt
 
 PROMPT = "Once upon a time"
 
 
-class Recorder(lcgen.Generator):
-    """A generator that keeps a copy of every logits row it samples from."""
+def run(seq: lcgen.Sequence, n: int, **options: Any) -> tuple[list[int], list[np.ndarray]]:
+    """Generate n tokens on seq, returning them and the logits each was sampled from (seen by
+    a hook that accepts every candidate)."""
+    rows: list[np.ndarray] = []
 
-    def __init__(self, *args: object, **kwargs: object) -> None:
-        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.rows: list[np.ndarray] = []
+    def record(step: lcgen.Step) -> None:
+        rows.append(step.logits)
 
-    def step(self, logits: np.ndarray) -> lcgen.Chunk:
-        self.rows.append(np.array(logits))
-        return super().step(logits)
-
-
-def run(seq: lcgen.Sequence, n: int, **options: object) -> tuple[list[int], list[np.ndarray]]:
-    """Generate n tokens on seq, returning them and the logits each was sampled from."""
-    gen = Recorder(seq.model, history=seq.tokens, rng=seq._rng, max_tokens=n, **options)
-    out: list[int] = []
-    while not gen.is_done:
-        out += step([(seq, gen)])[0].tokens
-    return out, gen.rows
+    text = seq.generate(max_tokens=n, hooks=[record], **options)
+    return list(text.tokens), rows
 
 
 @pytest.mark.parametrize("k", [1, 5, 19, 20])
@@ -297,7 +288,7 @@ def test_save_is_atomic(
 
 def test_generator_restore_needs_a_checkpoint_taken_with_it(model: lcgen.Model) -> None:
     with model.sequence(PROMPT) as seq:
-        gen = seq.generator(max_tokens=4)
+        gen = seq.run(max_tokens=4).generator
         plain = seq.checkpoint()
         with pytest.raises(ValueError, match=r"seq\.checkpoint\(generator\)"):
             seq.rewind(plain, gen)

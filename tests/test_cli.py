@@ -80,7 +80,7 @@ def test_demo_runs() -> None:
     assert out.stdout.count("Is it a mammal? Answer:") == 3
 
 
-@pytest.mark.parametrize("command", ["generate", "chat", "models", "demo", "bench"])
+@pytest.mark.parametrize("command", ["generate", "chat", "models", "demo"])
 def test_help(command: str) -> None:
     out = run(command, "--help")
     assert out.returncode == 0, out.stderr

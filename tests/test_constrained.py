@@ -12,11 +12,11 @@ import jsonschema
 import numpy as np
 import pydantic
 import pytest
+from helpers import first_logits
 from test_schemas import CASES, FORMATS
 
 import lcgen
-from lcgen.models import resolve
-from lcgen.sequence import step
+from lcgen.registry import resolve
 
 SCHEMAS = [case for case in CASES if isinstance(case.schema, dict)]
 
@@ -106,27 +106,27 @@ def test_bundled_grammars_generate_accepted_text(model: lcgen.Model, name: str) 
 def test_rewind_inside_a_json_object_stays_valid(model: lcgen.Model) -> None:
     prompt = "A pet as JSON:\n"
     with model.sequence(prompt, seed=4) as seq:
-        gen = seq.generator(schema=Pet, max_tokens=80, temperature=0.8)
+        run = seq.run(schema=Pet, max_tokens=80, temperature=0.8)
         chunks: list[lcgen.Chunk] = []
         saved: list[tuple[lcgen.Checkpoint, int]] = []
-        while not gen.is_done:
-            chunks += step([(seq, gen)])
-            saved.append((seq.checkpoint(gen), len(chunks)))
+        while not run.is_done:
+            chunks.append(run.step())
+            saved.append((run.checkpoint(), len(chunks)))
         first = "".join(c.text for c in chunks)
         Pet.model_validate_json(first)
         cp, n = saved[len(saved) // 2]  # the middle of the object
-        seq.rewind(cp, gen)
+        run.rewind(cp)
         again = list(chunks[:n])
-        while not gen.is_done:
-            again += step([(seq, gen)])
+        while not run.is_done:
+            again.append(run.step())
         assert "".join(c.text for c in again) == first  # the RNG and grammar were restored
         # From the same point with another seed: a different, still valid, object.
         for seed in (7, 8):
-            seq.rewind(cp, gen)
-            gen.rng.bit_generator.state = lcgen.sampling.new_rng(seed).bit_generator.state
+            run.rewind(cp)
+            seq.reseed(seed)
             other = list(chunks[:n])
-            while not gen.is_done:
-                other += step([(seq, gen)])
+            while not run.is_done:
+                other.append(run.step())
             Pet.model_validate_json("".join(c.text for c in other))
 
 
@@ -167,10 +167,7 @@ def test_gemma_schema_output_validates(tmp_path: Path) -> None:
 
 
 def test_rejected_token_is_replaced_by_the_best_allowed_one(model: lcgen.Model) -> None:
-    with model.sequence("My favourite colour is") as seq:
-        row = model.context.decode([seq._request()])[0]
-        assert row is not None
-        logits = np.array(row)
+    logits = first_logits(model, "My favourite colour is")
     grammar = lcgen.Grammar.choice([" green", " purple", " orange"])
     allowed = grammar.state(model).allowed()
     assert not allowed[int(logits.argmax())]  # the model's favourite is rejected first

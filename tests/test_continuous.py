@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import lcgen
@@ -263,16 +264,19 @@ def assert_greedy_up_to_noise(
     fed the same tokens (and at least half of them are its argmax exactly)."""
     prompt_tokens = model.tokenize(prompt)
     assert tokens[: len(prompt_tokens)] == prompt_tokens
+    fed = tokens[len(prompt_tokens) :]
+    rows: list[np.ndarray] = []
+
+    def feed(step: lcgen.Step) -> lcgen.Override:  # the lone run takes the given tokens
+        rows.append(step.logits)
+        return lcgen.Override(fed[step.index])
+
+    model.generate(prompt, max_tokens=len(fed), hooks=[feed])
     exact = 0
-    with model.sequence(prompt_tokens) as seq:
-        for tok in tokens[len(prompt_tokens) :]:
-            row = model.context.decode([seq._request()])[0]
-            assert row is not None
-            seq._n_decoded = seq.n_tokens
-            assert row[tok] >= row.max() - tolerance, (tok, float(row.max() - row[tok]))
-            exact += int(row[tok] == row.max())
-            seq.append_tokens([tok])
-    assert 2 * exact >= len(tokens) - len(prompt_tokens)
+    for tok, row in zip(fed, rows, strict=True):
+        assert row[tok] >= row.max() - tolerance, (tok, float(row.max() - row[tok]))
+        exact += int(row[tok] == row.max())
+    assert 2 * exact >= len(fed)
 
 
 # slots -------------------------------------------------------------------------------------
@@ -328,3 +332,15 @@ def test_banned_phrases_and_hooks_work_in_a_continuous_spec(model: lcgen.Model) 
         generate.text(model, beams=2, banned=["x"])
     with pytest.raises(ValueError, match="empty"):
         generate.text(model, banned=[""])
+
+
+def test_a_new_sequence_takes_the_slot_of_an_idle_state(model_path: Path) -> None:
+    with lcgen.Model(model_path, n_seq_max=2, n_ctx=1024) as small:
+        text = continuous(generate.text(small, max_tokens=4))
+        first, second = text("Count: 1,"), text("Count: 5,")
+        assert small.context.n_free_slots == 0 and first.n_live == second.n_live == 1
+        with small.sequence("Hello") as seq:  # the least recently used state gives its slot up
+            seq.generate(max_tokens=2)
+        assert first.n_live == 0 and second.n_live == 1
+        again = text(first)  # rebuilt from its tokens, and goes on
+        assert str(again).startswith(str(first))

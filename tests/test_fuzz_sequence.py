@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 import lcgen
-from lcgen.models import resolve
-from lcgen.sequence import step
+from lcgen.registry import resolve
 
 EXAMPLES = int(os.environ.get("LCGEN_FUZZ_EXAMPLES", "200"))
 SLOTS = 4
@@ -47,11 +46,8 @@ def seq_tokens(hist: list[tuple[int, int]]) -> list[int]:
 
 def next_logits(seq: lcgen.Sequence) -> np.ndarray:
     """The logits for the next token of seq, leaving seq as it was."""
-    gen = seq.generator(max_tokens=1)
     rows: list[np.ndarray] = []
-    sample = gen.step
-    gen.step = lambda logits: (rows.append(np.array(logits)), sample(logits))[1]  # type: ignore[method-assign]
-    step([(seq, gen)])
+    seq.generate(max_tokens=1, hooks=[lambda step: rows.append(step.logits)])
     seq.rewind(1)
     return rows[0]
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import llama_cpp_python
 
 import lcgen
-from lcgen.sequence import step
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "1, 2, 3, 4,"]
 
@@ -20,15 +20,10 @@ def test_greedy_equals_llama_cpp_python(model_path: Path, flash_attn: bool) -> N
     """Token for token, with the same attention kernel on both sides (it changes near-ties)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     gpu_layers = -1 if llama_cpp.llama_supports_gpu_offload() else 0  # as lcgen's default
-    llm = llama_cpp.Llama(
-        model_path=str(model_path),
-        n_ctx=512,
-        n_batch=512,
-        flash_attn=flash_attn,
-        n_gpu_layers=gpu_layers,
-        verbose=False,
-    )
     ours = lcgen.Model(model_path, n_ctx=512, flash_attn=flash_attn)
+    llm = llama_cpp_python(
+        ours, model_path, n_ctx=512, n_batch=512, flash_attn=flash_attn, n_gpu_layers=gpu_layers
+    )
     for prompt in PROMPTS[:3]:
         theirs: list[int] = []
         for tok in llm.generate(llm.tokenize(prompt.encode()), temp=0.0, top_k=1):
@@ -99,9 +94,11 @@ def test_two_sequences_in_one_batch_give_identical_logits(model: lcgen.Model) ->
 
     expected = [run_alone(p) for p in PROMPTS[:2]]
     seqs = [model.sequence(p) for p in PROMPTS[:2]]
-    gens = [s.generator(max_tokens=12) for s in seqs]
-    while not all(g.is_done for g in gens):
-        step(list(zip(seqs, gens, strict=True)))
+    scheduler = lcgen.Scheduler(model.context)
+    for run in [s.run(max_tokens=12) for s in seqs]:
+        scheduler.submit(lambda run=run: run)  # type: ignore[misc]
+    sizes = [len(event.run.sequences()) for event in scheduler]
+    assert len(sizes) == 2 * 12  # both runs advanced in each of the 12 steps
     assert [s.tokens for s in seqs] == expected
     for s in seqs:
         s.close()
@@ -176,17 +173,11 @@ def test_chat_uses_the_gguf_template(model: lcgen.Model) -> None:
 
 
 def test_generator_steps_on_logits_from_elsewhere(model: lcgen.Model) -> None:
+    rows: list[np.ndarray] = []
+    model.generate("The sky is", max_tokens=8, hooks=[rows.append])  # type: ignore[list-item]
     expected = list(model.stream("The sky is", max_tokens=8))
     gen = lcgen.Generator(model, max_tokens=8)
-    with model.sequence("The sky is") as seq:
-        chunks = []
-        while not gen.is_done:
-            row = model.context.decode([seq._request()])[0]
-            assert row is not None
-            seq._n_decoded = seq.n_tokens
-            chunk = gen.step(np.array(row))
-            seq.append_tokens(chunk.tokens)
-            chunks.append(chunk)
+    chunks = [gen.step(step.logits) for step in rows]  # type: ignore[attr-defined]
     # The sequence's stream also reports the cost on its last chunk: 3 prompt tokens + 7.
     assert expected[-1].stats == lcgen.GenerationStats(tokens=8, decoded=3 + 7, redecoded=0)
     assert chunks == [*expected[:-1], dataclasses.replace(expected[-1], stats=None)]

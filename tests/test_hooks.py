@@ -16,10 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lcgen
-from lcgen.backtrack import Backtracker
-from lcgen.context import DecodeRequest
-from lcgen.hooks import BannedPhrases
-from lcgen.sequence import step
+from lcgen.decoding.hooks import BannedPhrases
+from lcgen.runtime.context import DecodeRequest
 
 ROME = [{"role": "user", "content": "Tell me about the history of Rome."}]
 OCEAN = [{"role": "user", "content": "Describe the ocean at night."}]
@@ -119,15 +117,15 @@ def test_streaming_holds_back_only_what_could_still_be_banned(model: lcgen.Model
     bans = BannedPhrases(phrases)
     with model.sequence(model.chat_tokens(ROME)) as seq:
         run = seq.run(max_tokens=60, banned=phrases)
-        assert isinstance(run, Backtracker)
+        assert isinstance(run, lcgen.Backtracker)
         shown, released = "", 0
         while not run.is_done:
-            shown += step([(seq, run)])[0].text
+            shown += run.step().text
             if run.is_done:
                 break
             visible = run._visible()
             assert visible.startswith(shown)
-            if bans.hold_from(visible) == len(visible) and not run.gen.text_state.held_bytes:
+            if bans.hold_from(visible) == len(visible) and not run.generator.text_state.held_bytes:
                 assert shown == run._out  # nothing could become banned: all of it is out
                 released += 1
             else:  # the held text starts in the token where a banned phrase could start
@@ -355,8 +353,8 @@ def test_bad_hook_results(model: lcgen.Model) -> None:
         lcgen.Rewind(1, chars=2)
     with pytest.raises(ValueError, match="max_retries"):
         chat(model, ROME, banned=["x"], max_retries=-1)
-    with model.sequence("x") as seq, pytest.raises(ValueError, match=r"seq\.run"):
-        seq.generator(banned=["x"])  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="unknown generation option"):
+        chat(model, ROME, bannd=["x"])
 
 
 # validators -------------------------------------------------------------------------------------

@@ -20,10 +20,11 @@ import huggingface_hub
 import pytest
 from huggingface_hub import constants as hf_constants
 
-from lcgen import models
+import lcgen
+from lcgen import registry as models
 from lcgen._resources import resource_path
 from lcgen.errors import LcgenError, ModelNotFoundError
-from lcgen.models import ChunkedWheelSource, ChunkFile, HFSource, ModelEntry, WheelSource
+from lcgen.registry import ChunkedWheelSource, ChunkFile, HFSource, ModelEntry, WheelSource, lookup
 
 SMOLLM2_SIZE = 98362432
 GEMMA_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
@@ -43,7 +44,7 @@ def entry_with(*sources: Any, size: int | None = None, sha256: str | None = None
 
 
 def use_registry(monkeypatch: pytest.MonkeyPatch, *entries: ModelEntry) -> None:
-    monkeypatch.setattr(models, "registry", lambda: {entry.name: entry for entry in entries})
+    monkeypatch.setattr(lookup, "registry", lambda: {entry.name: entry for entry in entries})
 
 
 # ---------------------------------------------------------------- registry file
@@ -155,7 +156,7 @@ def test_resource_path_finds_shipped_files_and_names_both_places() -> None:
     with pytest.raises(FileNotFoundError) as caught:
         resource_path("no-such-resource")
     message = str(caught.value)
-    package_dir = Path(models.__file__).resolve().parent
+    package_dir = Path(lcgen.__file__).resolve().parent
     assert str(package_dir / "no-such-resource") in message
     assert str(package_dir.parent / "no-such-resource") in message
 
@@ -469,7 +470,7 @@ def test_hf_reference_resolves_from_the_offline_cache(hf_cache: HFCache) -> None
 def test_hf_cache_from_environment_set_before_import(hf_cache: HFCache) -> None:
     # The user's case: HF_HUB_CACHE/HF_HUB_OFFLINE exported before Python starts.
     snapshot = hf_cache.add("org/repo", "x.gguf", b"GGUF env")
-    code = "from lcgen.models import resolve; print(resolve('hf:org/repo/x.gguf'))"
+    code = "from lcgen.registry import resolve; print(resolve('hf:org/repo/x.gguf'))"
     result = subprocess.run(
         [sys.executable, "-c", code], env=dict(os.environ), capture_output=True, text=True
     )

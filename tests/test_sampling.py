@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lcgen.sampling import SamplerConfig, new_rng, sample
+from lcgen.decoding.sampling import SamplerConfig, new_rng, sample
 
 
 @given(

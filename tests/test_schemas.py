@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lcgen
-from lcgen.grammar import Grammar, GrammarState
+from lcgen.constrain import Grammar, GrammarState
 
 HYPOTHESIS = settings(
     max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]

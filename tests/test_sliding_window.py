@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import lcgen
-from lcgen.models import resolve
+from lcgen.registry import resolve
 
 TEXT = " ".join(f"Sentence number {i} is about the sea and the sky." for i in range(110))
 
@@ -29,7 +29,7 @@ def small_swa(gemma_path: Path) -> Iterator[lcgen.Model]:
 def test_the_window_cache_really_drops_old_positions(small_swa: lcgen.Model) -> None:
     with small_swa.sequence(TEXT) as seq:
         seq.generate(max_tokens=4)
-        pos_min, _ = small_swa.context.pos_range(seq._slot)
+        pos_min, _ = small_swa.context.pos_range(seq.slot)
         assert pos_min > 0 and seq.n_tokens > 1024
 
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import llama_cpp_python
 
 import lcgen
-from lcgen.sequence import step
 
 SUBJECTS = [
     "the sea",
@@ -115,14 +115,9 @@ def test_token_healing_composes_with_checkpoints(model: lcgen.Model) -> None:
 
 def test_logprobs(model: lcgen.Model) -> None:
     chunks = list(model.stream("The sky is", max_tokens=6, logprobs=3))
-    with model.sequence("The sky is") as seq:
-        rows = []
-        gen = seq.generator(max_tokens=6)
-        while not gen.is_done:
-            row = model.context.decode([seq._request()])[0]
-            assert row is not None
-            rows.append(np.array(row, dtype=np.float64))
-            seq._accept(gen.step(row))
+    steps: list[lcgen.Step] = []
+    model.generate("The sky is", max_tokens=6, hooks=[steps.append])  # type: ignore[list-item]
+    rows = [np.array(step.logits, dtype=np.float64) for step in steps]
     for chunk, row in zip(chunks, rows, strict=True):
         log_softmax = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
         (token,) = chunk.tokens
@@ -146,7 +141,7 @@ def test_generator_fed_by_an_independent_decode_reproduces_stream(
     options = {"max_tokens": 24, "temperature": 0.8, "seed": 5, "stop": ["\n\n"], "logprobs": 2}
     prompt = "Write a haiku about rain:"
     expected = list(model.stream(prompt, **options))  # type: ignore[arg-type]
-    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=512, flash_attn=True, verbose=False)
+    llm = llama_cpp_python(model, model_path, n_ctx=512, flash_attn=True)
     llm.eval(llm.tokenize(prompt.encode()))
     gen = lcgen.Generator(model, **options)  # type: ignore[arg-type]
     chunks = []
@@ -163,20 +158,23 @@ def test_generator_fed_by_an_independent_decode_reproduces_stream(
 def test_rewinding_into_held_stop_text_regenerates_the_same(model: lcgen.Model) -> None:
     stop = [" 7, 8, 9"]
     with model.sequence("1, 2, 3, 4,", seed=1) as seq:
-        gen = seq.generator(max_tokens=20, stop=stop)
+        run = seq.run(max_tokens=20, stop=stop)
         chunks: list[lcgen.Chunk] = []
         saved = None
-        while not gen.is_done:
-            chunks += step([(seq, gen)])
-            if gen.text_state.held_text and saved is None:
-                saved = (seq.checkpoint(gen), len(chunks))
+        while not run.is_done:
+            chunks.append(run.step())
+            if run.generator.text_state.held_text and saved is None:
+                saved = (run.checkpoint(), len(chunks))
         assert saved is not None, "no step held text back"
         cp, n = saved
         first = chunks[n:]
-        seq.rewind(cp, gen)
+        run.rewind(cp)
         again = []
-        while not gen.is_done:
-            again += step([(seq, gen)])
-        assert again == first
+        while not run.is_done:
+            again.append(run.step())
+        assert [dataclasses.replace(c, stats=None) for c in again] == [
+            dataclasses.replace(c, stats=None) for c in first
+        ]
+        assert again[-1].stats is not None and again[-1].stats.rewinds == 1
         assert "".join(c.text for c in chunks) == " 5, 6,"
         assert chunks[-1].stop == stop[0]

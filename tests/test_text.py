@@ -1,4 +1,4 @@
-"""Tables and invariants for lcgen.text: incremental UTF-8 decoding and stop strings."""
+"""Tables and invariants for lcgen.decoding.text: incremental UTF-8 decoding and stop strings."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lcgen.text import (
+from lcgen.decoding.text import (
     NO_STOPS,
     Stops,
     TextState,

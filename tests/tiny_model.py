@@ -44,7 +44,7 @@ OUT_STD = 0.5
 
 
 def _source_path() -> Path:
-    from lcgen.models import resolve
+    from lcgen.registry import resolve
 
     return resolve("smollm2-135m", download=False)
 

@@ -1,0 +1,172 @@
+"""An owned ``llama_context``: a reusable batch whose arrays are numpy buffers, its memory (the
+KV cell pool shared by all sequence ids) and its per-sequence state."""
+
+from __future__ import annotations
+
+import ctypes
+
+import llama_cpp as C
+import numpy as np
+
+from lcgen._native.log import log_errors_since, log_mark
+from lcgen._native.model import ModelHandle
+from lcgen.errors import ClosedError, ContextFullError, DecodeError, ModelLoadError, StateFileError
+
+
+class ContextHandle:
+    """An owned ``llama_context`` with a reusable batch whose arrays are numpy buffers."""
+
+    def __init__(
+        self,
+        model: ModelHandle,
+        n_ctx: int,
+        n_batch: int,
+        n_seq_max: int,
+        n_threads: int,
+        flash_attn: bool | None = None,
+        swa_full: bool = True,
+    ) -> None:
+        params = C.llama_context_default_params()
+        if flash_attn is not None:
+            params.flash_attn_type = (
+                C.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            )
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch
+        params.n_seq_max = n_seq_max
+        params.n_threads = n_threads
+        params.n_threads_batch = n_threads
+        params.no_perf = True
+        # One cell pool shared by all sequences: a fork shares prefix cells instead of copying.
+        params.kv_unified = True
+        # The whole sliding-window cache (the default) keeps every partial seq_rm exact.
+        params.swa_full = swa_full
+        mark = log_mark()
+        ptr = C.llama_init_from_model(model.live(), params)
+        if not ptr:
+            reason = log_errors_since(mark) or "no reason logged"
+            raise ModelLoadError(f"llama.cpp could not create a context (n_ctx={n_ctx}): {reason}")
+        self.ptr: ctypes.c_void_p | None = ptr
+        self.mem = C.llama_get_memory(ptr)
+        self.n_vocab = model.n_vocab
+        self.n_ctx = int(C.llama_n_ctx(ptr))
+        self.n_ctx_seq = int(C.llama_n_ctx_seq(ptr))
+        self.n_batch = int(C.llama_n_batch(ptr))
+        self.n_seq_max = n_seq_max
+        self.n_swa = model.n_swa if not swa_full else 0
+        self._init_batch(self.n_batch)
+
+    def _init_batch(self, n: int) -> None:
+        self._tok = np.zeros(n, dtype=np.int32)
+        self._pos = np.zeros(n, dtype=np.int32)
+        self._nseq = np.ones(n, dtype=np.int32)
+        self._seq = np.zeros(n, dtype=np.int32)
+        self._out = np.zeros(n, dtype=np.int8)
+        i32p = ctypes.POINTER(ctypes.c_int32)
+        base = self._seq.ctypes.data
+        self._seq_ptrs = (i32p * n)(*[ctypes.cast(base + 4 * i, i32p) for i in range(n)])
+        self._batch = C.llama_batch(
+            n_tokens=0,
+            token=self._tok.ctypes.data_as(i32p),
+            embd=ctypes.POINTER(ctypes.c_float)(),
+            pos=self._pos.ctypes.data_as(i32p),
+            n_seq_id=self._nseq.ctypes.data_as(i32p),
+            seq_id=ctypes.cast(self._seq_ptrs, ctypes.POINTER(i32p)),
+            logits=self._out.ctypes.data_as(ctypes.POINTER(ctypes.c_int8)),
+        )
+
+    def live(self) -> ctypes.c_void_p:
+        """The context pointer.
+
+        Raises:
+            ClosedError: the context (its model) was closed.
+        """
+        if self.ptr is None:
+            raise ClosedError("the model is closed; load it again with lcgen.load()")
+        return self.ptr
+
+    def close(self) -> None:
+        ptr, self.ptr = self.ptr, None
+        if ptr:
+            C.llama_free(ptr)
+
+    def decode(
+        self, tokens: np.ndarray, pos: np.ndarray, seq: np.ndarray, out: np.ndarray
+    ) -> np.ndarray:
+        """Decode one batch of at most ``n_batch`` tokens.
+
+        Returns:
+            The logits of the tokens marked in ``out``, shape (n_out, n_vocab): a view into
+            llama.cpp's buffer, valid until the next decode.
+        """
+        ptr = self.live()
+        n = len(tokens)
+        assert 0 < n <= self.n_batch, n
+        self._tok[:n] = tokens
+        self._pos[:n] = pos
+        self._seq[:n] = seq
+        self._out[:n] = out
+        self._batch.n_tokens = n
+        mark = log_mark()
+        rc = C.llama_decode(ptr, self._batch)
+        if rc == 1:
+            raise ContextFullError(
+                f"the KV cache has no free cells for {n} more tokens (context of {self.n_ctx} "
+                "cells shared by all live sequences): close sequences or load with a larger n_ctx"
+            )
+        if rc != 0:
+            reason = log_errors_since(mark) or "no reason logged"
+            raise DecodeError(f"llama_decode failed with code {rc}: {reason}")
+        n_out = int(np.count_nonzero(out))
+        logits = C.llama_get_logits(ptr)
+        return np.ctypeslib.as_array(logits, shape=(n_out, self.n_vocab))
+
+    # memory ----------------------------------------------------------------------------
+    def seq_rm(self, seq: int, p0: int, p1: int) -> bool:
+        self.live()
+        return bool(C.llama_memory_seq_rm(self.mem, seq, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        self.live()
+        C.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
+    def seq_pos_range(self, seq: int) -> tuple[int, int]:
+        """(min, max) position held for ``seq``; (-1, -1) when empty."""
+        self.live()
+        return (
+            int(C.llama_memory_seq_pos_min(self.mem, seq)),
+            int(C.llama_memory_seq_pos_max(self.mem, seq)),
+        )
+
+    # state -----------------------------------------------------------------------------
+    def state_size(self) -> int:
+        """The size of the whole context's state (every sequence's cells), in bytes."""
+        return int(C.llama_state_get_size(self.live()))
+
+    def seq_state_size(self, seq: int) -> int:
+        return int(C.llama_state_seq_get_size(self.live(), seq))
+
+    def seq_state_into(self, seq: int, out: bytearray, offset: int, size: int) -> int:
+        """Copy the state of ``seq`` into ``out[offset:offset + size]`` (no other copy).
+
+        Returns:
+            The bytes written.
+        """
+        ptr = self.live()
+        view = (ctypes.c_uint8 * size).from_buffer(out, offset)
+        n = int(C.llama_state_seq_get_data(ptr, view, size, seq))
+        del view  # release the buffer export, so ``out`` may be resized again
+        if n == 0 and size != 0:
+            raise StateFileError(f"llama.cpp could not copy the state of sequence {seq}")
+        return n
+
+    def set_seq_state(self, seq: int, data: bytes | bytearray | memoryview) -> None:
+        """Load a state copied by :meth:`seq_state_into` into ``seq`` (read in place)."""
+        ptr = self.live()
+        arr = np.frombuffer(data, dtype=np.uint8)
+        mark = log_mark()
+        data_ptr = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
+        if C.llama_state_seq_set_data(ptr, data_ptr, arr.size, seq) == 0:
+            reason = log_errors_since(mark) or "no reason logged"
+            raise StateFileError(f"llama.cpp rejected the saved sequence state: {reason}")

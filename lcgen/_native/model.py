@@ -1,0 +1,199 @@
+"""An owned ``llama_model`` and the calls on its vocabulary."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+
+import llama_cpp as C
+
+from lcgen._native.cpu import extra_buffers_usable
+from lcgen._native.log import init, log_errors_since, log_mark
+from lcgen.errors import ClosedError, ModelLoadError
+
+_GGUF_MAGIC = b"GGUF"
+# Token attributes whose text is printed only when special tokens are shown.
+SPECIAL_ATTRS = int(C.LLAMA_TOKEN_ATTR_UNKNOWN) | int(C.LLAMA_TOKEN_ATTR_CONTROL)
+
+
+def _check_gguf_file(path: str) -> None:
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"model file {path!r} does not exist")
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != _GGUF_MAGIC:
+        raise ModelLoadError(
+            f"{path!r} is not a GGUF file (starts with {magic!r}, expected {_GGUF_MAGIC!r}; "
+            f"{size} bytes)"
+        )
+
+
+def _read_str(call: Callable[[ctypes.Array[ctypes.c_char], int], int]) -> str | None:
+    """Call a C function that fills a char buffer, growing the buffer until the text fits."""
+    size = 256
+    while True:
+        buf = ctypes.create_string_buffer(size)
+        n = int(call(buf, size))
+        if n < 0:
+            return None
+        if n < size:
+            return buf.value.decode("utf-8", "replace")
+        size = n + 1
+
+
+class ModelHandle:
+    """An owned ``llama_model`` pointer and its vocabulary.
+
+    Every call checks that the model is still open: the vocabulary pointer dies with the model,
+    and using it afterwards would crash the process.
+    """
+
+    def __init__(self, path: str, n_gpu_layers: int, use_mmap: bool = True) -> None:
+        init()
+        _check_gguf_file(path)
+        params = C.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.use_mmap = use_mmap
+        params.use_extra_bufts = self.extra_cpu_buffers = extra_buffers_usable(path)
+        mark = log_mark()
+        ptr = C.llama_model_load_from_file(path.encode(), params)
+        if not ptr:
+            reason = log_errors_since(mark) or "no reason logged"
+            raise ModelLoadError(f"llama.cpp could not load {path!r}: {reason}")
+        self.ptr: ctypes.c_void_p | None = ptr
+        self._vocab = C.llama_model_get_vocab(ptr)
+        self.name = os.path.basename(path)
+        self.n_vocab = int(C.llama_vocab_n_tokens(self._vocab))
+        self.n_ctx_train = int(C.llama_model_n_ctx_train(ptr))
+        self.n_layer = int(C.llama_model_n_layer(ptr))
+        self.n_swa = int(C.llama_model_n_swa(ptr))
+        self.is_recurrent = bool(C.llama_model_is_recurrent(ptr) or C.llama_model_is_hybrid(ptr))
+
+    @property
+    def is_open(self) -> bool:
+        return self.ptr is not None
+
+    def live(self) -> ctypes.c_void_p:
+        """The model pointer.
+
+        Raises:
+            ClosedError: the model was closed.
+        """
+        if self.ptr is None:
+            raise ClosedError(f"the model {self.name} is closed; load it again with lcgen.load()")
+        return self.ptr
+
+    def vocab(self) -> ctypes.c_void_p:
+        """The vocabulary pointer (checked like :meth:`live`)."""
+        self.live()
+        return self._vocab  # type: ignore[no-any-return]
+
+    def close(self) -> None:
+        ptr, self.ptr = self.ptr, None
+        if ptr:
+            C.llama_model_free(ptr)
+
+    def meta(self, key: str) -> str | None:
+        """A GGUF metadata value as a string, or None when the key is absent."""
+        ptr = self.live()
+        return _read_str(lambda buf, n: C.llama_model_meta_val_str(ptr, key.encode(), buf, n))
+
+    def fingerprint(self) -> str:
+        """A sha256 over the GGUF metadata, sizes and parameter count: tells models apart."""
+        ptr = self.live()
+        digest = hashlib.sha256()
+        for i in range(int(C.llama_model_meta_count(ptr))):
+            key = _read_str(functools.partial(C.llama_model_meta_key_by_index, ptr, i))
+            val = _read_str(functools.partial(C.llama_model_meta_val_str_by_index, ptr, i))
+            digest.update(f"{key}={val}\n".encode())
+        sizes = (self.n_vocab, C.llama_model_n_params(ptr), C.llama_model_size(ptr))
+        digest.update(repr(sizes).encode())
+        return digest.hexdigest()
+
+    def description(self) -> str:
+        buf = ctypes.create_string_buffer(256)
+        C.llama_model_desc(self.live(), buf, 256)
+        return buf.value.decode("utf-8", "replace")
+
+    def chat_template(self) -> str | None:
+        tmpl = C.llama_model_chat_template(self.live(), None)
+        return tmpl.decode("utf-8", "replace") if tmpl else None
+
+    # vocabulary -------------------------------------------------------------------------
+    def special_tokens(self) -> tuple[int, int, int, bool]:
+        """(bos, eos, eot, add_bos); a missing token is -1."""
+        v = self.vocab()
+        return (
+            int(C.llama_vocab_bos(v)),
+            int(C.llama_vocab_eos(v)),
+            int(C.llama_vocab_eot(v)),
+            bool(C.llama_vocab_get_add_bos(v)),
+        )
+
+    def is_eog(self, token: int) -> bool:
+        return bool(C.llama_vocab_is_eog(self.vocab(), token))
+
+    def token_attr(self, token: int) -> int:
+        return int(C.llama_vocab_get_attr(self.vocab(), token))
+
+    def tokenize(self, data: bytes, add_special: bool, parse_special: bool) -> list[int]:
+        vocab = self.vocab()
+        n_max = len(data) + 8
+        while True:
+            buf = (C.llama_token * n_max)()
+            n = C.llama_tokenize(vocab, data, len(data), buf, n_max, add_special, parse_special)
+            if n == -(2**31):
+                raise ValueError(f"text of {len(data)} bytes is too long to tokenize")
+            if n >= 0:
+                return list(buf[:n])
+            n_max = -n
+
+    def token_to_piece(self, token: int) -> bytes:
+        """The token's bytes, special tokens shown (hide them by their attributes)."""
+        vocab = self.vocab()
+        size = 32
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = C.llama_token_to_piece(vocab, token, buf, size, 0, True)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
+
+    def all_pieces(self) -> list[bytes]:
+        """Every token's piece (as :meth:`token_to_piece`), fetched in one pass."""
+        vocab = self.vocab()
+        buf = ctypes.create_string_buffer(256)
+        pieces = []
+        for token in range(self.n_vocab):
+            n = int(C.llama_token_to_piece(vocab, token, buf, 256, 0, True))
+            pieces.append(buf.raw[:n] if n >= 0 else self.token_to_piece(token))
+        return pieces
+
+    def all_attrs(self) -> list[int]:
+        vocab = self.vocab()
+        return [int(C.llama_vocab_get_attr(vocab, token)) for token in range(self.n_vocab)]
+
+    def detokenize(self, tokens: Sequence[int], special: bool) -> bytes:
+        vocab = self.vocab()
+        arr = (C.llama_token * len(tokens))(*tokens)
+        size = max(16, 8 * len(tokens))
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = C.llama_detokenize(vocab, arr, len(tokens), buf, size, False, special)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
+
+
+def render_chat_template(
+    template: str, messages: list[dict[str, str]], bos: str, eos: str, add_generation_prompt: bool
+) -> str:
+    """Render a GGUF's Jinja chat template (llama-cpp-python's sandboxed renderer)."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    formatter = Jinja2ChatFormatter(template, eos, bos, add_generation_prompt)
+    return str(formatter(messages=messages).prompt)  # type: ignore[arg-type]

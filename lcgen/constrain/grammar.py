@@ -1,0 +1,410 @@
+"""Grammar constraints: ``Grammar`` (what is allowed) and ``GrammarState`` (where a sequence is).
+
+A :class:`Grammar` is GBNF text and a root rule, checked by llama.cpp's parser when it is made.
+It comes from text, a file (``grammars/NAME.gbnf``), a JSON Schema, a pydantic model, a list of
+choices or a regular expression. A :class:`GrammarState` is the live grammar of one sequence
+over one model's vocabulary (a llama.cpp grammar sampler): check one token in microseconds
+(:meth:`~GrammarState.allows`), accept it, clone it for a checkpoint, or mask the whole
+vocabulary when the sampled token was rejected.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lcgen._native.grammar import GrammarSampler, check_gbnf
+from lcgen._resources import resource_path
+from lcgen.constrain import gbnf as _gbnf
+from lcgen.constrain import regex as _regex
+from lcgen.constrain.tables import LITERALS_AND_COMMENTS, tables, traits, utf8_tail
+from lcgen.errors import GrammarError
+from lcgen.vocab import HasVocab, Vocab, vocab_of
+
+_RULE_NAME = re.compile(r"[a-zA-Z0-9-]+")
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A GBNF grammar and the name of its root rule, validated by llama.cpp's parser.
+
+    Args:
+        gbnf: the grammar text (llama.cpp's GBNF).
+        root: the rule generation starts from.
+
+    Raises:
+        GrammarError: the text does not parse (the message gives llama.cpp's reason and the
+            line and column), has no rule named ``root``, is left-recursive, or uses a
+            repetition bound that llama.cpp would silently drop (above 2000).
+        TypeError: ``gbnf`` or ``root`` is not a str.
+    """
+
+    gbnf: str
+    root: str = "root"
+
+    def __post_init__(self) -> None:
+        for name, value in (("gbnf", self.gbnf), ("root", self.root)):
+            if not isinstance(value, str):
+                raise TypeError(f"Grammar {name} must be a str, got {type(value).__name__}")
+        if not self.gbnf.strip():
+            raise GrammarError("the grammar is empty")
+        if not _RULE_NAME.fullmatch(self.root):
+            raise GrammarError(f"root {self.root!r} is not a rule name (letters, digits, '-')")
+        if "\x00" in self.gbnf:
+            raise GrammarError("the grammar contains a NUL character (write it as \\x00)")
+        _check_repetition_bounds(self.gbnf)
+        check_gbnf(self.gbnf, self.root)
+
+    @classmethod
+    def from_file(cls, name_or_path: str | Path, root: str = "root") -> Grammar:
+        """Load a ``.gbnf`` file: a path, or the name of a bundled grammar (``"json"``).
+
+        Raises:
+            FileNotFoundError: no such file, and no bundled grammar of that name (the
+                message lists the bundled ones).
+            GrammarError: the file does not parse.
+        """
+        path = Path(name_or_path)
+        if not path.is_file() and path.suffix == "" and path.name == str(name_or_path):
+            bundled = resource_path("grammars") / f"{path.name}.gbnf"
+            if not bundled.is_file():
+                names = ", ".join(sorted(p.stem for p in bundled.parent.glob("*.gbnf")))
+                raise FileNotFoundError(
+                    f"no grammar file {str(name_or_path)!r} and no bundled grammar of that "
+                    f"name (bundled: {names})"
+                )
+            path = bundled
+        return cls(path.read_text(encoding="utf-8"), root)
+
+    @classmethod
+    def from_json_schema(cls, schema: dict[str, Any] | bool | str) -> Grammar:
+        """A grammar for JSON text that validates against ``schema``.
+
+        Every output the grammar allows validates; a keyword lcgen cannot enforce exactly
+        raises instead of being dropped (see :mod:`lcgen.constrain.json_schema` for the list).
+
+        Args:
+            schema: a JSON Schema, as a dict or as JSON text.
+
+        Raises:
+            GrammarError: an unsupported keyword or combination (named, with its location
+                in the schema), an invalid schema, or one that no value satisfies.
+        """
+        from lcgen.constrain.json_schema import schema_to_gbnf
+
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as exc:
+                raise GrammarError(f"the JSON Schema is not valid JSON: {exc}") from None
+        if not isinstance(schema, dict | bool):
+            raise TypeError(f"a JSON Schema is a dict or JSON text, got {type(schema).__name__}")
+        return cls(schema_to_gbnf(schema))
+
+    @classmethod
+    def from_pydantic(cls, model_cls: type[Any]) -> Grammar:
+        """A grammar for the JSON of a pydantic model (through its JSON Schema).
+
+        Raises:
+            TypeError: ``model_cls`` is not a pydantic model class.
+            GrammarError: as for :meth:`from_json_schema`.
+        """
+        schema_fn = getattr(model_cls, "model_json_schema", None)
+        if not isinstance(model_cls, type) or schema_fn is None:
+            raise TypeError(f"expected a pydantic BaseModel subclass, got {model_cls!r}")
+        return cls.from_json_schema(schema_fn())
+
+    @classmethod
+    def choice(cls, options: list[str]) -> Grammar:
+        """Exactly one of ``options`` (any text: quotes, backslashes, newlines, Unicode).
+
+        Raises:
+            ValueError: ``options`` is empty or contains an empty string.
+            TypeError: an option is not a str.
+        """
+        if isinstance(options, str) or not options:
+            raise ValueError(f"choice needs a non-empty list of strings, got {options!r}")
+        for option in options:
+            if not isinstance(option, str):
+                raise TypeError(f"choice options must be str, got {option!r}")
+            if not option:
+                raise ValueError("a choice option is empty (it could never be generated)")
+        return cls(f"root ::= {' | '.join(_gbnf.literal(o) for o in dict.fromkeys(options))}\n")
+
+    @classmethod
+    def regex(cls, pattern: str) -> Grammar:
+        """Text that ``re.fullmatch(pattern, text)`` matches, for the supported subset.
+
+        Raises:
+            GrammarError: an invalid pattern, or a construct outside the subset (named,
+                with its position): backreferences, lookaround, word boundaries, flags,
+                possessive quantifiers, anchors other than at the ends.
+        """
+        if not isinstance(pattern, str):
+            raise TypeError(f"regex pattern must be a str, got {type(pattern).__name__}")
+        return cls(f"root ::= {_regex.regex_to_gbnf(pattern)}\n")
+
+    def check(self, model: Vocab | HasVocab) -> None:
+        """Check the grammar against a model's vocabulary: it parses (token names too) and
+        some token, or the end of generation, is allowed at its start.
+
+        Raises:
+            GrammarError: the grammar names tokens the vocabulary lacks, or nothing can start.
+        """
+        with GrammarState(self, model) as state:
+            if not state.is_complete:
+                state.allowed()  # raises when no token is allowed
+
+    def state(self, model: Vocab | HasVocab) -> GrammarState:
+        """A fresh :class:`GrammarState` of this grammar over ``model``'s vocabulary."""
+        return GrammarState(self, model)
+
+    def accepts(self, model: Vocab | HasVocab, text: str) -> bool:
+        """Whether ``text`` is a complete sentence of the grammar (see
+        :meth:`GrammarState.accepts_text`)."""
+        with GrammarState(self, model) as state:
+            return state.accepts_text(text)
+
+
+def _check_repetition_bounds(gbnf: str) -> None:
+    """llama.cpp reads ``x{m,n}`` with n above 2000 as ``x{m,}``: refuse instead."""
+    code = LITERALS_AND_COMMENTS.sub(" ", gbnf)
+    for match in re.finditer(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}", code):
+        for bound in match.groups():
+            if bound and int(bound) > _gbnf.MAX_REPEAT:
+                raise GrammarError(
+                    f"repetition {match.group(0)} is over llama.cpp's bound of "
+                    f"{_gbnf.MAX_REPEAT} (it would silently become unbounded)"
+                )
+
+
+class GrammarState:
+    """The live state of a grammar for one sequence, over one model's vocabulary.
+
+    Not thread-safe: one state belongs to one sequence. Free it with :meth:`close` (or a
+    ``with`` block); it is also freed when garbage-collected.
+
+    Args:
+        grammar: the grammar.
+        model: the model (or its :class:`~lcgen.vocab.Vocab`) whose vocabulary tokens come
+            from (must stay open).
+
+    Raises:
+        GrammarError: llama.cpp rejects the grammar for this vocabulary (e.g. a ``<token>``
+            it does not have).
+    """
+
+    __slots__ = ("_pending", "_sampler", "_vocab", "grammar")
+
+    def __init__(self, grammar: Grammar, model: Vocab | HasVocab) -> None:
+        if not isinstance(grammar, Grammar):
+            raise TypeError(f"expected a Grammar, got {type(grammar).__name__}")
+        vocab = vocab_of(model)
+        self.grammar = grammar
+        self._vocab = vocab
+        self._sampler = GrammarSampler.new(vocab.handle, grammar.gbnf, grammar.root)
+        # The bytes of an unfinished UTF-8 character at the end of the accepted text.
+        self._pending = b""
+
+    @classmethod
+    def _wrap(
+        cls, grammar: Grammar, vocab: Vocab, sampler: GrammarSampler, pending: bytes
+    ) -> GrammarState:
+        state = cls.__new__(cls)
+        state.grammar = grammar
+        state._vocab = vocab
+        state._sampler = sampler
+        state._pending = pending
+        return state
+
+    @property
+    def n_vocab(self) -> int:
+        return self._vocab.n_vocab
+
+    def allows(self, token: int) -> bool:
+        """Whether the grammar allows ``token`` next (end-of-generation tokens: only where the
+        grammar is complete; control tokens, whose text is hidden, never).
+
+        Raises:
+            ValueError: ``token`` is outside the vocabulary.
+            GrammarError: the state or its model was closed.
+        """
+        if token in self._vocab.hidden_set:
+            self._sampler.allows(token)  # checks the id and that the state is open
+            return False
+        return self._sampler.allows(token) and self._text_ok(token)
+
+    def _text_ok(self, token: int) -> bool:
+        """llama.cpp's grammar lets through bytes that are not UTF-8 (overlong forms,
+        surrogates, NUL inside a piece): the text after ``token`` must stay valid UTF-8."""
+        vocab = self._vocab
+        if token in vocab.eog_set:
+            return not self._pending
+        piece = vocab.special_piece(token)
+        if not self._pending and piece.isascii():
+            return b"\x00" not in piece
+        return b"\x00" not in piece and utf8_tail(self._pending + piece) is not None
+
+    def try_accept(self, token: int) -> bool:
+        """Advance past ``token`` if allowed; return False (state unchanged) if not."""
+        if not self.allows(token) or not self._sampler.accept(token):
+            return False
+        vocab = self._vocab
+        if token not in vocab.eog_set and (
+            self._pending or not vocab.special_piece(token).isascii()
+        ):
+            data = self._pending + vocab.special_piece(token)
+            self._pending = data[len(data) - (utf8_tail(data) or 0) :]
+        return True
+
+    def accept(self, token: int) -> None:
+        """Advance past ``token``.
+
+        Raises:
+            GrammarError: the grammar does not allow ``token`` here (the state is unchanged).
+            ValueError: ``token`` is outside the vocabulary.
+        """
+        if not self.try_accept(token):
+            raise GrammarError(f"the grammar does not allow token {token} here")
+
+    def accept_tokens(self, tokens: list[int]) -> None:
+        """Accept each token in turn.
+
+        Raises:
+            GrammarError: a token is not allowed; the tokens before it stay accepted.
+        """
+        for i, token in enumerate(tokens):
+            if not self.try_accept(token):
+                raise GrammarError(
+                    f"the grammar does not allow token {token} (position {i} of {len(tokens)})"
+                )
+
+    def allowed(self) -> np.ndarray:
+        """A bool array over the vocabulary: the tokens allowed next (the slow path: llama.cpp
+        checks every token, milliseconds).
+
+        Raises:
+            GrammarError: no token is allowed: the grammar can neither go on nor end here.
+        """
+        if not self._pending:
+            allowed = self._sampler.allowed(self._candidates())
+            allowed &= tables(self._vocab).boundary_ok
+        else:
+            allowed = self._sampler.allowed(self._vocab.visible_ids)
+            for token in np.flatnonzero(allowed).tolist():
+                allowed[token] = self._text_ok(token)
+        if not allowed.any():
+            raise GrammarError(
+                "no token of the vocabulary can continue the grammar here, and it cannot end "
+                "(an unsatisfiable grammar, or characters no token can spell)"
+            )
+        return allowed
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """A copy of ``logits`` (shape ``(n_vocab,)``) with every token the grammar forbids
+        set to ``-inf``.
+
+        Raises:
+            ValueError: ``logits`` does not have one value per vocabulary token.
+            GrammarError: no token is allowed (see :meth:`allowed`).
+        """
+        if logits.shape != (self.n_vocab,):
+            raise ValueError(f"logits of shape {logits.shape}, expected ({self.n_vocab},)")
+        return np.where(self.allowed(), logits, np.float32(-np.inf)).astype(np.float32)
+
+    def _candidates(self) -> np.ndarray:
+        """The tokens worth asking llama.cpp about (it checks each in turn: milliseconds for
+        a large vocabulary). A token whose first character (or its first byte, a partial
+        character) the grammar rejects here is rejected too, and so is one whose first two
+        bytes are rejected in turn (checked after the most common first characters, such as a
+        space, where the grammar is selective). Bytes of multi-byte characters stand for the
+        characters they start unless the grammar negates a class with non-ASCII characters
+        (llama.cpp's check of a partial character is then stricter than of a whole one)."""
+        vocab = tables(self._vocab)
+        uses_tokens, negates_non_ascii = traits(self.grammar.gbnf)
+        if uses_tokens:  # <token> rules match by id, not by text
+            return vocab.visible
+        first_ok = np.ones(257, dtype=bool)  # by first byte; 256: none worth testing
+        for byte, token in vocab.byte_token.items():
+            if byte < 0x80 or not negates_non_ascii:
+                first_ok[byte] = self.allows(token)
+        keep = first_ok[vocab.first]
+        if first_ok[:128].mean() < 0.75:
+            for byte in vocab.common_first:
+                if first_ok[byte]:
+                    second_ok = self._second_ok(byte, negates_non_ascii)
+                    keep &= (vocab.first != byte) | second_ok[vocab.second]
+        keep |= vocab.eog
+        candidates: np.ndarray = vocab.visible[keep[vocab.visible]]
+        return candidates
+
+    def _second_ok(self, byte: int, negates_non_ascii: bool) -> np.ndarray:
+        """By second byte: whether the grammar allows that byte after ``byte``."""
+        vocab = tables(self._vocab)
+        second_ok = np.ones(257, dtype=bool)
+        with self.clone() as after:
+            after.accept(vocab.byte_token[byte])
+            for second, token in vocab.byte_token.items():
+                if second < 0x80 or not negates_non_ascii:
+                    second_ok[second] = after.allows(token)
+        return second_ok
+
+    @property
+    def is_complete(self) -> bool:
+        """Whether the grammar can end here (its end-of-generation tokens are allowed)."""
+        return not self._pending and any(self._sampler.allows(t) for t in self._vocab.end_tokens)
+
+    allows_eos = is_complete
+
+    @property
+    def end_tokens(self) -> frozenset[int]:
+        """The end-of-generation tokens (allowed only where the grammar is complete)."""
+        return self._vocab.eog_set
+
+    def accepts_text(self, text: str, *, complete: bool = True) -> bool:
+        """Whether ``text`` (tokenized, then walked token by token from this state) is allowed.
+
+        Args:
+            text: the text to walk; this state is not changed.
+            complete: also require that the grammar can end after it (else: a valid prefix).
+
+        Raises:
+            GrammarError: the vocabulary cannot spell ``text`` (neither its tokenization nor
+                single-byte tokens reproduce it).
+        """
+        tokens = self._spell(text.encode("utf-8"))
+        with self.clone() as walker:
+            if not all(walker.try_accept(t) for t in tokens):
+                return False
+            return walker.is_complete or not complete
+
+    def _spell(self, data: bytes) -> list[int]:
+        """Tokens whose pieces join to ``data``: its tokenization, else one token per byte."""
+        vocab = self._vocab
+        tokens = vocab.tokenize(data.decode("utf-8"), add_bos=False)
+        if b"".join(vocab.special_piece(t) for t in tokens) == data:
+            return tokens
+        by_byte = vocab.byte_tokens
+        missing = sorted({b for b in data if b not in by_byte})
+        if missing:
+            raise GrammarError(f"the vocabulary has no tokens for bytes {bytes(missing)!r}")
+        return [by_byte[b] for b in data]
+
+    def clone(self) -> GrammarState:
+        """An independent copy of this state (for a checkpoint or a fork)."""
+        return GrammarState._wrap(self.grammar, self._vocab, self._sampler.clone(), self._pending)
+
+    def close(self) -> None:
+        """Free the llama.cpp sampler (idempotent)."""
+        self._sampler.close()
+
+    def __enter__(self) -> GrammarState:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,147 @@
+"""The tables and value helpers of :mod:`lcgen.constrain.json_schema`: which keywords exist
+and which are supported, the GBNF of JSON's primitives and of the string formats, bounds as
+decimals."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from decimal import Decimal
+from typing import Any
+
+from lcgen.constrain import gbnf as g
+from lcgen.errors import GrammarError
+
+ANNOTATIONS = frozenset(
+    ["title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
+     "writeOnly", "discriminator", "contentEncoding", "contentMediaType", "$defs",
+     "definitions", "$anchor"]
+)  # fmt: skip
+GENERIC = frozenset(["type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"])
+BY_TYPE = {
+    "string": frozenset(["minLength", "maxLength", "pattern", "format"]),
+    "number": frozenset(
+        ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"]
+    ),
+    "object": frozenset(
+        ["properties", "required", "additionalProperties", "minProperties", "maxProperties"]
+    ),
+    "array": frozenset(
+        ["items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems"]
+    ),
+}
+UNSUPPORTED = frozenset(
+    ["not", "if", "then", "else", "patternProperties", "propertyNames", "dependentRequired",
+     "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems",
+     "contains", "minContains", "maxContains", "$dynamicRef", "$recursiveRef",
+     "$dynamicAnchor", "$recursiveAnchor"]
+)  # fmt: skip
+TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")
+
+WS = "[ \\t\\n]{0,24}"
+HEX = "[0-9a-fA-F]"
+# One character of a JSON string; \\u escapes of surrogates only as a pair (one character).
+RAW_CHAR = g.char_class(
+    g.subtract(((0x20, g.MAX_CODEPOINT),), ((0x22, 0x22), (0x5C, 0x5C), *g.SURROGATES))
+)
+CHAR = (
+    f'{RAW_CHAR} | "\\\\" (["\\\\/bfnrt] | "u" ('
+    f"[0-9a-cA-CefEF] {HEX}{{3}} | [dD] [0-7] {HEX}{{2}} | "
+    f'[dD] [89abAB] {HEX}{{2}} "\\\\u" [dD] [c-fC-F] {HEX}{{2}}))'
+)
+NUMBER = '"-"? ("0" | [1-9] [0-9]*) ("." [0-9]+)? ([eE] [-+]? [0-9]{1,2})?'
+DATE = (
+    '(year "-" ("0" [13578] | "1" [02]) "-" (day28 | "29" | "30" | "31") | year "-" ("0" [469] | '
+    '"11") "-" (day28 | "29" | "30") | year "-02-" day28 | leap-year "-02-29")'
+)
+LEAP_YY = '("0" [48] | [2468] [048] | [13579] [26])'
+HOUR = '([01] [0-9] | "2" [0-3])'
+PRIMITIVES = {
+    "ws": WS,
+    "char": CHAR,
+    "string": '"\\"" char* "\\""',
+    "number": NUMBER,
+    "value": 'object | array | string | number | ("true" | "false") | "null"',
+    "object": '"{" ws (string ws ":" ws value ws ("," ws string ws ":" ws value ws)*)? "}"',
+    "array": '"[" ws (value ws ("," ws value ws)*)? "]"',
+    "year": '[0-9]{3} [1-9] | [0-9]{2} [1-9] "0" | [0-9] [1-9] "00" | [1-9] "000"',
+    "leap-year": f'[0-9]{{2}} {LEAP_YY} | {LEAP_YY} "00"',
+    "day28": '"0" [1-9] | "1" [0-9] | "2" [0-8]',
+    "date": DATE,
+    "time": f'{HOUR} ":" [0-5] [0-9] ":" [0-5] [0-9] ("." [0-9]{{1,6}})? '
+    f'("Z" | [+-] {HOUR} ":" [0-5] [0-9])',
+    "date-time": 'date "T" time',
+    "uuid": ' "-" '.join(f"{HEX}{{{n}}}" for n in (8, 4, 4, 4, 12)),
+    "email": '[A-Za-z0-9_%+-]+ ("." [A-Za-z0-9_%+-]+)* "@" label ("." label)+',
+    "label": "[A-Za-z0-9] ([A-Za-z0-9-]* [A-Za-z0-9])?",
+    "ipv4": 'octet "." octet "." octet "." octet',
+    "octet": '"25" [0-5] | "2" [0-4] [0-9] | "1" [0-9] [0-9] | [1-9] [0-9] | [0-9]',
+}
+DEPENDS = {"value": ("object", "array", "string", "number"), "object": ("ws", "string", "value"),
+           "array": ("ws", "value"), "string": ("char",), "date": ("year", "leap-year", "day28"),
+           "date-time": ("date", "time"), "email": ("label",), "ipv4": ("octet",)}  # fmt: skip
+FORMATS = ("date", "time", "date-time", "uuid", "email", "ipv4")
+
+
+def type_of(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+        return "integer"
+    kinds = {float: "number", str: "string", list: "array", dict: "object"}
+    return kinds[type(value)]
+
+
+def constants(schema: Any) -> set[str] | None:
+    """Canonical texts of the values a const/enum schema allows (None: not a const/enum)."""
+    if not isinstance(schema, dict) or not ("const" in schema or "enum" in schema):
+        return None
+    values = [schema["const"]] if "const" in schema else schema["enum"]
+    return {json.dumps(canonical(v), sort_keys=True) for v in values}
+
+
+def canonical(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [canonical(v) for v in value]
+    if isinstance(value, dict):
+        return {k: canonical(v) for k, v in value.items()}
+    return value
+
+
+def bound(schema: dict[str, Any], key: str, exclusive_key: str) -> g.Bound | None:
+    """(exact value, exclusive) of the tighter of ``key`` and ``exclusive_key``."""
+    value, exclusive = schema.get(key), schema.get(exclusive_key)
+    candidates: list[g.Bound] = []
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        candidates.append((Decimal(value), exclusive is True))
+    if isinstance(exclusive, int | float) and not isinstance(exclusive, bool):
+        candidates.append((Decimal(exclusive), True))
+    if not candidates:
+        return None
+    lower = key == "minimum"
+    return max(candidates) if lower else min(candidates, key=lambda b: (b[0], not b[1]))
+
+
+def as_float(bound: g.Bound | None, upper: bool) -> g.Bound | None:
+    """The bound as the decimal text of a double: a text within it parses to a float within
+    the original bound (json parses fractions as doubles, which round)."""
+    if bound is None:
+        return None
+    value, exclusive = bound
+    try:
+        d = float(value)
+    except OverflowError:
+        d = math.inf
+    if math.isinf(d):
+        d = math.copysign(sys.float_info.max, d)
+    exact = Decimal(d)
+    if (exact > value if upper else exact < value) or (exclusive and exact == value):
+        d = math.nextafter(d, -math.inf if upper else math.inf)
+    if math.isinf(d):
+        raise GrammarError(f"the bound {value} is beyond the range of a double")
+    return Decimal(repr(d)), False

@@ -1,0 +1,433 @@
+"""Compile a practical subset of Python regular expressions to GBNF, exactly.
+
+Supported: literals, escapes (``\\n \\t \\xhh \\uhhhh \\Uhhhhhhhh \\N{name}``, octal, escaped
+punctuation), character classes with ranges and negation, ``.``, ``\\d \\w \\s`` and their
+negations (with Python's Unicode meaning), groups (``(...)``, ``(?:...)``, ``(?P<name>...)``),
+alternation, ``? * + {m} {m,} {,n} {m,n}`` (lazy forms too: same language), and anchors
+(``^ $ \\A \\Z``) at the ends of the top-level alternatives. Anything else (backreferences,
+lookaround, word boundaries, flags, possessive quantifiers, atomic groups, conditionals) raises
+:class:`~lcgen.errors.GrammarError` naming it.
+
+Two encodings of the matched characters: plain text, or the body of a JSON string (for JSON
+Schema ``pattern``), where each character is written in one canonical JSON form.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+import unicodedata
+import warnings
+from dataclasses import dataclass
+
+from lcgen.constrain import gbnf as g
+from lcgen.errors import GrammarError
+
+# NUL ends a token piece inside llama.cpp's grammar (a C string): it can never be generated raw.
+_UNWRITABLE = g.ranges_of([(0, 0), (0xD800, 0xDFFF)])
+_JSON_ESCAPED = g.ranges_of([(0, 0x1F), (0x22, 0x22), (0x5C, 0x5C)])
+_ANY = ((0, g.MAX_CODEPOINT),)
+_DOT = g.complement(((0x0A, 0x0A),))
+_NEVER = "[^\\x00-\\U0010FFFF]"  # a character class no character matches
+_SIMPLE_ESCAPES = {"a": 7, "f": 12, "n": 10, "r": 13, "t": 9, "v": 11}
+
+
+@dataclass(frozen=True)
+class Chars:
+    ranges: g.Ranges
+
+
+@dataclass(frozen=True)
+class Seq:
+    items: tuple[Node, ...]
+
+
+@dataclass(frozen=True)
+class Alt:
+    options: tuple[Node, ...]
+
+
+@dataclass(frozen=True)
+class Rep:
+    item: Node
+    low: int
+    high: int | None
+
+
+@dataclass(frozen=True)
+class Anchor:
+    end: bool  # False: ^ or \A; True: $ or \Z
+    strict: bool  # \Z (end only) rather than $ (end, or before a final newline)
+
+
+Node = Chars | Seq | Alt | Rep | Anchor
+EMPTY = Seq(())
+
+
+@functools.cache
+def python_class(letter: str) -> g.Ranges:
+    """The code points Python's ``\\d``, ``\\w`` or ``\\s`` match (str patterns, Unicode)."""
+    everything = "".join(map(chr, range(g.MAX_CODEPOINT + 1)))
+    found = re.finditer(f"\\{letter.lower()}+", everything)
+    ranges = g.ranges_of((m.start(), m.end() - 1) for m in found)
+    return g.complement(ranges) if letter.isupper() else ranges
+
+
+class _Parser:
+    def __init__(self, pattern: str) -> None:
+        self.p = pattern
+        self.i = 0
+
+    def fail(self, what: str, at: int | None = None) -> GrammarError:
+        pos = self.i if at is None else at
+        return GrammarError(f"unsupported in regex /{self.p}/ at position {pos}: {what}")
+
+    def peek(self, n: int = 1) -> str:
+        return self.p[self.i : self.i + n]
+
+    def take(self) -> str:
+        c = self.p[self.i]
+        self.i += 1
+        return c
+
+    def parse(self) -> Node:
+        node = self.alternation()
+        if self.i != len(self.p):
+            raise self.fail("unbalanced ')'")
+        return node
+
+    def alternation(self) -> Node:
+        options = [self.sequence()]
+        while self.peek() == "|":
+            self.i += 1
+            options.append(self.sequence())
+        return options[0] if len(options) == 1 else Alt(tuple(options))
+
+    def sequence(self) -> Node:
+        items: list[Node] = []
+        while self.i < len(self.p) and self.peek() not in "|)":
+            start = self.i
+            atom = self.atom()
+            atom = self.quantifiers(atom, start)
+            items.append(atom)
+        return items[0] if len(items) == 1 else Seq(tuple(items))
+
+    def quantifiers(self, atom: Node, start: int) -> Node:
+        bounds = self.quantifier()
+        if bounds is None:
+            return atom
+        if isinstance(atom, Anchor):
+            raise self.fail("a quantified anchor", start)
+        if self.peek() == "+":
+            raise self.fail("possessive quantifier")
+        if self.peek() == "?":
+            self.i += 1  # lazy: the same set of full matches
+        return Rep(atom, *bounds)
+
+    def quantifier(self) -> tuple[int, int | None] | None:
+        c = self.peek()
+        if c in ("*", "+", "?"):
+            self.i += 1
+            return {"*": (0, None), "+": (1, None), "?": (0, 1)}[c]
+        m = re.compile(r"\{(\d*)(?:(,)(\d*))?\}").match(self.p, self.i)
+        if c != "{" or m is None or m.group(0) == "{}":
+            return None  # Python reads such a brace literally
+        self.i = m.end()
+        low = int(m.group(1)) if m.group(1) else 0
+        high_text = m.group(3) if m.group(2) else m.group(1)
+        return low, int(high_text) if high_text else None
+
+    def atom(self) -> Node:
+        start = self.i
+        c = self.take()
+        if c == "(":
+            return self.group(start)
+        if c == "[":
+            return Chars(self.char_class())
+        if c == ".":
+            return Chars(_DOT)
+        if c in "^$":
+            return Anchor(end=c == "$", strict=False)
+        if c == "\\":
+            return self.escape(in_class=False)
+        return Chars(((ord(c), ord(c)),))
+
+    def group(self, start: int) -> Node:
+        if self.peek() == "?":
+            if self.peek(3) == "?P<":
+                self.i = self.p.index(">", self.i) + 1
+            elif self.peek(2) == "?:":
+                self.i += 2
+            elif self.peek(2) == "?#":
+                self.i = self.p.index(")", self.i) + 1
+                return EMPTY
+            else:
+                kinds = {"?=": "lookahead", "?!": "negative lookahead", "?<=": "lookbehind",
+                         "?<!": "negative lookbehind", "?P=": "backreference",
+                         "?>": "atomic group", "?(": "conditional"}  # fmt: skip
+                for prefix, kind in sorted(kinds.items(), key=lambda kv: -len(kv[0])):
+                    if self.p.startswith(prefix, self.i):
+                        raise self.fail(kind, start)
+                raise self.fail("inline flags", start)
+        inner = self.alternation()
+        if self.peek() != ")":
+            raise self.fail("unbalanced '('", start)
+        self.i += 1
+        return inner
+
+    def char_class(self) -> g.Ranges:
+        negate = self.peek() == "^"
+        if negate:
+            self.i += 1
+        items: list[tuple[int, int]] = []
+        first = True
+        while first or self.peek() != "]":
+            first = False
+            lo = self.class_item()
+            if self.peek() == "-" and self.peek(2) != "-]" and self.peek(2)[1:] != "]":
+                self.i += 1
+                hi = self.class_item()
+                if isinstance(lo, tuple) or isinstance(hi, tuple):
+                    raise self.fail("a class escape as a range end")
+                items.append((lo, hi))
+            elif isinstance(lo, tuple):
+                items.extend(lo)
+            else:
+                items.append((lo, lo))
+        self.i += 1
+        ranges = g.ranges_of(items)
+        return g.complement(ranges) if negate else ranges
+
+    def class_item(self) -> int | g.Ranges:
+        c = self.take()
+        if c != "\\":
+            return ord(c)
+        is_set = self.peek() in tuple("dwsDWS")
+        node = self.escape(in_class=True)
+        assert isinstance(node, Chars)
+        return node.ranges if is_set else node.ranges[0][0]
+
+    def escape(self, in_class: bool) -> Node:
+        start = self.i - 1
+        c = self.take()
+        if c in "dwsDWS":
+            return Chars(python_class(c))
+        if c in "AZ" and not in_class:
+            return Anchor(end=c == "Z", strict=True)
+        if c == "b" and in_class:
+            return _char(8)
+        if c in "bB":
+            raise self.fail("word boundary \\" + c, start)
+        if c in _SIMPLE_ESCAPES:
+            return _char(_SIMPLE_ESCAPES[c])
+        if c in "xuU":
+            size = {"x": 2, "u": 4, "U": 8}[c]
+            digits = self.p[self.i : self.i + size]
+            self.i += size
+            return _char(int(digits, 16))
+        if c == "N":
+            name_end = self.p.index("}", self.i)
+            name = self.p[self.i + 1 : name_end]
+            self.i = name_end + 1
+            return _char(ord(unicodedata.lookup(name)))
+        if c.isdigit():
+            return self.octal_or_backreference(c, in_class, start)
+        return _char(ord(c))
+
+    def octal_or_backreference(self, c: str, in_class: bool, start: int) -> Node:
+        octal = re.compile(r"[0-7]{0,2}" if c == "0" or in_class else r"[0-7]{2}")
+        m = octal.match(self.p, self.i)
+        if m is None or c in "89":
+            raise self.fail("backreference", start)
+        self.i = m.end()
+        return _char(int(c + m.group(0), 8))
+
+
+def _char(cp: int) -> Chars:
+    return Chars(((cp, cp),))
+
+
+def parse(pattern: str) -> Node:
+    """Parse ``pattern`` (checked with Python's ``re`` first) into a syntax tree.
+
+    Raises:
+        GrammarError: the pattern is invalid, or uses a construct outside the subset.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", FutureWarning)
+            re.compile(pattern)
+    except (re.error, FutureWarning) as exc:
+        raise GrammarError(f"invalid regex /{pattern}/: {exc}") from None
+    return _Parser(pattern).parse()
+
+
+def nullable(node: Node) -> bool:
+    if isinstance(node, Chars):
+        return False
+    if isinstance(node, Seq):
+        return all(nullable(item) for item in node.items)
+    if isinstance(node, Alt):
+        return any(nullable(option) for option in node.options)
+    if isinstance(node, Rep):
+        return node.low == 0 or nullable(node.item)
+    return True
+
+
+def without_empty(node: Node) -> Node | None:
+    """A node matching the same strings as ``node`` except the empty one (None: nothing left)."""
+    if not nullable(node):
+        return node
+    if isinstance(node, Seq):
+        if not node.items:
+            return None
+        head, rest = node.items[0], Seq(node.items[1:])
+        options: list[Node] = []
+        head_ne = without_empty(head)
+        if head_ne is not None:
+            options.append(Seq((head_ne, rest)))
+        rest_ne = without_empty(rest)
+        if rest_ne is not None:
+            options.append(rest_ne)
+        return Alt(tuple(options)) if len(options) > 1 else (options[0] if options else None)
+    if isinstance(node, Alt):
+        kept = [k for k in (without_empty(o) for o in node.options) if k is not None]
+        return Alt(tuple(kept)) if len(kept) > 1 else (kept[0] if kept else None)
+    if isinstance(node, Rep):
+        item = without_empty(node.item)
+        return None if item is None or node.high == 0 else Rep(item, 1, node.high)
+    return None
+
+
+def _strip_anchors(branch: Node, pattern: str) -> tuple[Node, Anchor | None, Anchor | None]:
+    items = list(branch.items) if isinstance(branch, Seq) else [branch]
+    start = end = None
+    while items and isinstance(items[0], Anchor) and not items[0].end:
+        start = items.pop(0)
+    while items and isinstance(items[-1], Anchor) and items[-1].end:
+        end = items.pop()
+    assert start is None or isinstance(start, Anchor)
+    assert end is None or isinstance(end, Anchor)
+    body = Seq(tuple(items))
+    if _has_anchor(body):
+        raise GrammarError(
+            f"unsupported in regex /{pattern}/: an anchor (^ $ \\A \\Z) other than at the start "
+            "or end of the pattern or of a top-level alternative"
+        )
+    return body, start, end
+
+
+def _has_anchor(node: Node) -> bool:
+    if isinstance(node, Anchor):
+        return True
+    if isinstance(node, Seq):
+        return any(_has_anchor(i) for i in node.items)
+    if isinstance(node, Alt):
+        return any(_has_anchor(o) for o in node.options)
+    if isinstance(node, Rep):
+        return _has_anchor(node.item)
+    return False
+
+
+_ONE_LITERAL = re.compile(r'"(?:[^"\\]|\\.)*"')
+_ONE_CLASS = re.compile(r"\[(?:[^\]\\]|\\.)*\]")
+
+
+class Emitter:
+    """Writes a syntax tree as a GBNF expression, in plain or JSON-string-body encoding."""
+
+    def __init__(self, json_string: bool) -> None:
+        self.json_string = json_string
+
+    def chars(self, ranges: g.Ranges) -> str:
+        writable = g.subtract(ranges, _UNWRITABLE if not self.json_string else g.SURROGATES)
+        if not writable:  # e.g. only NUL: this branch can never be generated
+            return _NEVER
+        if not self.json_string:
+            if len(writable) == 1 and writable[0][0] == writable[0][1]:
+                return g.literal(chr(writable[0][0]))
+            return g.char_class(writable)
+        options = []
+        raw = g.subtract(writable, _JSON_ESCAPED)
+        if raw:
+            single = len(raw) == 1 and raw[0][0] == raw[0][1]
+            options.append(g.literal(chr(raw[0][0])) if single else g.char_class(raw))
+        for lo, hi in g.intersect(writable, _JSON_ESCAPED):
+            options += [g.literal(json.dumps(chr(cp))[1:-1]) for cp in range(lo, hi + 1)]
+        return g.alternatives(options)
+
+    def emit(self, node: Node) -> str:
+        if isinstance(node, Chars):
+            return self.chars(node.ranges)
+        if isinstance(node, Seq):
+            parts = [self.emit(item) for item in node.items]
+            return " ".join(_merge_literals(parts)) if parts else '""'
+        if isinstance(node, Alt):
+            return g.alternatives(self.emit(option) for option in node.options)
+        assert isinstance(node, Rep)
+        item, low, high = node.item, node.low, node.high
+        if nullable(item):
+            stripped = without_empty(item)
+            if stripped is None:
+                return '""'
+            item, low = stripped, 0
+        if high == 0:
+            return '""'
+        inner = self.emit(item)
+        atomic = _ONE_LITERAL.fullmatch(inner) or _ONE_CLASS.fullmatch(inner) or _is_group(inner)
+        return g.repeat(inner if atomic else f"({inner})", low, high)
+
+    def any_text(self) -> str:
+        return g.repeat(f"({self.chars(_ANY)})", 0, None)
+
+
+def _is_group(expr: str) -> bool:
+    """Whether ``expr`` is one parenthesized group, ``( ... )``."""
+    if not expr.startswith("("):
+        return False
+    depth = 0
+    for m in re.finditer(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|[()]', expr):
+        depth += {"(": 1, ")": -1}.get(m.group(0), 0)
+        if depth == 0:
+            return m.end() == len(expr)
+    return False
+
+
+def _merge_literals(parts: list[str]) -> list[str]:
+    merged: list[str] = []
+    for part in parts:
+        if merged and _ONE_LITERAL.fullmatch(part) and _ONE_LITERAL.fullmatch(merged[-1]):
+            merged[-1] = merged[-1][:-1] + part[1:]
+        else:
+            merged.append(part)
+    return merged
+
+
+def regex_to_gbnf(pattern: str, *, json_string: bool = False, search: bool = False) -> str:
+    """A GBNF expression for the strings ``pattern`` matches.
+
+    Args:
+        pattern: a Python regular expression in the supported subset.
+        json_string: write each character as the body of a JSON string would.
+        search: ``re.search`` semantics (JSON Schema ``pattern``): the text need only contain
+            a match, unless anchors pin it; otherwise ``re.fullmatch`` semantics.
+
+    Raises:
+        GrammarError: an invalid pattern, or a construct outside the subset.
+    """
+    tree = parse(pattern)
+    emitter = Emitter(json_string)
+    branches = tree.options if isinstance(tree, Alt) else (tree,)
+    options = []
+    for branch in branches:
+        body, start, end = _strip_anchors(branch, pattern)
+        parts = [emitter.emit(body)]
+        if search and start is None:
+            parts.insert(0, emitter.any_text())
+        if search and end is None:
+            parts.append(emitter.any_text())
+        elif search and end is not None and not end.strict:
+            parts.append(f"{emitter.chars(((10, 10),))}?")
+        options.append(" ".join(parts))
+    return g.alternatives(options)

@@ -1,0 +1,387 @@
+"""Continuous generation: :class:`SequenceState` (batch x samples x text) and :func:`continuous`.
+
+::
+
+    text = continuous(generate.text(model, max_tokens=20))
+    s = text("Write a story about a cat:")       # a SequenceState
+    s = text(s[:40] + " Then")                   # the KV cache of the first 40 characters is kept
+
+A state is a value: its elements' tokens and the log-probabilities of the tokens generated;
+while slots allow, each element also holds a live sequence with its KV cache, so continuing,
+slicing and adding decode only new tokens (see :mod:`lcgen.continuous.elements` for how slots
+are shared
+when elements outnumber them).
+"""
+
+from __future__ import annotations
+
+import itertools
+import operator
+from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
+from typing import Any, SupportsIndex
+
+import numpy as np
+
+from lcgen.continuous import beam
+from lcgen.continuous.elements import (
+    Element,
+    pool_of,
+    prefix_tokens,
+    random_seed,
+    run,
+    text_of,
+)
+from lcgen.continuous.specs import GenerateSpec
+from lcgen.errors import BatchMismatchError, SampleMismatchError
+from lcgen.runtime.tokens import ModelLike
+
+__all__ = ["Continuous", "SequenceState", "continuous"]
+
+Index = int | slice
+
+
+# the state ---------------------------------------------------------------------------------
+class SequenceState:
+    """Batch x samples sequences, each a text with the KV cache behind it.
+
+    Made by a :func:`continuous` generator (or :meth:`from_text`). Index it as
+    ``state[batch, sample, chars]``, with shorthands: a state of one batch element takes
+    ``state[sample, chars]``, one of one sample per batch element ``state[batch, chars]``, and
+    a single sequence ``state[chars]``; with one index on a larger state it selects batch
+    elements (or samples when the batch is 1). Integers and slices work on every axis; the
+    result always keeps both axes (an integer leaves an axis of size 1). The last axis slices
+    the text; a slice from the start keeps the KV cache up to the last whole token inside it.
+
+    ``list(state)`` gives the texts, batch-major; ``len(state)`` their number; ``state.shape``
+    is ``(batch, samples)``; ``state.weights`` the summed log-probabilities of the generated
+    tokens. A state holds live sequences: ``close()``, a with-block, or dropping it gives
+    their slots back (the state stays usable; its tokens are decoded again when needed).
+    """
+
+    def __init__(self, model: ModelLike, elements: list[list[Element]]) -> None:
+        if not elements or not elements[0] or any(len(r) != len(elements[0]) for r in elements):
+            raise ValueError("a state needs a non-empty rectangle of elements")
+        self.model = model
+        self._elements = elements
+
+    @classmethod
+    def from_text(
+        cls, model: ModelLike, prompt: str | Seq[str] | Seq[Seq[str]], *, num_samples: int = 1
+    ) -> SequenceState:
+        """A state of texts (nothing decoded yet): a string; a list, one per batch element; or
+        a list of equally long lists, ``[batch][sample]``.
+
+        Raises:
+            TypeError: ``prompt`` is none of those.
+            ValueError: a list is empty or the lists differ in length, or ``num_samples`` < 1.
+        """
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
+        grid = _text_grid(prompt, num_samples)
+
+        def element(text: str) -> Element:
+            tokens = model.vocab.tokenize(text)
+            return Element(tokens, [0.0] * len(tokens))
+
+        return cls(model, [[element(text) for text in row] for row in grid])
+
+    # reading -------------------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, int]:
+        return len(self._elements), len(self._elements[0])
+
+    @property
+    def texts(self) -> list[list[str]]:
+        """The texts, as ``texts[batch][sample]``."""
+        return [[text_of(self.model, e.tokens) for e in row] for row in self._elements]
+
+    @property
+    def tokens(self) -> list[list[list[int]]]:
+        """The token ids, as ``tokens[batch][sample]``."""
+        return [[list(e.tokens) for e in row] for row in self._elements]
+
+    @property
+    def weights(self) -> np.ndarray:
+        """Each element's summed log-probability of its generated tokens, shape ``shape``."""
+        return np.array([[e.weight for e in row] for row in self._elements], dtype=np.float64)
+
+    @property
+    def n_live(self) -> int:
+        """How many elements hold a live sequence (a KV slot) now."""
+        return sum(e.is_live for row in self._elements for e in row)
+
+    def __len__(self) -> int:
+        return self.shape[0] * self.shape[1]
+
+    def __iter__(self) -> Iterator[str]:
+        for row in self.texts:
+            yield from row
+
+    def __str__(self) -> str:
+        return next(iter(self)) if len(self) == 1 else repr(self)
+
+    def __repr__(self) -> str:
+        shown = [
+            text if len(text) <= 40 else text[:37] + "..." for text in itertools.islice(self, 4)
+        ]
+        more = ", ..." if len(self) > 4 else ""
+        return (
+            f"<lcgen.SequenceState shape={self.shape}, {self.n_live} live: "
+            f"{', '.join(map(repr, shown))}{more}>"
+        )
+
+    def element_at(self, b: int, s: int) -> Element:
+        """The element at (b, s), broadcasting an axis of size 1."""
+        row = self._elements[b if len(self._elements) > 1 else 0]
+        return row[s if len(row) > 1 else 0]
+
+    def _map(self, fn: Callable[[Element], Element]) -> SequenceState:
+        return SequenceState(self.model, [[fn(e) for e in row] for row in self._elements])
+
+    # indexing ------------------------------------------------------------------------------
+    def __getitem__(self, key: Index | tuple[Index, ...]) -> SequenceState:
+        batch, sample, chars = self._split_key(key)
+        rows = [self._elements[b] for b in _positions(batch, self.shape[0], "batch")]
+        cols = _positions(sample, self.shape[1], "sample")
+        return SequenceState(
+            self.model, [[_slice_text(self.model, row[s], chars) for s in cols] for row in rows]
+        )
+
+    def _split_key(self, key: Index | tuple[Index, ...]) -> tuple[Index, Index, Index]:
+        keys = key if isinstance(key, tuple) else (key,)
+        n_batch, n_samples = self.shape
+        everything = slice(None)
+        if len(keys) == 3:
+            return keys[0], keys[1], keys[2]
+        if len(keys) == 2:
+            if n_batch > 1 and n_samples > 1:
+                return keys[0], keys[1], everything
+            if n_samples == 1:
+                return keys[0], everything, keys[1]
+            return everything, keys[0], keys[1]
+        if len(keys) == 1:
+            if n_batch == 1 and n_samples == 1:
+                return everything, everything, keys[0]
+            if n_batch == 1:
+                return everything, keys[0], everything
+            return keys[0], everything, everything
+        raise IndexError(
+            f"a state takes 1 to 3 indices [batch, sample, chars], got {len(keys)}: {key!r}"
+        )
+
+    # adding --------------------------------------------------------------------------------
+    def __add__(self, other: str | SequenceState) -> SequenceState:
+        """``state + "text"`` appends to every element (only the text is decoded later);
+        ``state + state`` concatenates element-wise, an axis of size 1 broadcasting.
+
+        Raises:
+            BatchMismatchError, SampleMismatchError: the shapes do not fit (both are named).
+        """
+        if isinstance(other, str):
+            extra = self.model.vocab.tokenize(other, add_bos=False)
+            return self._map(lambda e: e.derive(e.tokens + extra, e.logprobs + [0.0] * len(extra)))
+        if not isinstance(other, SequenceState):
+            return NotImplemented
+        if other.model is not self.model:
+            raise ValueError("cannot add states of different models")
+        shape = _broadcast(self.shape, other.shape)
+        return SequenceState(
+            self.model,
+            [
+                [
+                    self._concat(self.element_at(b, s), other.element_at(b, s))
+                    for s in range(shape[1])
+                ]
+                for b in range(shape[0])
+            ],
+        )
+
+    def __radd__(self, other: str) -> SequenceState:
+        """``"text" + state``: a new prompt (nothing of the old cache applies; weights reset)."""
+        if not isinstance(other, str):
+            return NotImplemented
+        model = self.model
+
+        def fresh(e: Element) -> Element:
+            tokens = model.vocab.tokenize(other + text_of(model, e.tokens))
+            return Element(tokens, [0.0] * len(tokens))
+
+        return self._map(fresh)
+
+    def _concat(self, a: Element, b: Element) -> Element:
+        bos = self.model.vocab.bos
+        skip = 1 if b.tokens[:1] == [bos] and bos >= 0 else 0
+        return a.derive(a.tokens + b.tokens[skip:], a.logprobs + b.logprobs[skip:])
+
+    # lifetime ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Give every element's KV slot back. Idempotent; the state keeps its tokens."""
+        for row in self._elements:
+            for elem in row:
+                elem.release()
+                elem.origin = None
+
+    def __enter__(self) -> SequenceState:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _text_grid(prompt: object, num_samples: int) -> list[list[str]]:
+    if isinstance(prompt, str):
+        return [[prompt] * num_samples]
+    rows = list(prompt) if isinstance(prompt, list | tuple) else None
+    if rows and all(isinstance(p, str) for p in rows):
+        return [[p] * num_samples for p in rows]
+    if rows and all(
+        isinstance(r, list | tuple) and all(isinstance(p, str) for p in r) for r in rows
+    ):
+        if num_samples != 1:
+            raise ValueError(f"a [batch][sample] list of texts takes no num_samples={num_samples}")
+        grid = [list(r) for r in rows]
+        if not grid[0] or any(len(r) != len(grid[0]) for r in grid):
+            raise ValueError(
+                f"the [batch][sample] lists must be non-empty and equally long: {prompt!r}"
+            )
+        return grid
+    raise TypeError(
+        f"expected a text, a non-empty list of texts or a list of lists of texts, got {prompt!r}"
+    )
+
+
+def _positions(index: Index, size: int, axis: str) -> list[int]:
+    if isinstance(index, slice):
+        picked = list(range(*index.indices(size)))
+        if not picked:
+            raise IndexError(f"{axis} slice {index!r} selects nothing of {axis} size {size}")
+        return picked
+    i = _as_int(index, axis)
+    if not -size <= i < size:
+        raise IndexError(f"{axis} index {i} is out of range for {axis} size {size}")
+    return [i % size]
+
+
+def _as_int(index: object, axis: str) -> int:
+    if isinstance(index, bool) or not isinstance(index, SupportsIndex):
+        raise TypeError(f"{axis} index must be an int or a slice, got {index!r}")
+    return operator.index(index)
+
+
+def _slice_text(model: ModelLike, elem: Element, chars: Index) -> Element:
+    """The element with its text indexed by ``chars`` (a character, or a slice)."""
+    if chars == slice(None):
+        return elem.derive(list(elem.tokens), list(elem.logprobs))
+    text = text_of(model, elem.tokens)
+    if not isinstance(chars, slice):
+        i = _as_int(chars, "character")
+        if not -len(text) <= i < len(text):
+            raise IndexError(f"character index {i} is out of range for a text of {len(text)}")
+        chars = slice(i % len(text), i % len(text) + 1)
+    start, stop, stride = chars.indices(len(text))
+    if start == 0 and stride == 1:
+        return elem.derive(*prefix_tokens(model, elem.tokens, elem.logprobs, stop))
+    tokens = model.vocab.tokenize(text[chars])  # not a prefix: a fresh sequence
+    return Element(tokens, [0.0] * len(tokens))
+
+
+def _broadcast(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    out = []
+    for axis, (x, y), error in (
+        ("batch", (a[0], b[0]), BatchMismatchError),
+        ("sample", (a[1], b[1]), SampleMismatchError),
+    ):
+        if x != y and 1 not in (x, y):
+            raise error(
+                f"cannot add states of shapes {a} and {b}: {axis} sizes {x} and {y} differ "
+                "(they must be equal, or one of them 1)"
+            )
+        out.append(max(x, y))
+    return out[0], out[1]
+
+
+class Continuous:
+    """A generation spec bound for continuous use: call it on a prompt, a list of prompts or
+    a :class:`SequenceState`; it returns a new state (made by :func:`continuous`)."""
+
+    def __init__(self, spec: GenerateSpec) -> None:
+        self.spec = spec
+
+    def __repr__(self) -> str:
+        return f"<lcgen.Continuous {self.spec.plan!r}, beams={self.spec.beams}>"
+
+    def __call__(
+        self,
+        prompt: str | Seq[str] | SequenceState,
+        *,
+        num_samples: int = 1,
+        seed: int | None = None,
+    ) -> SequenceState:
+        """Generate after each element of ``prompt``.
+
+        Args:
+            prompt: a prompt, a list of prompts (the batch axis), or a state to continue (its
+                KV cache is reused: only tokens not yet decoded are decoded).
+            num_samples: samples per batch element, decoded together (the prompt once).
+            seed: sample ``j`` of every batch element samples with seed ``seed + j`` (None:
+                the spec's seed; neither: fresh random seeds).
+
+        Returns:
+            A new state of shape ``(batch, num_samples)`` (``(batch, beams)`` with beam
+            search, best beam first); the input state is left as it was.
+
+        Raises:
+            SampleMismatchError: samples (or beams) were asked of a state that has several per
+                batch element already.
+            ValueError: ``num_samples`` < 1, or a state of another model.
+        """
+        model, spec = self.spec.model, self.spec
+        state = self._as_state(prompt)
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
+        if spec.beams is not None and num_samples != 1:
+            raise ValueError(
+                f"with beams the sample axis holds the beams; num_samples={num_samples}"
+            )
+        width = spec.beams or num_samples
+        n_batch, n_in = state.shape
+        if n_in > 1 and width > 1:
+            raise SampleMismatchError(
+                f"the state of shape {state.shape} already has {n_in} samples per batch element; "
+                f"index one sample before asking for {width} {'beams' if spec.beams else 'samples'}"
+            )
+        if spec.beams is not None:
+            roots = [_copy(state.element_at(b, 0)) for b in range(n_batch)]
+            return SequenceState(model, beam.search(spec, pool_of(model), roots))
+        n_out = max(n_in, num_samples)
+        base = seed if seed is not None else spec.plan.sampler.seed
+        rows = [[_copy(state.element_at(b, s)) for s in range(n_out)] for b in range(n_batch)]
+        seeds = [
+            base + s if base is not None else random_seed() for _ in rows for s in range(n_out)
+        ]
+        run(spec, [e for row in rows for e in row], seeds)
+        return SequenceState(model, rows)
+
+    def _as_state(self, prompt: Any) -> SequenceState:
+        if isinstance(prompt, SequenceState):
+            if prompt.model is not self.spec.model:
+                raise ValueError("the state was made with another model than this generator's")
+            return prompt
+        return SequenceState.from_text(self.spec.model, prompt)
+
+
+def _copy(elem: Element) -> Element:
+    return elem.derive(list(elem.tokens), list(elem.logprobs))
+
+
+def continuous(spec: GenerateSpec) -> Continuous:
+    """Make a generation spec (``generate.text(...)``, ``.choice``, ``.json``, ``.regex``,
+    ``.grammar``) callable on prompts and :class:`SequenceState` values.
+
+    Raises:
+        TypeError: ``spec`` is not a :class:`~lcgen.generate.GenerateSpec`.
+    """
+    if not isinstance(spec, GenerateSpec):
+        raise TypeError(f"continuous() takes a generate.* spec, got {spec!r}")
+    return Continuous(spec)

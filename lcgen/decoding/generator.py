@@ -1,0 +1,318 @@
+"""The step machinery: logits in, a sampled token and its streamed text out.
+
+A :class:`Generator` does not run the model. It takes the logits of the next position (from
+lcgen's own loop or from anywhere else), samples a token, decodes its text, checks stop
+conditions and says when generation is finished. ``Model.stream`` and ``Sequence.stream`` are
+built on it, so there is one implementation of all of this.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections import deque
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Unpack
+
+import numpy as np
+
+from lcgen.constrain import GrammarState
+from lcgen.decoding.options import GenerateOptions, Plan, make_plan
+from lcgen.decoding.results import Chunk, FinishReason
+from lcgen.decoding.sampling import SamplerConfig, log_normalizer, new_rng, sample, top_ids
+from lcgen.decoding.text import TextState, text_flush, text_step
+from lcgen.errors import NoCandidatesError
+from lcgen.vocab import HasVocab, Vocab, vocab_of
+
+# Redraws after a grammar rejection before masking the whole vocabulary.
+_REDRAWS = 8
+
+
+@dataclass(frozen=True, slots=True)
+class GeneratorState:
+    """Everything a :class:`Generator` changes per token, as a value (see ``state``/``restore``)."""
+
+    n_tokens: int
+    text: TextState
+    heal: bytes
+    rng: Mapping[str, Any]
+    finish_reason: FinishReason | None
+    grammar: GrammarState | None = None
+
+
+class Generator:
+    """Turns the logits of each next position into a token and its text.
+
+    Args:
+        model: the model (or its :class:`~lcgen.vocab.Vocab`) whose vocabulary the logits are
+            over.
+        plan: the generation's options as a :class:`~lcgen.decoding.options.Plan`; or give
+            them as keyword ``options`` instead (see :func:`~lcgen.decoding.options.make_plan`:
+            max_tokens, stop, temperature, seed, grammar, choice, regex, schema, ...). The
+            sampled token is checked against a constraint and the vocabulary is masked only
+            when it is rejected; the end-of-generation token is allowed only where the grammar
+            is complete, and generation stops where the grammar can only end.
+        history: tokens before the first generated one (seen by the repeat penalty).
+        rng: the random generator to draw from (a sequence passes its own); None makes one
+            from the plan's seed.
+        heal: bytes the generated text must start with and that are not emitted (token
+            healing: the text of prompt tokens removed so the model can re-tokenize across the
+            boundary).
+
+    Raises:
+        ValueError: a setting is out of range (the value is named).
+        TypeError: both a plan and options were given, or an unknown option.
+    """
+
+    def __init__(
+        self,
+        model: Vocab | HasVocab,
+        plan: Plan | None = None,
+        *,
+        history: Sequence[int] = (),
+        rng: np.random.Generator | None = None,
+        heal: bytes = b"",
+        **options: Unpack[GenerateOptions],
+    ) -> None:
+        if plan is None:
+            plan = make_plan(**options)
+        elif options:
+            raise TypeError(f"give a plan or options, not both (options: {sorted(options)})")
+        vocab = vocab_of(model)
+        vocab.check_tokens(plan.stop_tokens)
+        vocab.check_tokens(tok for tok, _ in plan.sampler.logit_bias)
+        self.vocab = vocab
+        self.plan = plan
+        self.rng = rng if rng is not None else new_rng(plan.sampler.seed)
+        self.tokens: list[int] = []
+        self.text_state = TextState()
+        self.finish_reason: FinishReason | None = "length" if plan.max_tokens == 0 else None
+        self.stop_hit: str | None = None  # the stop string that ended generation
+        self.grammar = plan.constraint.state(vocab) if plan.constraint is not None else None
+        self.heal = heal
+        n_recent = plan.sampler.repeat_last_n
+        self._history_tail = tuple(history[len(history) - n_recent :]) if n_recent else ()
+        self.recent: deque[int] = deque(self._history_tail, maxlen=n_recent)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.plan.max_tokens
+
+    @property
+    def sampler(self) -> SamplerConfig:
+        return self.plan.sampler
+
+    @property
+    def logprobs(self) -> int | None:
+        return self.plan.logprobs
+
+    @property
+    def is_done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def state(self) -> GeneratorState:
+        """The generator's state now; :meth:`restore` returns to it."""
+        return GeneratorState(
+            len(self.tokens),
+            self.text_state,
+            self.heal,
+            self.rng.bit_generator.state,
+            self.finish_reason,
+            self.grammar.clone() if self.grammar is not None else None,
+        )
+
+    def restore(self, state: GeneratorState) -> None:
+        """Go back to a state taken earlier from this generator (tokens after it are dropped).
+
+        Raises:
+            ValueError: the state lies beyond the tokens generated so far.
+        """
+        if state.n_tokens > len(self.tokens):
+            raise ValueError(
+                f"cannot restore to token {state.n_tokens}: only {len(self.tokens)} generated"
+            )
+        del self.tokens[state.n_tokens :]
+        self.text_state, self.heal = state.text, state.heal
+        self.rng.bit_generator.state = state.rng
+        self.finish_reason = state.finish_reason
+        self.stop_hit = None
+        if state.grammar is not None:
+            self.grammar = state.grammar.clone()
+        self.recent.clear()
+        self.recent.extend(self._history_tail + tuple(self.tokens))
+
+    def clone(self, rng: np.random.Generator | None = None) -> Generator:
+        """An independent copy in the same state (tokens, held text, grammar state), to
+        continue on another sequence (a fork).
+
+        Args:
+            rng: the random generator the copy draws from (a fork passes its own); None gives
+                it a new one in the same state as this one's.
+        """
+        twin = copy.copy(self)
+        twin.tokens = list(self.tokens)
+        twin.recent = deque(self.recent, maxlen=self.recent.maxlen)
+        if self.grammar is not None:
+            twin.grammar = self.grammar.clone()
+        if rng is None:
+            rng = np.random.Generator(np.random.PCG64())
+            rng.bit_generator.state = self.rng.bit_generator.state
+        twin.rng = rng
+        return twin
+
+    def step(
+        self,
+        logits: np.ndarray,
+        *,
+        exclude: Collection[int] = (),
+        temperature: float | None = None,
+    ) -> Chunk:
+        """Sample the next token from ``logits`` (shape (n_vocab,)) and accept it.
+
+        Args:
+            logits: the model's logits for the next position.
+            exclude: tokens that must not be drawn here (a ban, or a hook's ``Resample``).
+            temperature: use this temperature for this draw instead of the sampler's.
+
+        Raises:
+            ValueError: the logits have the wrong shape, or generation is already finished.
+            NoCandidatesError: ``exclude`` and the grammar together leave no token.
+        """
+        n_vocab = self.vocab.n_vocab
+        if logits.shape != (n_vocab,):
+            raise ValueError(f"logits must have shape ({n_vocab},), got {logits.shape}")
+        self._check_not_done()
+        allowed = logits
+        if self.heal:
+            allowed = np.full_like(logits, -np.inf)
+            ids = self.vocab.tokens_extending(self.heal)
+            allowed[ids] = logits[ids]
+        if exclude:
+            allowed = np.array(allowed, dtype=np.float32)
+            allowed[self.vocab.check_tokens(exclude)] = -np.inf
+            if not np.isfinite(allowed).any():
+                raise NoCandidatesError(f"all {n_vocab} tokens are excluded here")
+        sampler = self.sampler
+        if temperature is not None:
+            sampler = dataclasses.replace(sampler, temperature=temperature)
+        token = sample(allowed, sampler, self.rng, self.recent)
+        if self.grammar is not None and not self.grammar.try_accept(token):
+            token = self._sample_allowed(allowed, token, sampler)
+        chunk = self._accept(token)
+        if self.logprobs is None:
+            return chunk
+        return dataclasses.replace(chunk, **logprobs_of(logits, token, self.logprobs))
+
+    def accept(self, token: int) -> Chunk:
+        """Take ``token`` as the next token (sampled here or chosen elsewhere).
+
+        Returns:
+            The chunk of text this token completes, with the finish reason on the last one.
+
+        Raises:
+            ValueError: generation is finished, the token is outside the vocabulary, or it does
+                not continue the healed text.
+            GrammarError: the grammar forbids the token here.
+        """
+        self._check_not_done()
+        self.vocab.check_tokens([token])
+        if self.grammar is not None:
+            self.grammar.accept(token)
+        return self._accept(token)
+
+    def _accept(self, token: int) -> Chunk:
+        piece = self._healed_piece(token)
+        self.tokens.append(token)
+        self.recent.append(token)
+        if token in self.plan.stop_tokens or self.vocab.is_eog(token):
+            return self._finish((token,), "stop", None)
+        state, text, hit = text_step(self.text_state, piece, self.plan.stops)
+        self.text_state = state
+        if hit is not None:
+            return self._finish((token,), "stop", hit, text)
+        if self._grammar_can_only_end():
+            return self._finish((token,), "stop", None, text)
+        if len(self.tokens) >= self.plan.max_tokens:
+            return self._finish((token,), "length", None, text)
+        return Chunk(text, (token,))
+
+    def _check_not_done(self) -> None:
+        if self.is_done:
+            raise ValueError(f"generation is finished ({self.finish_reason}); start a new one")
+
+    def _grammar_can_only_end(self) -> bool:
+        if self.grammar is None or not self.grammar.is_complete:
+            return False
+        allowed = self.grammar.allowed()
+        allowed[list(self.grammar.end_tokens)] = False
+        return not allowed.any()
+
+    def _sample_allowed(self, logits: np.ndarray, rejected: int, sampler: SamplerConfig) -> int:
+        """A token the grammar allows, drawn as if from ``logits`` masked to the grammar.
+
+        Redraws without the rejected tokens first (a few microseconds per check; exact, since
+        conditioning on "not rejected" keeps the allowed tokens' relative probabilities), and
+        masks the whole vocabulary (milliseconds on large vocabularies) only after a few misses.
+        """
+        assert self.grammar is not None
+        work = np.array(logits, dtype=np.float32)
+        work[rejected] = -np.inf
+        for _ in range(_REDRAWS):
+            if not np.isfinite(work).any():
+                break
+            token = sample(work, sampler, self.rng, self.recent)
+            if self.grammar.try_accept(token):
+                return token
+            work[token] = -np.inf
+        masked = self.grammar.mask(logits)
+        if not np.isfinite(masked).any():
+            raise NoCandidatesError("the grammar allows none of the tokens not excluded here")
+        token = sample(masked, sampler, self.rng, self.recent)
+        self.grammar.accept(token)
+        return token
+
+    def _healed_piece(self, token: int) -> bytes:
+        """The token's bytes less the part that re-creates healed prompt text."""
+        piece = self.vocab.piece(token)
+        if not self.heal:
+            return piece
+        if piece.startswith(self.heal):
+            piece, self.heal = piece[len(self.heal) :], b""
+            return piece
+        if piece and self.heal.startswith(piece):
+            self.heal = self.heal[len(piece) :]
+            return b""
+        raise ValueError(
+            f"token {token} ({piece!r}) does not continue the healed text {self.heal!r}"
+        )
+
+    def end(self, reason: FinishReason) -> Chunk:
+        """Finish now (no token): release the text held back, with ``reason`` on the chunk.
+
+        Raises:
+            ValueError: generation is already finished.
+        """
+        self._check_not_done()
+        return self._finish((), reason, None)
+
+    def _finish(
+        self, tokens: tuple[int, ...], reason: FinishReason, hit: str | None, text: str = ""
+    ) -> Chunk:
+        if hit is None:
+            rest, hit = text_flush(self.text_state, self.plan.stops)
+            text += rest
+            reason = "stop" if hit is not None else reason
+        self.text_state = TextState()
+        self.finish_reason, self.stop_hit = reason, hit
+        return Chunk(text, tokens, reason, hit)
+
+
+def logprobs_of(logits: np.ndarray, token: int, n_top: int) -> dict[str, Any]:
+    """The sampled token's log-probability and the ``n_top`` best, under the raw logits."""
+    log_norm = log_normalizer(logits)
+    best: tuple[tuple[int, float], ...] = ()
+    if n_top:
+        best = tuple((int(i), float(logits[i]) - log_norm) for i in top_ids(logits, n_top))
+    return {"logprob": float(logits[token]) - log_norm, "top_logprobs": best}

@@ -1,0 +1,236 @@
+"""What post-sampling hooks see and return, and the banned-phrase matcher.
+
+A hook is any callable ``hook(step) -> None | Override | Resample | Rewind`` run on each sampled
+candidate (see :class:`lcgen.Sequence`'s ``hooks`` option); a validator is a callable
+``validator(text) -> None | Rewind`` run on the text generated so far after each token.
+"""
+
+from __future__ import annotations
+
+import re
+import re._constants
+import re._parser  # the stdlib's own regex parser: the widths a pattern can match
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Union
+
+import numpy as np
+
+from lcgen.decoding.sampling import log_normalizer, top_ids
+from lcgen.vocab import Vocab
+
+__all__ = ["BannedPhrases", "Hook", "Override", "Resample", "Rewind", "Step", "Validator"]
+
+# The candidates a Step lists: the most likely tokens under the raw logits.
+N_CANDIDATES = 10
+
+
+@dataclass(frozen=True, slots=True)
+class Override:
+    """Take ``token`` instead of the sampled candidate (the next hooks see it).
+
+    Raises (at generation): ``GrammarError`` when the grammar forbids the token here.
+    """
+
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Resample:
+    """Draw another candidate at this position.
+
+    Attributes:
+        exclude: tokens the redraw must not produce (they stay excluded for the rest of the
+            retries at this position); the rejected candidate is not excluded unless listed.
+        temperature: the temperature for the redraw (None: the generation's own).
+    """
+
+    exclude: tuple[int, ...] = ()
+    temperature: float | None = None
+
+    def __init__(self, exclude: Iterable[int] = (), temperature: float | None = None) -> None:
+        if temperature is not None and temperature < 0:
+            raise ValueError(f"Resample temperature must be >= 0, got {temperature!r}")
+        object.__setattr__(self, "exclude", tuple(int(t) for t in exclude))
+        object.__setattr__(self, "temperature", temperature)
+
+
+@dataclass(frozen=True, slots=True)
+class Rewind:
+    """Go back and generate again: ``n`` tokens (the candidate counts as the last one), or as
+    many tokens as hold the last ``chars`` characters of the text (for validators, which see
+    text).
+
+    Attributes:
+        n: tokens to drop, >= 1 (default 1 when ``chars`` is not given); at most the
+            generation's ``lookback`` and the tokens it has.
+        ban: forbid the first dropped token at its position for the retries there, so the
+            same span cannot simply come back.
+        chars: characters to drop from the end of the text, >= 1; the rewind goes to the token
+            where the first of them starts.
+    """
+
+    n: int | None = None
+    ban: bool = False
+    chars: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.n is not None and self.chars is not None:
+            raise ValueError(
+                f"give Rewind n or chars, not both (n={self.n!r}, chars={self.chars!r})"
+            )
+        for name, value in (("n", self.n), ("chars", self.chars)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"Rewind needs {name} >= 1, got {value!r}")
+
+
+class Step:
+    """A sampled candidate, as a hook sees it (read-only).
+
+    Attributes:
+        position: the candidate's position in the sequence (prompt included).
+        index: its index among the generated tokens (0 for the first).
+        token: the candidate token id.
+        piece: its text (special tokens render as their text).
+        text: the generated text so far, ending with the candidate's (complete characters
+            only; text after a stop string is cut).
+        logits: the raw logits it was drawn from (a read-only copy).
+    """
+
+    __slots__ = ("_logsumexp", "_vocab", "index", "logits", "position", "text", "token")
+
+    def __init__(
+        self, vocab: Vocab, position: int, index: int, token: int, text: str, logits: np.ndarray
+    ) -> None:
+        self._vocab = vocab
+        self.position, self.index, self.token, self.text = position, index, token, text
+        copy = np.array(logits)  # the decode buffer is reused by the next step
+        copy.flags.writeable = False
+        self.logits = copy
+        self._logsumexp: float | None = None
+
+    @property
+    def piece(self) -> str:
+        return self._vocab.special_piece(self.token).decode("utf-8", "replace")
+
+    def _norm(self) -> float:
+        if self._logsumexp is None:
+            self._logsumexp = log_normalizer(self.logits)
+        return self._logsumexp
+
+    @property
+    def logprob(self) -> float:
+        """The candidate's log-probability under the raw logits (before sampler settings)."""
+        return float(self.logits[self.token]) - self._norm()
+
+    @property
+    def prob(self) -> float:
+        return float(np.exp(self.logprob))
+
+    def top(self, n: int = N_CANDIDATES) -> list[tuple[int, float]]:
+        """The ``n`` most likely tokens and their probabilities, most likely first."""
+        if n < 1:
+            raise ValueError(f"n must be >= 1, got {n!r}")
+        norm = self._norm()
+        return [
+            (int(i), float(np.exp(float(self.logits[i]) - norm))) for i in top_ids(self.logits, n)
+        ]
+
+    @property
+    def candidates(self) -> list[tuple[int, float]]:
+        """``top(10)``."""
+        return self.top()
+
+    def __repr__(self) -> str:
+        return f"<Step index={self.index} token={self.token} {self.piece!r}>"
+
+
+Action = Union[Override, Resample, Rewind, None]  # noqa: UP007 -- a runtime alias
+Hook = Callable[[Step], Action]
+Validator = Callable[[str], Union[Rewind, None]]  # noqa: UP007
+
+
+class BannedPhrases:
+    """Strings (literal) and compiled regular expressions that must not appear in the output.
+
+    A literal occurrence counts as soon as it is complete; a regular expression's match counts
+    once a character follows it (so ``\\bdelve\\b`` does not fire on ``delves``) or generation
+    ends. Text that could still become part of a match is held back: for literals the longest
+    suffix that starts one, for regular expressions as many characters as their longest match.
+
+    Args:
+        phrases: ``str`` (matched literally) or ``re.Pattern`` (its own flags apply).
+        ignore_case: match the literal strings regardless of case.
+
+    Raises:
+        ValueError: a phrase is empty, a pattern can match the empty string, or a pattern can
+            match text of unbounded length (bound its repeats: ``\\w{0,20}`` instead of ``\\w*``).
+        TypeError: a phrase is neither a ``str`` nor a compiled pattern.
+    """
+
+    def __init__(self, phrases: Iterable[str | re.Pattern[str]], ignore_case: bool = False) -> None:
+        literals: list[str] = []
+        self.patterns: list[tuple[re.Pattern[str], int]] = []
+        for phrase in phrases:
+            if isinstance(phrase, str):
+                if not phrase:
+                    raise ValueError("a banned phrase is empty")
+                literals.append(phrase)
+            elif isinstance(phrase, re.Pattern):
+                self.patterns.append((phrase, _max_width(phrase)))
+            else:
+                raise TypeError(
+                    f"banned phrase {phrase!r} is a {type(phrase).__name__}, "
+                    "not a str or a compiled re.Pattern"
+                )
+        flags = re.IGNORECASE if ignore_case else 0
+        by_length = sorted(set(literals), key=len, reverse=True)
+        self.literals = tuple(by_length)
+        self.max_literal = len(by_length[0]) if by_length else 0
+        self._literal = re.compile("|".join(map(re.escape, by_length)), flags) if literals else None
+        prefixes = {p[:k] for p in by_length for k in range(1, len(p))}
+        alternatives = "|".join(map(re.escape, sorted(prefixes, key=len, reverse=True)))
+        self._prefix = re.compile(f"(?:{alternatives})\\Z", flags) if prefixes else None
+
+    def __bool__(self) -> bool:
+        return bool(self.literals or self.patterns)
+
+    def find(self, text: str, start: int, finished: bool) -> int | None:
+        """The start of the leftmost banned match that counts, beginning at or after ``start``."""
+        best: int | None = None
+        if self._literal is not None:
+            match = self._literal.search(text, start)
+            if match is not None:
+                best = match.start()
+        for pattern, _ in self.patterns:
+            pos = start
+            while (match := pattern.search(text, pos)) is not None:
+                if match.end() < len(text) or finished:
+                    best = match.start() if best is None else min(best, match.start())
+                    break
+                pos = match.start() + 1
+        return best
+
+    def hold_from(self, text: str) -> int:
+        """The first character that could still become part of a banned match."""
+        hold = len(text)
+        if self._prefix is not None:
+            match = self._prefix.search(text, max(0, len(text) - self.max_literal + 1))
+            if match is not None:
+                hold = match.start()
+        for _, width in self.patterns:
+            hold = min(hold, max(0, len(text) - width))
+        return hold
+
+
+def _max_width(pattern: re.Pattern[str]) -> int:
+    """The most characters ``pattern`` can match; rejects empty and unbounded patterns."""
+    if pattern.match(""):
+        raise ValueError(f"banned pattern {pattern.pattern!r} matches the empty string")
+    _, high = re._parser.parse(pattern.pattern, pattern.flags).getwidth()
+    if high >= re._constants.MAXREPEAT:
+        raise ValueError(
+            f"banned pattern {pattern.pattern!r} can match text of unbounded length: "
+            "bound its repeats (e.g. \\w{0,20} instead of \\w*)"
+        )
+    return int(high)

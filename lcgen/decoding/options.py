@@ -1,0 +1,219 @@
+"""Generation options, made into one frozen :class:`Plan` at the edge.
+
+Every generation call takes the same keyword options (:class:`GenerateOptions`).
+:func:`make_plan` checks them once and turns them into values: the sampler settings, the stop
+strings, the constraint compiled to a :class:`~lcgen.Grammar`, the backtracking settings with
+their banned-phrase matcher. The loops below see only the plan. Making a plan allocates nothing
+in llama.cpp: grammar states are made per generation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TypedDict, Unpack
+
+from lcgen.constrain import Grammar
+from lcgen.decoding.hooks import BannedPhrases, Hook, Validator
+from lcgen.decoding.results import SchemaLike
+from lcgen.decoding.sampling import SamplerConfig
+from lcgen.decoding.text import NO_STOPS, Stops
+
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_MAX_RETRIES = 64
+DEFAULT_LOOKBACK = 16
+MAX_LOGPROBS = 50
+
+
+class GenerateOptions(TypedDict, total=False):
+    """Keyword options accepted by every generation call (see :func:`make_plan`)."""
+
+    max_tokens: int
+    stop: str | Sequence[str] | None
+    include_stop: bool
+    stop_tokens: Iterable[int]
+    sampler: SamplerConfig | None
+    temperature: float | None
+    top_k: int | None
+    top_p: float | None
+    min_p: float | None
+    repeat_penalty: float | None
+    repeat_last_n: int | None
+    seed: int | None
+    logit_bias: Mapping[int, float] | None
+    logprobs: int | None
+    token_healing: bool
+    grammar: Grammar | None
+    choice: Sequence[str] | None
+    regex: str | None
+    hooks: Sequence[Hook] | None
+    validators: Sequence[Validator] | None
+    banned: Sequence[str | re.Pattern[str]] | None
+    banned_ignore_case: bool
+    max_retries: int
+    lookback: int
+
+
+@dataclass(frozen=True, slots=True)
+class Backtracking:
+    """Hooks, validators and banned phrases: what makes a generation rewind and retry.
+
+    Attributes:
+        hooks: run on each sampled candidate (see :class:`~lcgen.Step`).
+        validators: run on the text after each token.
+        banned: the phrases the output must not contain.
+        max_retries: the most resamples and rewinds in one generation.
+        lookback: the most tokens a hook's or validator's ``Rewind`` can drop.
+    """
+
+    hooks: tuple[Hook, ...] = ()
+    validators: tuple[Validator, ...] = ()
+    banned: BannedPhrases = dataclasses.field(default_factory=lambda: BannedPhrases(()))
+    max_retries: int = DEFAULT_MAX_RETRIES
+    lookback: int = DEFAULT_LOOKBACK
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One generation call's options, checked and made into values.
+
+    Attributes:
+        max_tokens: the most tokens to generate (finish reason ``"length"``).
+        sampler: how tokens are drawn.
+        stops: stop strings and whether the text ends with the one that was hit.
+        stop_tokens: token ids that end generation besides the end-of-generation ones.
+        logprobs: None, or the number of most likely alternatives to report per token.
+        token_healing: back the prompt off its last token and re-create its text.
+        constraint: the grammar the output must match (from grammar, choice, regex or schema).
+        schema: the JSON Schema / pydantic model the output is parsed with, when given.
+        backtracking: hooks, validators and banned phrases, or None when there are none.
+    """
+
+    max_tokens: int = DEFAULT_MAX_TOKENS
+    sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
+    stops: Stops = NO_STOPS
+    stop_tokens: frozenset[int] = frozenset()
+    logprobs: int | None = None
+    token_healing: bool = False
+    constraint: Grammar | None = None
+    schema: SchemaLike | None = None
+    backtracking: Backtracking | None = None
+
+    def with_seed(self, seed: int | None) -> Plan:
+        """The same plan sampling with ``seed``."""
+        return dataclasses.replace(self, sampler=dataclasses.replace(self.sampler, seed=seed))
+
+
+_KEYS = frozenset(GenerateOptions.__annotations__)
+
+
+def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOptions]) -> Plan:
+    """Check generation options and make them into a :class:`Plan`.
+
+    Args:
+        schema: constrain the output to JSON valid for this JSON Schema dict / pydantic model.
+        **options: max_tokens (256), stop, include_stop, stop_tokens, sampler, temperature
+            (0: greedy), top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, logit_bias,
+            logprobs, token_healing, grammar, choice, regex (at most one constraint, schema
+            included), hooks, validators, banned, banned_ignore_case, max_retries, lookback.
+
+    Raises:
+        TypeError: an unknown option, or an option of the wrong type (named).
+        ValueError: an option is out of range (the value is named).
+        GrammarError: the constraint cannot be compiled.
+    """
+    unknown = options.keys() - _KEYS
+    if unknown:
+        raise TypeError(f"unknown generation option(s) {sorted(unknown)}; see lcgen.make_plan")
+    max_tokens = _int("max_tokens", options.get("max_tokens", DEFAULT_MAX_TOKENS), low=0)
+    logprobs = options.get("logprobs")
+    if logprobs is not None:
+        logprobs = _int("logprobs", logprobs, low=0, high=MAX_LOGPROBS)
+    stop = options.get("stop")
+    bias = options.get("logit_bias")
+    sampler = (options.get("sampler") or SamplerConfig()).with_options(
+        temperature=options.get("temperature"),
+        top_k=options.get("top_k"),
+        top_p=options.get("top_p"),
+        min_p=options.get("min_p"),
+        repeat_penalty=options.get("repeat_penalty"),
+        repeat_last_n=options.get("repeat_last_n"),
+        seed=options.get("seed"),
+        logit_bias=tuple(bias.items()) if bias else None,
+    )
+    return Plan(
+        max_tokens=max_tokens,
+        sampler=sampler,
+        stops=Stops(
+            (stop,) if isinstance(stop, str) else tuple(stop or ()),
+            bool(options.get("include_stop", False)),
+        ),
+        stop_tokens=frozenset(_int("stop_tokens", t) for t in options.get("stop_tokens", ())),
+        logprobs=logprobs,
+        token_healing=bool(options.get("token_healing", False)),
+        constraint=_constraint(options, schema),
+        schema=schema,
+        backtracking=_backtracking(options),
+    )
+
+
+def _int(name: str, value: object, low: int | None = None, high: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if (low is not None and value < low) or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bounds}, got {value!r}")
+    return value
+
+
+def _constraint(options: GenerateOptions, schema: SchemaLike | None) -> Grammar | None:
+    """The one constraint given, as a grammar.
+
+    Raises:
+        ValueError: more than one constraint was given.
+    """
+    given = {
+        name: value
+        for name, value in (
+            ("grammar", options.get("grammar")),
+            ("choice", options.get("choice")),
+            ("regex", options.get("regex")),
+            ("schema", schema),
+        )
+        if value is not None
+    }
+    if len(given) > 1:
+        raise ValueError(f"give at most one of grammar, choice, regex, schema; got {sorted(given)}")
+    grammar, choice, regex = options.get("grammar"), options.get("choice"), options.get("regex")
+    if grammar is not None:
+        if not isinstance(grammar, Grammar):
+            raise TypeError(f"grammar must be an lcgen.Grammar, got {type(grammar).__name__}")
+        return grammar
+    if choice is not None:
+        if isinstance(choice, str):
+            raise TypeError(f"choice must be a list of strings, got the string {choice!r}")
+        return Grammar.choice(list(choice))
+    if regex is not None:
+        return Grammar.regex(regex)
+    if isinstance(schema, Mapping):
+        return Grammar.from_json_schema(dict(schema))
+    if schema is not None:
+        return Grammar.from_pydantic(schema)
+    return None
+
+
+def _backtracking(options: GenerateOptions) -> Backtracking | None:
+    max_retries = _int("max_retries", options.get("max_retries", DEFAULT_MAX_RETRIES), low=0)
+    lookback = _int("lookback", options.get("lookback", DEFAULT_LOOKBACK), low=1)
+    banned = BannedPhrases(options.get("banned") or (), options.get("banned_ignore_case", False))
+    hooks = tuple(options.get("hooks") or ())
+    validators = tuple(options.get("validators") or ())
+    for name, fns in (("hooks", hooks), ("validators", validators)):
+        for fn in fns:
+            if not callable(fn):
+                raise TypeError(f"{name} must be callables, got {fn!r}")
+    if not (hooks or validators or banned):
+        return None
+    return Backtracking(hooks, validators, banned, max_retries, lookback)

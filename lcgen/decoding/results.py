@@ -1,0 +1,116 @@
+"""What generation returns: a :class:`Chunk` per step, a :class:`Text` for a whole call, what it
+cost (:class:`GenerationStats`), and the parsed value of a schema-constrained call."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+FinishReason = Literal["stop", "length", "retries"]
+SchemaLike = Mapping[str, Any] | type[Any]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationStats:
+    """What one generation cost.
+
+    Attributes:
+        tokens: tokens generated (kept in the result).
+        decoded: tokens passed to ``llama_decode`` for it, pending prompt tokens included.
+        redecoded: of those, the ones decoded again because a rewind dropped them (a rewind
+            also re-decodes the last kept token, whose logits the next step needs).
+        rewinds: rewinds done in it: by hooks, validators, banned phrases or the caller.
+        resamples: candidates redrawn because a hook returned ``Resample``.
+    """
+
+    tokens: int = 0
+    decoded: int = 0
+    redecoded: int = 0
+    rewinds: int = 0
+    resamples: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """What one generation step produced.
+
+    Attributes:
+        text: the text that became final with this step (may be empty while a UTF-8 character
+            or a possible stop string is held back).
+        tokens: the token(s) sampled in this step.
+        finish_reason: None while generating; ``"stop"`` (end-of-generation token, stop token
+            or stop string), ``"length"`` (``max_tokens`` reached) or ``"retries"`` (hooks,
+            validators or banned phrases rejected more than ``max_retries`` candidates, or
+            every token was rejected) on the last chunk.
+        stop: the stop string that ended generation, if one did.
+        logprob: with ``logprobs`` set, the sampled token's log-probability under the model
+            (log-softmax of the raw logits, before temperature and filters).
+        top_logprobs: with ``logprobs=n``, the n most likely tokens and their log-probabilities.
+        stats: on the last chunk of a sequence's generation, what it cost (tokens decoded,
+            rewinds, resamples).
+    """
+
+    text: str
+    tokens: tuple[int, ...]
+    finish_reason: FinishReason | None = None
+    stop: str | None = None
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+    stats: GenerationStats | None = None
+
+
+class Text(str):
+    """The text a generation returned (a ``str``), with how it ended.
+
+    Attributes:
+        finish_reason: as on the last :class:`Chunk`.
+        stop: the stop string that ended it, if one did.
+        tokens: the generated token ids.
+        stats: what the generation cost (:class:`GenerationStats`).
+    """
+
+    finish_reason: FinishReason | None
+    stop: str | None
+    tokens: tuple[int, ...]
+    stats: GenerationStats
+
+    @classmethod
+    def of(cls, chunks: Iterable[Chunk]) -> Text:
+        """Join a generation's chunks."""
+        parts: list[str] = []
+        tokens: list[int] = []
+        last: Chunk | None = None
+        for last in chunks:
+            parts.append(last.text)
+            tokens.extend(last.tokens)
+        text = cls("".join(parts))
+        text.finish_reason = last.finish_reason if last else "length"
+        text.stop = last.stop if last else None
+        text.tokens = tuple(tokens)
+        text.stats = (last.stats if last else None) or GenerationStats()
+        return text
+
+
+def parse_structured(text: str, schema: SchemaLike) -> Any:
+    """The value a schema-constrained generation produced: a dict (JSON Schema) or an instance
+    of the pydantic model.
+
+    Raises:
+        IncompleteOutputError: generation stopped (max_tokens, a stop string) before the JSON
+            value was complete; the partial text is on the exception.
+    """
+    from lcgen.errors import IncompleteOutputError
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        raise IncompleteOutputError(
+            f"generation stopped before the JSON value was complete ({len(text)} characters): "
+            "raise max_tokens",
+            text,
+        ) from None
+    if isinstance(schema, Mapping):
+        return value
+    return schema.model_validate(value)

@@ -1,0 +1,336 @@
+"""Backtracking generation: hooks, validators and banned phrases, paid for with rewinds.
+
+A :class:`Backtracker` drives one (sequence, generator) pair. Each step it samples a candidate,
+lets the hooks accept, replace, redraw or reject it, appends it, runs the validators and the
+banned-phrase matcher on the text, and rewinds through the sequence's checkpoints when any of
+them asks to. Nothing is decoded again except the tokens a rewind dropped (plus the last kept
+token, whose logits the next step needs): the prompt is decoded once.
+
+Streaming holds text back only as far as a rewind could still reach: the part that could become
+a banned phrase and, when hooks or validators are given, the last ``lookback`` tokens.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import numpy as np
+
+from lcgen.decoding import Chunk, GenerationStats, Generator, Override, Resample, Rewind, Step
+from lcgen.decoding.generator import logprobs_of
+from lcgen.decoding.options import Backtracking
+from lcgen.decoding.results import FinishReason
+from lcgen.errors import NoCandidatesError, RewindError
+from lcgen.runtime.checkpoint import Checkpoint
+from lcgen.runtime.run import SequenceRun
+from lcgen.runtime.tokens import TokenSequence
+
+
+@dataclass(slots=True)
+class _Mark:
+    """What the backtracker knows about the state before one generated token."""
+
+    checkpoint: Checkpoint | None  # None once no rewind can reach it (frees the grammar clone)
+    out_len: int  # characters of the generator's output before the token
+    visible: int  # characters of the text so far (output + text held for stop strings)
+    held_bytes: bool  # whether part of a character was held (it started in an earlier token)
+
+
+class Backtracker(SequenceRun):
+    """Runs hooks, validators and banned phrases over one sequence's generation.
+
+    Args:
+        seq: the sequence generated on.
+        gen: its generator (made by ``seq.run``).
+        settings: the plan's backtracking settings:
+
+            - hooks, called with a :class:`~lcgen.Step` for each sampled candidate, in order;
+              each returns None (accept), ``Override(token)`` (the next hooks see the new
+              token), ``Resample(exclude, temperature)`` or ``Rewind(n, ban)`` (the hooks
+              then start over on the next candidate);
+            - validators, called with the generated text after each token; they return None
+              or ``Rewind(n, ban)``;
+            - banned phrases: the sequence is rewound to the token where one starts, that
+              token is banned at that position, and generation goes on;
+            - max_retries: the most resamples and rewinds in the whole generation; one more
+              ends it with finish reason ``"retries"`` (what was rejected is still removed);
+            - lookback: the most tokens a hook's or validator's ``Rewind`` can drop; streams
+              hold back the text of that many tokens when hooks or validators are given.
+    """
+
+    def __init__(self, seq: TokenSequence, gen: Generator, settings: Backtracking) -> None:
+        super().__init__(seq, gen)
+        self.hooks, self.validators = settings.hooks, settings.validators
+        self.banned = settings.banned
+        self.max_retries, self.lookback = settings.max_retries, settings.lookback
+        self.finish_reason: FinishReason | None = gen.finish_reason  # set when max_tokens=0
+        self._marks: list[_Mark] = []
+        self._visible_at: list[int] = []  # _marks[i].visible, for bisecting
+        self._out = ""  # the generator's output so far
+        self._emitted = 0  # characters of it streamed
+        self._emitted_tokens = 0
+        self._scan_from = 0  # banned matches cannot start before this character
+        self._bans: dict[int, set[int]] = {}  # generated index -> tokens banned there
+        self._rewinds = self._resamples = 0
+        self._user_rewinds = 0  # asked for by the caller: they do not count as retries
+
+    @property
+    def is_done(self) -> bool:
+        return self.finish_reason is not None
+
+    # one step ----------------------------------------------------------------------------
+    def advance(self, rows: Seq[np.ndarray]) -> Chunk:
+        """Sample, check and append the next token from the logits after the sequence's last
+        token; rewind when asked. Returns the text that became final."""
+        (row,) = rows
+        seq, gen = self.sequence, self.generator
+        index = len(gen.tokens)
+        if len(self._marks) == index:
+            mark = self._mark()
+            self._marks.append(mark)
+            self._visible_at.append(mark.visible)
+        before = self._marks[index].checkpoint
+        assert before is not None and before.generation is not None
+        exclude = set(self._bans.get(index, ()))
+        temperature: float | None = None
+        while True:
+            if not gen.sampler.is_greedy or temperature:
+                seq.note_draw()
+            try:
+                chunk = gen.step(row, exclude=exclude, temperature=temperature)
+            except NoCandidatesError:
+                return self._exhausted(index)
+            try:
+                chunk, action = self._run_hooks(chunk, row, before)
+            except BaseException:
+                gen.restore(before.generation)
+                raise
+            if not isinstance(action, Resample):
+                break
+            self._undo_candidate(before)
+            if not self._retry():
+                return self._end("retries")
+            self._resamples += 1
+            exclude.update(action.exclude)
+            temperature = action.temperature if action.temperature is not None else temperature
+        seq.append_tokens(chunk.tokens)
+        self._out += chunk.text
+        if gen.logprobs is not None:
+            if chunk.logprob is None:  # an Override: accepted without sampling
+                chunk = dataclasses.replace(chunk, **logprobs_of(row, chunk.tokens[0], 0))
+            assert chunk.logprob is not None
+            self.token_logprobs.append(chunk.logprob)
+        if isinstance(action, Rewind):
+            return self._rewind(action, "a hook")
+        text = self._visible()
+        for validator in self.validators:
+            try:
+                verdict = validator(text)
+            except BaseException:
+                self._rewind_quietly(index)  # back to the last good state: before the token
+                raise
+            if verdict is not None:
+                if not isinstance(verdict, Rewind):
+                    raise TypeError(
+                        f"validator {validator!r} returned {verdict!r}; expected None or Rewind"
+                    )
+                return self._rewind(verdict, "a validator")
+        if self.banned:
+            start = self.banned.find(text, self._scan_from, gen.is_done)
+            if start is not None:
+                return self._rewind_to(self._token_of(start), ban=True)
+            self._scan_from = self.banned.hold_from(text)
+        return self._emit()
+
+    def _mark(self) -> _Mark:
+        held = self.generator.text_state.held_bytes
+        cp = self.sequence.checkpoint(self.generator)
+        return _Mark(cp, len(self._out), len(self._visible()), bool(held))
+
+    def _visible(self) -> str:
+        return self._out + self.generator.text_state.held_text
+
+    def _run_hooks(
+        self, chunk: Chunk, row: np.ndarray, before: Checkpoint
+    ) -> tuple[Chunk, Resample | Rewind | None]:
+        step: Step | None = None
+        for hook in self.hooks:
+            if step is None or step.token != chunk.tokens[0]:
+                text = self._out + chunk.text + self.generator.text_state.held_text
+                index = len(self.generator.tokens) - 1
+                step = Step(
+                    self.sequence.vocab, len(self.sequence), index, chunk.tokens[0], text, row
+                )
+            action = hook(step)
+            if action is None:
+                continue
+            if isinstance(action, Override):
+                self._undo_candidate(before)
+                chunk = self.generator.accept(action.token)
+            elif isinstance(action, Resample | Rewind):
+                return chunk, action
+            else:
+                raise TypeError(
+                    f"hook {hook!r} returned {action!r}; "
+                    "expected None, Override, Resample or Rewind"
+                )
+        return chunk, None
+
+    def _undo_candidate(self, before: Checkpoint) -> None:
+        """Take back the candidate the generator accepted, keeping the randomness it drew (the
+        next draw here must not repeat it)."""
+        assert before.generation is not None
+        drawn = self.generator.rng.bit_generator.state
+        self.generator.restore(before.generation)
+        self.generator.rng.bit_generator.state = drawn
+
+    # rewinds -----------------------------------------------------------------------------
+    def _rewind(self, action: Rewind, who: str) -> Chunk:
+        n_gen = len(self.generator.tokens)
+        if action.chars is None:
+            n = 1 if action.n is None else action.n
+        else:
+            text = self._visible()
+            if action.chars > len(text):
+                raise RewindError(
+                    f"{who} asked to rewind {action.chars} characters, but only {len(text)} "
+                    "were generated; the prompt cannot be rewound"
+                )
+            n = n_gen - self._token_of(len(text) - action.chars)
+        if n > min(self.lookback, n_gen):
+            raise RewindError(
+                f"{who} asked to rewind {n} tokens, but only {min(self.lookback, n_gen)} can be "
+                f"(generated: {n_gen}, lookback={self.lookback}); the prompt cannot be rewound"
+            )
+        return self._rewind_to(n_gen - n, action.ban)
+
+    def _rewind_to(self, index: int, ban: bool) -> Chunk:
+        """Drop the generated tokens from ``index`` on; with ``ban``, forbid the one there."""
+        if not self._retry():
+            self._rewind_quietly(index)
+            return self._end("retries")
+        token = self.generator.tokens[index]
+        self._rewind_quietly(index)
+        self._rewinds += 1
+        if ban:
+            self._bans.setdefault(index, set()).add(token)
+        return self._emit()
+
+    def _rewind_quietly(self, index: int) -> None:
+        mark = self._marks[index]
+        if not self._reachable(index) or mark.checkpoint is None:
+            raise RewindError(
+                f"cannot rewind to generated token {index}: the text before it is final "
+                "(already streamed)"
+            )
+        self.sequence.rewind(mark.checkpoint, self.generator)
+        del self._marks[index + 1 :]
+        del self._visible_at[index + 1 :]
+        del self.token_logprobs[index:]
+        self._out = self._out[: mark.out_len]
+        for later in [i for i in self._bans if i > index]:
+            del self._bans[later]  # the text before them changed: they no longer apply
+        self._scan_from = min(self._scan_from, self.banned.hold_from(self._visible()))
+
+    def rewind(self, checkpoint: Checkpoint) -> None:
+        """Go back to a checkpoint taken with :meth:`checkpoint` in this generation, while the
+        text after it is still held back (a stream holds back what a rewind could reach: the
+        last ``lookback`` tokens with hooks or validators, the start of a possible banned
+        phrase); streamed text is final.
+
+        Raises:
+            RewindError: the checkpoint is not of this generation's current history, or the
+                text after it was already streamed.
+            ValueError: the checkpoint was taken without the generator's state.
+        """
+        if checkpoint.generation is None:
+            raise ValueError("rewind to a checkpoint taken with run.checkpoint()")
+        index = checkpoint.generation.n_tokens
+        mark = self._marks[index] if index < len(self._marks) else None
+        if mark is None or mark.checkpoint is None or mark.checkpoint.stamp != checkpoint.stamp:
+            raise RewindError(
+                f"cannot rewind to generated token {index}: not in this generation's current "
+                "history, or the text before it is final (already streamed)"
+            )
+        self._rewind_quietly(index)
+        self.finish_reason = None
+        self._user_rewinds += 1
+
+    def _exhausted(self, index: int) -> Chunk:
+        """Every token is ruled out here: the token before was a dead end (unless it is final)."""
+        if index == 0 or not self._reachable(index - 1):
+            return self._end("retries")
+        return self._rewind_to(index - 1, ban=True)
+
+    def _reachable(self, index: int) -> bool:
+        mark = self._marks[index]
+        return mark.checkpoint is not None and mark.out_len >= self._emitted
+
+    def _retry(self) -> bool:
+        return self._rewinds + self._resamples < self.max_retries
+
+    def _token_of(self, char: int) -> int:
+        """The generated token holding the first byte of character ``char``."""
+        n = len(self.generator.tokens)
+        if char >= len(self._visible()):  # the next character: not complete yet
+            index = n
+        else:
+            index = bisect.bisect_right(self._visible_at, char, 0, n) - 1
+        # A character that was waiting for bytes when a token began started in an earlier one.
+        while index > 0 and self._starts_inside(index, char):
+            index -= 1
+        return index
+
+    def _starts_inside(self, index: int, char: int) -> bool:
+        if index == len(self.generator.tokens):
+            return bool(self.generator.text_state.held_bytes) and len(self._visible()) == char
+        mark = self._marks[index]
+        return mark.held_bytes and mark.visible == char
+
+    # output ------------------------------------------------------------------------------
+    def _emit(self) -> Chunk:
+        """The output text no rewind can reach any more (all of it once generation ended)."""
+        gen = self.generator
+        if gen.is_done:
+            return self._chunk(len(self._out), len(gen.tokens), gen.finish_reason)
+        final = len(gen.tokens)
+        if self.hooks or self.validators:
+            final = max(0, final - self.lookback)
+        if self.banned:
+            final = min(final, self._token_of(self.banned.hold_from(self._visible())))
+        for mark in self._marks[self._emitted_tokens : final]:
+            mark.checkpoint = None
+        end = self._marks[final].out_len if final < len(self._marks) else len(self._out)
+        return self._chunk(max(end, self._emitted), final, None)
+
+    def _end(self, reason: FinishReason) -> Chunk:
+        """Finish early; first cut any banned match that counts now that the text ends."""
+        while True:
+            self._out += self.generator.end(reason).text
+            start = self.banned.find(self._out, self._scan_from, True) if self.banned else None
+            if start is None:
+                return self._chunk(
+                    len(self._out), len(self.generator.tokens), self.generator.finish_reason
+                )
+            self._rewind_quietly(self._token_of(start))
+
+    def _chunk(self, end: int, n_tokens: int, reason: FinishReason | None) -> Chunk:
+        text = self._out[self._emitted : end]
+        tokens = tuple(self.generator.tokens[self._emitted_tokens : n_tokens])
+        self._emitted, self._emitted_tokens = end, max(n_tokens, self._emitted_tokens)
+        logprob = None
+        if self.generator.logprobs is not None and tokens:
+            logprob = math.fsum(self.token_logprobs[n_tokens - len(tokens) : n_tokens])
+        if reason is None:
+            return Chunk(text, tokens, logprob=logprob)
+        self.finish_reason = reason
+        stop = self.generator.stop_hit
+        return Chunk(text, tokens, reason, stop, logprob, stats=self.stats())
+
+    def stats(self) -> GenerationStats:
+        """What the generation has cost so far."""
+        return self.cost(self._rewinds + self._user_rewinds, self._resamples)

@@ -1,0 +1,178 @@
+"""The ``Run`` protocol (a generation in progress, as the scheduler drives it), the one batched
+step, and the plain run: one sequence sampled token by token.
+
+Every step decodes the pending tokens of every run's sequences together, in one
+``llama_decode`` batch, then hands each run the logits after its sequences' last tokens. A plain
+run samples one token; a :class:`~lcgen.runtime.backtrack.Backtracker` may also rewind; a beam
+search forks. The scheduler knows nothing else about them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence as Seq
+from typing import Protocol
+
+import numpy as np
+
+from lcgen.decoding import Chunk, GenerationStats, Generator
+from lcgen.runtime.checkpoint import Checkpoint
+from lcgen.runtime.tokens import TokenSequence
+
+
+class Run(Protocol):
+    """A generation in progress: what a step may call on it."""
+
+    @property
+    def is_done(self) -> bool:
+        """Whether it is finished (no more steps)."""
+        ...
+
+    def sequences(self) -> Seq[TokenSequence]:
+        """The sequences to decode in this step (their pending tokens)."""
+        ...
+
+    def advance(self, rows: Seq[np.ndarray]) -> Chunk | None:
+        """Take the logits after each sequence's last token (one row per sequence, in order,
+        valid until the next decode) and move on; the text that became final, if any."""
+        ...
+
+
+def decode(seqs: Seq[TokenSequence]) -> list[np.ndarray]:
+    """Decode every sequence's pending tokens in one batch (none is sampled).
+
+    Returns:
+        The logits after each sequence's last token (views into llama.cpp's buffer when the
+        batch fits in one decode: valid until the next one).
+    """
+    if not seqs:
+        return []
+    requests = [seq.pending_request() for seq in seqs]
+    try:
+        rows = seqs[0].model.context.decode(requests)
+    except BaseException:
+        for seq in seqs:  # a chunked prefill may have stopped half-way
+            seq.resync()
+        raise
+    out = []
+    for seq, request, row in zip(seqs, requests, rows, strict=True):
+        assert row is not None, "a sequence had no pending token"
+        seq.mark_decoded(request)
+        out.append(row)
+    return out
+
+
+def step(runs: Seq[Run]) -> list[Chunk | None]:
+    """Advance every run by one step, all their sequences decoded in one batch.
+
+    Returns:
+        Per run, in order, the chunk its step produced (None: no text this step).
+
+    Raises:
+        Whatever a run raises; every sequence is left as before the step (its last token
+        pending), so the runs can go on or be dropped.
+    """
+    groups = [run.sequences() for run in runs]
+    rows = decode([seq for group in groups for seq in group])
+    chunks: list[Chunk | None] = []
+    at = 0
+    try:
+        for run, group in zip(runs, groups, strict=True):
+            chunks.append(run.advance(rows[at : at + len(group)]))
+            at += len(group)
+    except BaseException:
+        for group in groups:
+            for seq in group:
+                seq.resync()
+        raise
+    return chunks
+
+
+class SequenceRun:
+    """A generation on one sequence with one generator: what plain and backtracking runs
+    share (the public step API, and the cost of the generation so far).
+
+    Args:
+        seq: the sequence generated on.
+        gen: its generator (made by ``seq.run``).
+    """
+
+    def __init__(self, seq: TokenSequence, gen: Generator) -> None:
+        self.sequence, self.generator = seq, gen
+        self._start = (seq.stats.tokens_decoded, seq.n_decoded)
+        # With ``logprobs``: each generated token's log-probability.
+        self.token_logprobs: list[float] = []
+
+    @property
+    def is_done(self) -> bool:
+        return self.generator.is_done
+
+    def sequences(self) -> tuple[TokenSequence]:
+        return (self.sequence,)
+
+    def advance(self, rows: Seq[np.ndarray]) -> Chunk | None:
+        raise NotImplementedError
+
+    def step(self) -> Chunk:
+        """Decode the sequence's pending tokens and sample the next token.
+
+        Returns:
+            The chunk of text that became final (its ``finish_reason`` is set on the last).
+
+        Raises:
+            ValueError: the generation is finished.
+        """
+        if self.is_done:
+            raise ValueError("the generation is finished; start a new one with seq.run()")
+        chunk = step([self])[0]
+        assert chunk is not None
+        return chunk
+
+    def checkpoint(self) -> Checkpoint:
+        """The sequence's and the generator's state now (``seq.checkpoint(run.generator)``),
+        for :meth:`rewind`."""
+        return self.sequence.checkpoint(self.generator)
+
+    def cost(self, rewinds: int = 0, resamples: int = 0) -> GenerationStats:
+        """What the generation has cost so far: every token decoded, and those beyond the
+        growth of the cache (decoded again after rewinds)."""
+        decoded = self.sequence.stats.tokens_decoded - self._start[0]
+        kept = self.sequence.n_decoded - self._start[1]
+        n_tokens = len(self.generator.tokens)
+        return GenerationStats(n_tokens, decoded, decoded - kept, rewinds, resamples)
+
+
+class PlainRun(SequenceRun):
+    """A generation that samples one token per step (see :meth:`lcgen.Sequence.run`).
+
+    Drive it with :meth:`step` (``seq.stream`` is that in a loop); take
+    :meth:`checkpoint` at any step and :meth:`rewind` to it: the KV cache, the sampler and the
+    generator's state (held text, grammar, healing) go back together.
+    """
+
+    def __init__(self, seq: TokenSequence, gen: Generator) -> None:
+        super().__init__(seq, gen)
+        self._rewinds = 0
+
+    def advance(self, rows: Seq[np.ndarray]) -> Chunk:
+        (row,) = rows
+        seq, gen = self.sequence, self.generator
+        if not gen.sampler.is_greedy:
+            seq.note_draw()
+        chunk = gen.step(row)
+        seq.append_tokens(chunk.tokens)
+        if chunk.logprob is not None:
+            self.token_logprobs.append(chunk.logprob)
+        return dataclasses.replace(chunk, stats=self.cost(self._rewinds)) if gen.is_done else chunk
+
+    def rewind(self, checkpoint: Checkpoint) -> None:
+        """Go back to a checkpoint taken with :meth:`checkpoint` (the generation may have
+        finished since: it goes on from there).
+
+        Raises:
+            RewindError: the checkpoint is not reachable (see :meth:`lcgen.Sequence.rewind`).
+            ValueError: the checkpoint was taken without the generator's state.
+        """
+        self.sequence.rewind(checkpoint, self.generator)
+        del self.token_logprobs[len(self.generator.tokens) :]
+        self._rewinds += 1

@@ -1,0 +1,230 @@
+"""``Sequence``: a live sequence — its tokens own one KV slot; it generates, forks, saves and
+loads, and is reversible at every position (see :mod:`lcgen.runtime.tokens`)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from typing import Any, TypeVar, Unpack, overload
+
+from lcgen.decoding import Chunk, GenerateOptions, Generator, Plan, Text, make_plan
+from lcgen.decoding.results import SchemaLike, parse_structured
+from lcgen.errors import ContextFullError, StateFileError
+from lcgen.runtime import statefile
+from lcgen.runtime.backtrack import Backtracker
+from lcgen.runtime.context import DecodeRequest
+from lcgen.runtime.run import PlainRun
+from lcgen.runtime.tokens import ModelLike, TokenSequence
+
+_M = TypeVar("_M")
+
+
+class Sequence(TokenSequence):
+    """Tokens of one live generation; owns a KV slot until closed.
+
+    Created by :meth:`lcgen.Model.sequence`. Use as a context manager, or call :meth:`close`,
+    to give the slot back (it is also given back when the object is garbage-collected).
+
+    Args:
+        model: the model.
+        tokens: the initial tokens (the prompt).
+        seed: seeds the sequence's sampler RNG (None: a fresh random seed). A ``seed`` passed
+            to a generation call reseeds it.
+
+    Raises:
+        SlotsExhaustedError: every slot is held by a live sequence.
+    """
+
+    # forks -----------------------------------------------------------------------------
+    def fork(self, *, seed: int | None = None) -> Sequence:
+        """A new sequence with the same history, sharing its KV cells (none are copied).
+
+        Args:
+            seed: reseed the fork's sampler RNG; None continues the same RNG state, so the
+                fork samples exactly what this sequence would.
+
+        Raises:
+            SlotsExhaustedError: no free slot for the fork.
+        """
+        self._check_open()
+        child = Sequence(self.model)
+        if self._n_decoded:
+            self._ctx.copy_slot(self._slot, child._slot, self._n_decoded)
+        child._tokens = list(self._tokens)
+        child._stamps = list(self._stamps)
+        child._n_decoded = self._n_decoded
+        child._rng.bit_generator.state = self._rng.bit_generator.state
+        child._rng_log = dict(self._rng_log)
+        if seed is not None:
+            child.reseed(seed)
+        return child
+
+    def prefill(self) -> int:
+        """Decode every pending token but the last now (the last stays pending, as always), so
+        forks taken next share the cells instead of each decoding the prompt.
+
+        Returns:
+            How many tokens were decoded.
+        """
+        self._check_open()
+        pending = self._tokens[self._n_decoded : -1]
+        if pending:
+            request = DecodeRequest(self._slot, pending, self._n_decoded, False)
+            try:
+                self._ctx.decode([request])
+            except BaseException:
+                self.resync()
+                raise
+            self.mark_decoded(request)
+        return len(pending)
+
+    # save / load -----------------------------------------------------------------------
+    def to_bytes(self) -> bytearray:
+        """The sequence as bytes: KV state, tokens, sampler state and the model's fingerprint."""
+        self._check_open()
+        header: dict[str, Any] = {
+            "model": self.model.fingerprint,
+            "tokens": self._tokens,
+            "n_decoded": self._n_decoded,
+            "rng": self._rng.bit_generator.state,
+            "rng_log": [[pos, state] for pos, state in sorted(self._rng_log.items())],
+        }
+        size = self._ctx.seq_state_size(self._slot)
+
+        def write_kv(out: bytearray, offset: int, size: int) -> int:
+            return self._ctx.seq_state_into(self._slot, out, offset, size)
+
+        return statefile.encode(header, size, write_kv)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`to_bytes` to ``path`` atomically (a crash never leaves a broken file)."""
+        statefile.write_atomic(path, self.to_bytes())
+
+    @classmethod
+    def from_bytes(cls, model: ModelLike, data: bytes | bytearray | memoryview) -> Sequence:
+        """Rebuild a sequence saved with :meth:`to_bytes`, in a new slot of ``model``.
+
+        Raises:
+            StateFileError: corrupted, truncated, another format version, or another model.
+        """
+        header, kv = statefile.decode(data)
+        if header["model"] != model.fingerprint:
+            raise StateFileError(
+                f"the sequence was saved with another model (fingerprint {header['model'][:12]}, "
+                f"this model is {model.fingerprint[:12]}: {model.path.name})"
+            )
+        if len(header["tokens"]) > model.context.n_ctx:
+            raise StateFileError(
+                f"the saved sequence has {len(header['tokens'])} tokens, more than the context "
+                f"of {model.context.n_ctx}: load the model with a larger n_ctx"
+            )
+        seq = cls(model, header["tokens"])
+        try:
+            if header["n_decoded"]:
+                seq._ctx.set_seq_state(seq._slot, kv)
+        except BaseException:
+            seq.close()
+            raise
+        seq._n_decoded = header["n_decoded"]
+        seq._rng.bit_generator.state = header["rng"]
+        seq._rng_log = {pos: state for pos, state in header["rng_log"]}
+        return seq
+
+    @classmethod
+    def load(cls, model: ModelLike, path: str | os.PathLike[str]) -> Sequence:
+        """Load a sequence written by :meth:`save` (see :meth:`from_bytes`)."""
+        return cls.from_bytes(model, statefile.read_file(path))
+
+    # generation ------------------------------------------------------------------------
+    def run(
+        self, *, schema: SchemaLike | None = None, **options: Unpack[GenerateOptions]
+    ) -> PlainRun | Backtracker:
+        """Start a generation from the end of the sequence, to drive step by step.
+
+        ``run.step()`` decodes and samples one token and returns its :class:`Chunk`;
+        ``run.is_done`` says when to stop. On a plain run, ``run.checkpoint()`` takes the
+        sequence's and the generator's state at any step and ``run.rewind(cp)`` goes back to
+        it (``run.generator`` is the :class:`~lcgen.Generator`). With hooks, validators or
+        banned phrases the run is a :class:`~lcgen.runtime.backtrack.Backtracker`, which
+        rewinds by itself.
+
+        Args:
+            schema: constrain the output to JSON valid for this JSON Schema / pydantic model.
+            **options: see :meth:`stream`.
+
+        Raises:
+            ContextFullError: the sequence plus ``max_tokens`` would not fit the context.
+            ClosedError: the sequence was closed.
+            ValueError, TypeError: an option is out of range or unknown (named).
+        """
+        return self.run_plan(make_plan(schema=schema, **options))
+
+    def run_plan(self, plan: Plan) -> PlainRun | Backtracker:
+        """:meth:`run` with the options already made into a plan."""
+        self._check_open()
+        if not self._tokens:
+            raise ValueError("the sequence is empty: append a prompt before generating")
+        needed = len(self._tokens) + plan.max_tokens
+        if needed > self._ctx.n_ctx:
+            raise ContextFullError(
+                f"{len(self._tokens)} tokens in the sequence + max_tokens={plan.max_tokens} = "
+                f"{needed} tokens exceeds the context of {self._ctx.n_ctx} tokens: shorten the "
+                "prompt, lower max_tokens or load the model with a larger n_ctx"
+            )
+        heal = self.heal_last_token() if plan.token_healing else b""
+        gen = Generator(self.vocab, plan, history=self._tokens, rng=self._rng, heal=heal)
+        if plan.sampler.seed is not None:
+            self.reseed(plan.sampler.seed)
+        if plan.backtracking is not None:
+            return Backtracker(self, gen, plan.backtracking)
+        return PlainRun(self, gen)
+
+    def stream(
+        self, *, schema: SchemaLike | None = None, **options: Unpack[GenerateOptions]
+    ) -> Iterator[Chunk]:
+        """Generate from the end of the sequence, yielding a :class:`Chunk` per token.
+
+        Args:
+            schema: constrain the output to JSON valid for this JSON Schema / pydantic model.
+            **options: max_tokens (256), stop, include_stop, stop_tokens, sampler,
+                temperature (0: greedy), top_k, top_p, min_p, repeat_penalty, repeat_last_n,
+                seed, logit_bias, logprobs, token_healing, grammar, choice, regex, hooks,
+                validators, banned, banned_ignore_case, max_retries, lookback (see
+                :func:`lcgen.decoding.make_plan`). A ``seed`` reseeds the sequence's RNG;
+                without one, sampling continues it.
+
+        Yields:
+            One chunk per generated token; the last has ``finish_reason`` set.
+
+        Raises:
+            ContextFullError: the sequence plus ``max_tokens`` would not fit the context.
+            ClosedError: the sequence was closed.
+            GrammarError: the constraint cannot be built or enforced.
+        """
+        return _chunks(self.run(schema=schema, **options))
+
+    @overload
+    def generate(self, *, schema: type[_M], **options: Unpack[GenerateOptions]) -> _M: ...
+    @overload
+    def generate(self, *, schema: Mapping[str, Any], **options: Unpack[GenerateOptions]) -> Any: ...
+    @overload
+    def generate(self, **options: Unpack[GenerateOptions]) -> Text: ...
+    @overload
+    def generate(self, *, schema: SchemaLike | None, **options: Unpack[GenerateOptions]) -> Any: ...
+    def generate(
+        self, *, schema: SchemaLike | None = None, **options: Unpack[GenerateOptions]
+    ) -> Any:
+        """Generate from the end of the sequence and return the new text (see :meth:`stream`);
+        with ``schema``, the parsed value (a dict, or an instance of the pydantic model).
+
+        Raises:
+            IncompleteOutputError: with ``schema``, generation stopped before the value was
+                complete (the partial text is on the exception).
+        """
+        text = Text.of(self.stream(schema=schema, **options))
+        return text if schema is None else parse_structured(text, schema)
+
+
+def _chunks(run: PlainRun | Backtracker) -> Iterator[Chunk]:
+    while not run.is_done:
+        yield run.step()

@@ -1,0 +1,110 @@
+"""The saved-sequence file format.
+
+A saved sequence is one file::
+
+    b"LCGSEQ\\0" | version u32 | header length u32 | header (JSON) | KV length u64 | KV bytes
+    | sha256 of everything before it (32 bytes)
+
+The header carries the model's fingerprint, the tokens and lcgen's own per-token state; the KV
+bytes are llama.cpp's sequence state. Files are written atomically (temp file, fsync, rename).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from lcgen.errors import StateFileError
+
+FORMAT_VERSION = 1
+_MAGIC = b"LCGSEQ\x00"
+_HEAD = struct.Struct("<7sII")
+_KV_LEN = struct.Struct("<Q")
+_DIGEST = 32
+
+
+def encode(
+    header: dict[str, Any], kv_size: int, write_kv: Callable[[bytearray, int, int], int]
+) -> bytearray:
+    """The bytes of a saved sequence, built in one buffer.
+
+    Args:
+        header: lcgen's state (JSON-serializable).
+        kv_size: the most bytes the KV state takes.
+        write_kv: ``write_kv(buffer, offset, size)`` writes the KV state in place and returns
+            how many bytes it wrote.
+    """
+    head = json.dumps(header, separators=(",", ":")).encode()
+    at = _HEAD.size + len(head) + _KV_LEN.size
+    out = bytearray(at + kv_size + _DIGEST)
+    _HEAD.pack_into(out, 0, _MAGIC, FORMAT_VERSION, len(head))
+    out[_HEAD.size : _HEAD.size + len(head)] = head
+    n = write_kv(out, at, kv_size)
+    _KV_LEN.pack_into(out, at - _KV_LEN.size, n)
+    end = at + n
+    with memoryview(out) as view:
+        out[end : end + _DIGEST] = hashlib.sha256(view[:end]).digest()
+    del out[end + _DIGEST :]
+    return out
+
+
+def decode(data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], memoryview]:
+    """Check and split a saved sequence into (header, KV bytes); the KV part is not copied.
+
+    Raises:
+        StateFileError: not an lcgen sequence, another format version, truncated or corrupted.
+    """
+    view = memoryview(data).cast("B")
+    if len(view) < _HEAD.size + _KV_LEN.size + _DIGEST or view[: len(_MAGIC)] != _MAGIC:
+        raise StateFileError(f"not an lcgen sequence file ({len(view)} bytes, bad header)")
+    _, version, head_len = _HEAD.unpack_from(view)
+    if version != FORMAT_VERSION:
+        raise StateFileError(
+            f"sequence file format version {version} is not supported (this lcgen reads "
+            f"version {FORMAT_VERSION})"
+        )
+    body, digest = view[:-_DIGEST], view[-_DIGEST:]
+    if hashlib.sha256(body).digest() != digest:
+        raise StateFileError(
+            f"sequence file is truncated or corrupted (checksum mismatch, {len(view)} bytes)"
+        )
+    at = _HEAD.size + head_len
+    (kv_len,) = _KV_LEN.unpack_from(body, at)
+    kv = body[at + _KV_LEN.size :]
+    if len(kv) != kv_len:
+        raise StateFileError(f"sequence file holds {len(kv)} KV bytes, its header says {kv_len}")
+    header: dict[str, Any] = json.loads(bytes(body[_HEAD.size : at]))
+    return header, kv
+
+
+def write_atomic(path: str | os.PathLike[str], data: bytes | bytearray) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves either the old file or the new one."""
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+
+
+def read_file(path: str | os.PathLike[str]) -> bytes:
+    """Read a saved sequence.
+
+    Raises:
+        StateFileError: the file cannot be read.
+    """
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise StateFileError(f"cannot read sequence file {str(path)!r}: {exc}") from exc

@@ -1,0 +1,326 @@
+"""The core of a live sequence: tokens whose KV cells live in one slot, reversible at every
+position. Runs drive it; :class:`~lcgen.Sequence` adds generation, forks and persistence.
+
+The last token of a sequence is kept pending (not yet decoded) until the next step needs its
+logits, so every step decodes exactly one batch and no logits have to be kept between calls.
+
+Reversibility: each token carries a stamp (a process-wide counter value), so a checkpoint is
+O(1) — a position, the stamp of the history up to it, and the RNG state — and is valid exactly
+while the sequence still holds that history. The RNG state before every sampling draw is logged
+by position, so ``rewind(n)`` restores the sampler as exactly as ``rewind(checkpoint)`` does.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import itertools
+import weakref
+from collections.abc import Sequence as Seq
+from pathlib import Path
+from typing import Protocol, Self
+
+import numpy as np
+
+from lcgen.decoding import Generator
+from lcgen.decoding.sampling import new_rng
+from lcgen.errors import ClosedError, RewindError
+from lcgen.runtime.checkpoint import Checkpoint, RngState, SequenceStats
+from lcgen.runtime.context import Context, DecodeRequest
+from lcgen.vocab import Vocab
+
+_stamps = itertools.count(1)
+
+
+class ModelLike(Protocol):
+    """What a sequence needs of its model (a :class:`~lcgen.Model`)."""
+
+    @property
+    def vocab(self) -> Vocab: ...
+    @property
+    def context(self) -> Context: ...
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def path(self) -> Path: ...
+
+
+def common_prefix(a: Seq[int], b: Seq[int]) -> int:
+    """How many tokens ``a`` and ``b`` share from the start."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+class TokenSequence:
+    """Tokens of one live generation in a KV slot, with O(1) checkpoints and rewinds.
+
+    Args:
+        model: the model.
+        tokens: the initial tokens (the prompt).
+        seed: seeds the sequence's sampler RNG (None: a fresh random seed).
+
+    Raises:
+        SlotsExhaustedError: every slot is held by a live sequence.
+    """
+
+    def __init__(self, model: ModelLike, tokens: Seq[int] = (), *, seed: int | None = None) -> None:
+        self.model = model
+        self.vocab = model.vocab
+        self._ctx: Context = model.context
+        self._tokens: list[int] = list(self.vocab.check_tokens(tokens))
+        self._slot = self._ctx.acquire_slot()
+        self._finalizer = weakref.finalize(self, self._ctx.release_slot, self._slot)
+        self._n_decoded = 0
+        self._stamps = [next(_stamps) for _ in range(len(self._tokens) + 1)]
+        self._uid = self._stamps[0]
+        self._rng = new_rng(seed)
+        self._rng_log: dict[int, RngState] = {}  # position -> RNG state before anything there
+        # The prompt token last removed by token healing: (position, token, stamps around it).
+        self._healed: tuple[int, int, int, int] | None = None
+        self.stats = SequenceStats()
+
+    # state -----------------------------------------------------------------------------
+    @property
+    def tokens(self) -> list[int]:
+        """A copy of all tokens: prompt, appended text and generated tokens."""
+        return list(self._tokens)
+
+    @property
+    def text(self) -> str:
+        """The detokenized text of all tokens (special tokens not rendered)."""
+        return self.vocab.detokenize(self._tokens)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self._tokens)
+
+    @property
+    def n_decoded(self) -> int:
+        """How many tokens have KV cells (all but the pending ones)."""
+        return self._n_decoded
+
+    @property
+    def slot(self) -> int:
+        """The llama.cpp sequence id that holds this sequence's KV cells."""
+        return self._slot
+
+    @property
+    def rng(self) -> np.random.Generator:
+        """The sampler's random generator (its state is part of every checkpoint)."""
+        return self._rng
+
+    @property
+    def is_closed(self) -> bool:
+        return not self._finalizer.alive
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __repr__(self) -> str:
+        state = "closed" if self.is_closed else f"slot {self._slot}"
+        return f"<lcgen.Sequence {len(self._tokens)} tokens, {state}>"
+
+    # editing ---------------------------------------------------------------------------
+    def append(self, text: str) -> list[int]:
+        """Append text (tokenized without BOS); it is decoded by the next generation step.
+
+        Returns:
+            The tokens appended.
+        """
+        tokens = self.vocab.tokenize(text, add_bos=False)
+        self.append_tokens(tokens)
+        return tokens
+
+    def append_tokens(self, tokens: Seq[int]) -> None:
+        """Append token ids (checked against the vocabulary); each gets a new stamp."""
+        self._check_open()
+        checked = self.vocab.check_tokens(tokens)
+        self._tokens.extend(checked)
+        self._stamps.extend(next(_stamps) for _ in checked)
+
+    def _keep_prefix(self, n_keep: int) -> None:
+        """Cut the sequence to its first ``n_keep`` tokens, dropping their KV cells."""
+        # The last token stays pending, so the next step has logits to sample from.
+        kv_keep = min(self._n_decoded, max(n_keep - 1, 0))
+        if kv_keep < self._n_decoded:
+            self._trim_kv(kv_keep)
+        del self._tokens[n_keep:]
+        del self._stamps[n_keep + 1 :]
+        for pos in [pos for pos in self._rng_log if pos >= n_keep]:
+            del self._rng_log[pos]
+
+    def _trim_kv(self, kv_keep: int) -> None:
+        """Keep the KV cells of the first ``kv_keep`` tokens only."""
+        if not self._ctx.truncate(self._slot, kv_keep):
+            # The memory cannot keep a partial range (sliding window, recurrent): start over.
+            self._ctx.clear_slot(self._slot)
+            self.stats.fallbacks += 1
+            self.stats.tokens_redecoded += kv_keep
+            kv_keep = 0
+        self._n_decoded = kv_keep
+
+    def reuse(self, tokens: Seq[int]) -> int:
+        """Make the sequence equal ``tokens``, keeping the KV cache of the common prefix.
+
+        Returns:
+            How many tokens were kept (need no decoding).
+        """
+        self._check_open()
+        tokens = self.vocab.check_tokens(tokens)
+        common = common_prefix(self._tokens, tokens)
+        self._keep_prefix(common)
+        self.append_tokens(tokens[common:])
+        return common
+
+    # checkpoints -----------------------------------------------------------------------
+    def checkpoint(self, generator: Generator | None = None) -> Checkpoint:
+        """The sequence's state now, as a value (no KV data is copied).
+
+        Args:
+            generator: the generator driving this sequence, when taken in the middle of a
+                generation (``run.generator``): its state (held text, grammar, healing) goes
+                into the checkpoint.
+        """
+        self._check_open()
+        cp = self._checkpoint_at(len(self._tokens))
+        return cp if generator is None else dataclasses.replace(cp, generation=generator.state)
+
+    def _checkpoint_at(self, n_tokens: int) -> Checkpoint:
+        if n_tokens == len(self._tokens):  # nothing is logged past the end
+            rng_state = self._rng_log.get(n_tokens) or self._rng.bit_generator.state
+            return Checkpoint(n_tokens, self._stamps[n_tokens], self._uid, rng_state)
+        logged = list(self._rng_log)  # positions only grow between prunes: already sorted
+        at = bisect.bisect_left(logged, n_tokens)
+        rng_state = self._rng_log[logged[at]] if at < len(logged) else self._rng.bit_generator.state
+        return Checkpoint(n_tokens, self._stamps[n_tokens], self._uid, rng_state)
+
+    def rewind(self, target: Checkpoint | int, generator: Generator | None = None) -> None:
+        """Go back to a checkpoint, or by ``target`` tokens; then continue as if the dropped
+        tokens had never been generated (KV cells, sampler RNG and tokens restored).
+
+        Args:
+            target: a checkpoint of this sequence (or of its parent, within their shared
+                history), or a number of tokens.
+            generator: the generator driving this sequence; it is restored too, from a
+                checkpoint taken with it.
+
+        Raises:
+            RewindError: the target is not reachable: past the start, a checkpoint of another
+                sequence, one beyond the current position after an earlier rewind, one whose
+                history was since replaced, or the sequence is closed.
+            ValueError: a generator was given but the checkpoint holds no generator state.
+        """
+        if self.is_closed:
+            raise RewindError("cannot rewind a closed sequence")
+        if generator is not None and (isinstance(target, int) or target.generation is None):
+            raise ValueError(
+                "to restore a generator, rewind to a checkpoint taken with it: "
+                "seq.checkpoint(generator)"
+            )
+        if isinstance(target, int):
+            if not 0 <= target <= len(self._tokens):
+                raise RewindError(
+                    f"cannot rewind {target} tokens: the sequence has {len(self._tokens)} tokens"
+                )
+            target = self._checkpoint_at(len(self._tokens) - target)
+        if not self._unheal(target):
+            self._check_reachable(target)
+            self._keep_prefix(target.n_tokens)
+        self._rng.bit_generator.state = target.rng_state
+        if generator is not None and target.generation is not None:
+            generator.restore(target.generation)
+        self.stats.rewinds += 1
+
+    def _unheal(self, cp: Checkpoint) -> bool:
+        """Rewind to a checkpoint taken before token healing removed a prompt token: put the
+        token back. Returns False when ``cp`` is not such a checkpoint."""
+        if self._healed is None:
+            return False
+        pos, token, before, after = self._healed
+        if cp.n_tokens != pos + 1 or cp.stamp != after:
+            return False
+        if pos > len(self._tokens) or self._stamps[pos] != before:
+            return False
+        self._keep_prefix(pos)
+        self._tokens.append(token)
+        self._stamps.append(after)
+        return True
+
+    def _check_reachable(self, cp: Checkpoint) -> None:
+        n = len(self._tokens)
+        if cp.n_tokens <= n and self._stamps[cp.n_tokens] == cp.stamp:
+            return
+        if cp.seq_uid != self._uid and cp.stamp not in self._stamps:
+            raise RewindError(
+                f"the checkpoint (position {cp.n_tokens}) belongs to another sequence "
+                f"(#{cp.seq_uid}; this is #{self._uid}) and is not part of this one's history"
+            )
+        if cp.n_tokens > n:
+            raise RewindError(
+                f"the checkpoint at position {cp.n_tokens} lies beyond the current position {n}: "
+                "the sequence was rewound past it"
+            )
+        raise RewindError(
+            f"the sequence's history up to position {cp.n_tokens} has changed since the "
+            f"checkpoint was taken (it was rewound and regenerated); current position {n}"
+        )
+
+    # sampling --------------------------------------------------------------------------
+    def heal_last_token(self) -> bytes:
+        """Drop the last token and return its text, for a generator to re-create (token
+        healing); ``b""`` when there is nothing to heal. A checkpoint taken before puts the
+        token back."""
+        n, token = len(self._tokens), self._tokens[-1]
+        piece = self.vocab.piece(token)
+        if n < 2 or not piece:
+            return b""
+        self._healed = (n - 1, token, self._stamps[n - 1], self._stamps[n])
+        self._keep_prefix(n - 1)
+        return piece
+
+    def reseed(self, seed: int) -> None:
+        """Seed the sampler RNG (a rewind to before this restores the old state)."""
+        self._rng_log.setdefault(len(self._tokens), self._rng.bit_generator.state)
+        self._rng.bit_generator.state = new_rng(seed).bit_generator.state
+
+    def note_draw(self) -> None:
+        """Log the RNG state before the first random draw at the next position (a rewind to it
+        restores that state)."""
+        self._rng_log.setdefault(len(self._tokens), self._rng.bit_generator.state)
+
+    # decoding --------------------------------------------------------------------------
+    def pending_request(self) -> DecodeRequest:
+        """The tokens not decoded yet, as a request for :meth:`Context.decode`."""
+        self._check_open()
+        return DecodeRequest(self._slot, self._tokens[self._n_decoded :], self._n_decoded)
+
+    def mark_decoded(self, request: DecodeRequest) -> None:
+        """Record that ``request`` (from :meth:`pending_request`) was decoded."""
+        self._n_decoded = request.pos + len(request.tokens)
+        self.stats.tokens_decoded += len(request.tokens)
+
+    def resync(self) -> None:
+        """After an interrupted step (an error, a hook that raised, Ctrl-C): make the KV memory
+        hold exactly the tokens counted as decoded, and keep the last token pending."""
+        if self.is_closed:
+            return
+        self._trim_kv(min(self._n_decoded, max(len(self._tokens) - 1, 0)))
+
+    def _check_open(self) -> None:
+        if self.is_closed:
+            raise ClosedError("the sequence is closed; start a new one with model.sequence()")
+
+    # lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the KV slot. Idempotent."""
+        self._finalizer()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,209 @@
+"""``Vocab``: a model's vocabulary as the layers above see it.
+
+Token ids and text both ways, each token's bytes (one cache: a control token's piece is its
+text, shown only where special tokens are), the end-of-generation tokens, the tokens whose
+text is hidden, single-byte tokens, id checks, and the tokens that can heal a prompt's last
+token. Built once per model; the tables over the whole vocabulary are built on first use.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Protocol
+
+import numpy as np
+
+from lcgen._native.model import SPECIAL_ATTRS, ModelHandle
+
+_MAX_HEALING_PREFIXES = 256
+
+
+class Vocab:
+    """A model's vocabulary.
+
+    Args:
+        handle: the model whose vocabulary this is; every call raises
+            :class:`~lcgen.ClosedError` once it is closed.
+    """
+
+    def __init__(self, handle: ModelHandle) -> None:
+        self._handle = handle
+        self.n_vocab = handle.n_vocab
+        self.bos, self.eos, self.eot, self.add_bos = handle.special_tokens()
+        self._pieces: list[bytes | None] = [None] * self.n_vocab  # special tokens shown
+        self._special: list[bool | None] = [None] * self.n_vocab  # text hidden unless shown
+        self._eog: dict[int, bool] = {}
+        self._extending: dict[bytes, np.ndarray] = {}
+
+    @property
+    def handle(self) -> ModelHandle:
+        """The native model (for the layers that call llama.cpp with this vocabulary)."""
+        return self._handle
+
+    @property
+    def is_open(self) -> bool:
+        return self._handle.is_open
+
+    # text <-> tokens --------------------------------------------------------------------
+    def tokenize(
+        self, text: str, *, add_bos: bool | None = None, special: bool = False
+    ) -> list[int]:
+        """Text to token ids.
+
+        Args:
+            text: the text.
+            add_bos: prepend BOS; None follows the model's own setting.
+            special: parse special-token text such as ``<|im_start|>`` into those tokens.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text to tokenize must be a str, got {type(text).__name__}")
+        tokens = self._handle.tokenize(text.encode("utf-8"), False, special)
+        wants_bos = self.add_bos if add_bos is None else add_bos
+        if wants_bos and self.bos >= 0 and tokens[:1] != [self.bos]:
+            tokens.insert(0, self.bos)
+        return tokens
+
+    def detokenize(self, tokens: Iterable[int], *, special: bool = False) -> str:
+        """Token ids to text (invalid UTF-8 becomes U+FFFD)."""
+        data = self._handle.detokenize(self.check_tokens(tokens), special)
+        return data.decode("utf-8", "replace")
+
+    def check_tokens(self, tokens: Iterable[int]) -> list[int]:
+        """The tokens as a list, after checking each is a valid id (llama.cpp does not).
+
+        Raises:
+            ValueError: a token id is outside ``[0, n_vocab)``.
+        """
+        out = [int(t) for t in tokens]
+        for tok in out:
+            if not 0 <= tok < self.n_vocab:
+                raise ValueError(f"token id {tok} is outside the vocabulary [0, {self.n_vocab})")
+        return out
+
+    # one token --------------------------------------------------------------------------
+    def piece(self, token: int) -> bytes:
+        """The bytes of one token as text shows it (control tokens: none); may be part of a
+        UTF-8 character."""
+        return b"" if self.is_special(token) else self.special_piece(token)
+
+    def special_piece(self, token: int) -> bytes:
+        """The bytes of one token with special tokens shown (what a grammar matches)."""
+        piece = self._pieces[token]
+        if piece is None:
+            piece = self._pieces[token] = self._handle.token_to_piece(token)
+        return piece
+
+    def is_special(self, token: int) -> bool:
+        """Whether the token's text is shown only where special tokens are (control tokens)."""
+        flag = self._special[token]
+        if flag is None:
+            flag = self._special[token] = bool(self._handle.token_attr(token) & SPECIAL_ATTRS)
+        return flag
+
+    def is_eog(self, token: int) -> bool:
+        """Whether ``token`` ends generation (EOS, EOT and the like)."""
+        flag = self._eog.get(token)
+        if flag is None:
+            flag = self._eog[token] = self._handle.is_eog(token)
+        return flag
+
+    # the whole vocabulary ---------------------------------------------------------------
+    def all_pieces(self) -> list[bytes]:
+        """Every token's :meth:`special_piece`, fetched in one pass."""
+        if any(piece is None for piece in self._pieces):
+            self._pieces = list(self._handle.all_pieces())
+        return self._pieces  # type: ignore[return-value]
+
+    @functools.cached_property
+    def _tables(self) -> tuple[np.ndarray, frozenset[int], tuple[int, ...]]:
+        attrs = self._handle.all_attrs()
+        self._special = [bool(a & SPECIAL_ATTRS) for a in attrs]
+        ends = tuple(t for t in dict.fromkeys((self.eos, self.eot)) if t >= 0)
+        eog = set(ends)
+        hidden = np.zeros(self.n_vocab, dtype=bool)
+        for token in np.flatnonzero(np.array(self._special, dtype=bool)).tolist():
+            if self.is_eog(token):
+                eog.add(token)
+            else:
+                hidden[token] = True
+        return hidden, frozenset(eog), ends
+
+    @property
+    def hidden(self) -> np.ndarray:
+        """bool per token: control tokens that do not end generation (text never shows them;
+        a grammar never allows them)."""
+        return self._tables[0]
+
+    @functools.cached_property
+    def hidden_set(self) -> frozenset[int]:
+        return frozenset(int(t) for t in np.flatnonzero(self.hidden))
+
+    @functools.cached_property
+    def visible_ids(self) -> np.ndarray:
+        """int32 ids of every token that is not hidden."""
+        return np.flatnonzero(~self.hidden).astype(np.int32)
+
+    @property
+    def end_tokens(self) -> tuple[int, ...]:
+        """EOS and EOT (those that exist): the tokens a grammar allows where it is complete."""
+        return self._tables[2]
+
+    @property
+    def eog_set(self) -> frozenset[int]:
+        """The end tokens and every control token that ends generation."""
+        return self._tables[1]
+
+    @functools.cached_property
+    def byte_tokens(self) -> dict[int, int]:
+        """byte value -> a token whose piece is that one byte."""
+        found: dict[int, int] = {}
+        eog = self.eog_set
+        for token in self.visible_ids.tolist():
+            piece = self.special_piece(token)
+            if len(piece) == 1 and token not in eog:
+                found.setdefault(piece[0], token)
+        return found
+
+    def tokens_extending(self, prefix: bytes) -> np.ndarray:
+        """Ids of the tokens whose text starts with ``prefix`` or starts it (token healing).
+
+        End-of-generation tokens and tokens with no text are left out.
+        """
+        ids = self._extending.get(prefix)
+        if ids is None:
+            self._tables  # noqa: B018 -- fills the control-token flags in one pass
+            pieces = self.all_pieces()
+            found = [
+                tok
+                for tok, piece in enumerate(pieces)
+                if piece
+                and not self.is_special(tok)
+                and (piece.startswith(prefix) or prefix.startswith(piece))
+                and not self.is_eog(tok)
+            ]
+            if len(self._extending) >= _MAX_HEALING_PREFIXES:
+                self._extending.clear()
+            ids = self._extending[prefix] = np.array(found, dtype=np.int64)
+        return ids
+
+
+class HasVocab(Protocol):
+    """Anything that carries a vocabulary (a :class:`~lcgen.Model`)."""
+
+    @property
+    def vocab(self) -> Vocab: ...
+
+
+def vocab_of(source: Vocab | HasVocab) -> Vocab:
+    """The vocabulary of ``source``: a :class:`Vocab`, or a model.
+
+    Raises:
+        TypeError: ``source`` is neither.
+    """
+    if isinstance(source, Vocab):
+        return source
+    vocab = getattr(source, "vocab", None)
+    if not isinstance(vocab, Vocab):
+        raise TypeError(f"expected an lcgen Model or Vocab, got {type(source).__name__}")
+    return vocab
