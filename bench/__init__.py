@@ -59,7 +59,7 @@ from pathlib import Path
 import llama_cpp as C
 
 import lcgen
-from bench import antislop, checkpoints, constrained, continuous, rows
+from bench import antislop, cache, checkpoints, constrained, continuous, rows
 from bench.harness import (
     Bench,
     Row,
@@ -105,6 +105,7 @@ ROWS: dict[str, RowFactory] = {
     **constrained.FACTORIES,
     **antislop.FACTORIES,
     **continuous.FACTORIES,
+    **cache.FACTORIES,
 }
 PROG = "python bench/run.py"
 NOT_QUICK = ("constrained-gemma",)  # loads a second model: only when named under --quick
@@ -125,6 +126,7 @@ def open_bench(args: argparse.Namespace, scratch: Path) -> Bench:
         n_ctx=base.n_ctx,
         n_batch=base.n_batch,
         n_seq_max=base.n_seq_max,
+        cache=False,  # these rows time cold work, as llama-cpp-python's reset cache does
     )
     cfg = replace(base, n_threads=model.n_threads, extra_cpu_buffers=model.extra_cpu_buffers)
     try:

@@ -317,6 +317,7 @@ def _load_json_work(path: Path, bench: Bench, n_schemas: int) -> JsonWork:
         n_ctx=cfg.n_ctx,
         n_batch=cfg.n_batch,
         n_seq_max=cfg.n_seq_max,
+        cache=False,  # cold work, as llama-cpp-python's reset cache does
     )
     lc = Lcgen(model)
     try:

@@ -164,22 +164,20 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if args.system:
         messages.append({"role": "system", "content": args.system})
     interactive = sys.stdin.isatty()
-    with model.sequence() as seq:
-        while True:
-            if interactive:
-                sys.stdout.write("> ")
-                sys.stdout.flush()
-            line = sys.stdin.readline()
-            if not line or line.strip() in {"/exit", "/quit"}:
-                return 0
-            if not line.strip():
-                continue
-            messages.append({"role": "user", "content": line.rstrip("\n")})
-            # The history's cache is kept: only the new turn's tokens are decoded.
-            seq.reuse(model.chat_tokens(messages))
-            reply = "".join(c.text for c in _tee(seq.stream(**_options(args))))
-            sys.stdout.write("\n")
-            messages.append({"role": "assistant", "content": reply})
+    while True:
+        if interactive:
+            sys.stdout.write("> ")
+            sys.stdout.flush()
+        line = sys.stdin.readline()
+        if not line or line.strip() in {"/exit", "/quit"}:
+            return 0
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        # The model's KV store holds the history: only the new turn's tokens are decoded.
+        reply = "".join(c.text for c in _tee(model.chat_stream(messages, **_options(args))))
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": reply})
 
 
 def _tee(chunks: Iterable[Chunk]) -> Iterable[Chunk]:

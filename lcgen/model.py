@@ -21,10 +21,38 @@ from lcgen._native.model import ModelHandle, render_chat_template
 from lcgen.decoding import Chunk, GenerateOptions, Plan, Text, make_plan
 from lcgen.decoding.results import SchemaLike, parse_structured
 from lcgen.runtime import Context, Run, Scheduler, Sequence
+from lcgen.runtime.kvstore import KVStore
 from lcgen.vocab import Vocab
 
 Message = Mapping[str, str]
 _M = TypeVar("_M")
+
+
+# Slots are cheap with one unified cell pool (measured: decode speed alike at 8 and 32) and
+# every parked prefix needs one: 32 by default.
+DEFAULT_SLOTS = 32
+_MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ
+_MAX_SIZE = 2**31 - 1  # llama.cpp takes sizes as uint32; larger values would wrap
+
+
+def _check_sizes(n_ctx: int, n_batch: int, n_seq_max: int) -> None:
+    """Refuse sizes llama.cpp would abort on (or silently wrap)."""
+    for name, value, low, high in (
+        ("n_ctx", n_ctx, 0, _MAX_SIZE),
+        ("n_batch", n_batch, 1, _MAX_SIZE),
+        ("n_seq_max", n_seq_max, 1, _MAX_SEQ),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{name} must be an int, got {value!r}")
+        if not low <= value <= high:
+            raise ValueError(f"{name} must be in [{low}, {high}], got {value!r}")
+    # Every slot may output a row in one batch: llama.cpp asserts room for n_seq_max outputs.
+    for name, value in (("n_batch", n_batch), ("n_ctx", n_ctx)):
+        if value and value < n_seq_max:
+            raise ValueError(
+                f"{name}={value} is below n_seq_max={n_seq_max}: give {name} >= n_seq_max "
+                "or fewer slots"
+            )
 
 
 def _default_threads() -> int:
@@ -38,12 +66,21 @@ class Model:
         path: the .gguf file (use :func:`lcgen.load` to load by registry name or ``hf:`` ref).
         n_ctx: context size in tokens, shared by all live sequences (0: the model's own).
         n_batch: the most tokens decoded in one ``llama_decode`` call (prefill chunk size).
-        n_seq_max: how many sequences can be live at once.
+        n_seq_max: how many sequence slots the context has: live sequences and cached
+            prefixes share them (at most 256, ``n_ctx`` and ``n_batch``; None: 32 within those
+            bounds; each slot costs one row of logits, n_vocab floats).
         n_gpu_layers: layers to offload; None offloads all when a GPU/Metal backend is built in.
         n_threads: CPU threads; None picks the number of cores (at most 8).
         flash_attn: use flash attention; None lets llama.cpp decide (on where supported).
         swa_full: keep the full sliding-window cache (sliding-window models such as Gemma 3);
             False saves memory, but then rewinding far back re-decodes the kept tokens.
+        cache: keep the KV cells of closed sequences and start every sequence from the
+            longest cached prefix (True); an int caps the cells kept (least recently used
+            prefixes are evicted beyond it); False keeps nothing of closed sequences (each call
+            decodes its prompt; live sequences and pinned prefixes are still shared).
+        slot_timeout: how long a thread waits for a slot other threads hold (None: as long
+            as it takes; a thread never waits for slots only it holds: it gets
+            :class:`~lcgen.SlotsExhaustedError`).
         verbose: show llama.cpp's log on stderr (errors are always captured into exceptions).
 
     Raises:
@@ -57,20 +94,18 @@ class Model:
         *,
         n_ctx: int = 4096,
         n_batch: int = 512,
-        n_seq_max: int = 8,
+        n_seq_max: int | None = None,
         n_gpu_layers: int | None = None,
         n_threads: int | None = None,
         flash_attn: bool | None = None,
         swa_full: bool = True,
+        cache: bool | int = True,
+        slot_timeout: float | None = None,
         verbose: bool = False,
     ) -> None:
-        for name, value, low in (
-            ("n_ctx", n_ctx, 0),
-            ("n_batch", n_batch, 1),
-            ("n_seq_max", n_seq_max, 1),
-        ):
-            if value < low:
-                raise ValueError(f"{name} must be >= {low}, got {value!r}")
+        if n_seq_max is None:
+            n_seq_max = min(DEFAULT_SLOTS, n_batch, n_ctx or DEFAULT_SLOTS)
+        _check_sizes(n_ctx, n_batch, n_seq_max)
         init(verbose)
         self.path = Path(path)
         if n_gpu_layers is None:
@@ -92,6 +127,14 @@ class Model:
         n_ctx = n_ctx or self._handle.n_ctx_train
         self.context = Context(
             self._handle, n_ctx, n_batch, n_seq_max, self.n_threads, flash_attn, swa_full
+        )
+        self.cache = KVStore(
+            self.context,
+            self.vocab,
+            lambda: self.fingerprint,
+            enabled=cache is not False,
+            budget=None if isinstance(cache, bool) else cache,
+            slot_timeout=slot_timeout,
         )
 
     @property
@@ -260,14 +303,12 @@ class Model:
         chunks: list[list[Chunk]] = [[] for _ in prompts]
         opened: list[Sequence] = []
 
-        def start(tokens: list[int]) -> Run | None:
-            if self.context.n_free_slots == 0:
-                return None
+        def start(tokens: list[int]) -> Run:
             seq = Sequence(self, tokens)
             opened.append(seq)
             return seq.run_plan(plan)
 
-        scheduler = Scheduler(self.context)
+        scheduler = Scheduler(self.cache)
         for tokens in prompts:
             scheduler.submit(functools.partial(start, tokens))
         try:

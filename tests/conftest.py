@@ -28,3 +28,22 @@ def model_path() -> Path:
 def model(model_path: Path) -> Iterator[lcgen.Model]:
     with lcgen.Model(model_path) as m:
         yield m
+
+
+@pytest.fixture(scope="session")
+def cold_model(model_path: Path) -> Iterator[lcgen.Model]:
+    """The same model without a prefix cache: a reference that decodes every prompt from the
+    start (a cached prefix was decoded in other batch chunks, so its logits can differ in the
+    last bits)."""
+    with lcgen.Model(model_path, cache=False) as m:
+        yield m
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(request: pytest.FixtureRequest) -> None:
+    """Each test starts with nothing parked in the shared model's KV store: no test depends on
+    what another cached, and new cells go into a pool without holes (logits depend in their
+    last bits on the order of a sequence's cells in the pool)."""
+    for name in ("model", "cold_model"):
+        if name in request.fixturenames:
+            request.getfixturevalue(name).cache.clear()

@@ -39,6 +39,10 @@ CHECKPOINT_SERIES = {
     },
     "anti-slop": {"plain", "anti-slop", "rewinds"},
     "continuous": {"together", "one after another"},
+    "prefix-fewshot": {"lcgen", "llama-cpp-python", "cells held", "prompt tokens"},
+    "prefix-chat": {"lcgen", "llama-cpp-python"},
+    "prefix-interleaved": {"lcgen", "llama-cpp-python", "llama-cpp-python + RAM cache"},
+    "prefix-ttft": {"cold", "cached"},
 }
 QUICK_ROWS = [name for name in ROWS if name not in NOT_QUICK]
 
@@ -81,6 +85,12 @@ def test_quick_bench_writes_every_row(tmp_path: Path, model_path: Path) -> None:
         ("grammar-rollback", "gen.restore", "decode 1 token"),
         ("anti-slop", "anti-slop", "plain"),
         ("continuous", "together", "one after another"),
+        ("prefix-fewshot", "lcgen", "llama-cpp-python"),
+        ("prefix-fewshot", "cells held", "prompt tokens"),
+        ("prefix-chat", "lcgen", "llama-cpp-python"),
+        ("prefix-interleaved", "llama-cpp-python", "lcgen"),
+        ("prefix-interleaved", "llama-cpp-python + RAM cache", "lcgen"),
+        ("prefix-ttft", "cold", "cached"),
     }
     assert all(c["value"] > 0 for c in results["checks"])
     assert all(c["result"] in {"PASS", "MISS"} for c in results["checks"] if c["target"])

@@ -77,7 +77,9 @@ def test_rewind_across_a_reseed(model: lcgen.Model) -> None:
         assert seq.generate(max_tokens=8, temperature=1.0) == a
 
 
-def test_fork_equals_a_fresh_run_with_the_same_history(model: lcgen.Model) -> None:
+def test_fork_equals_a_fresh_run_with_the_same_history(
+    model: lcgen.Model, cold_model: lcgen.Model
+) -> None:
     with model.sequence(PROMPT) as parent:
         parent.generate(max_tokens=10)
         child = parent.fork()
@@ -86,7 +88,7 @@ def test_fork_equals_a_fresh_run_with_the_same_history(model: lcgen.Model) -> No
         child.append(" Suddenly,")
         child_more = child.generate(max_tokens=12)
         grand_more = grandchild.generate(max_tokens=12)
-        with model.sequence(PROMPT) as ref:
+        with cold_model.sequence(PROMPT) as ref:
             ref.generate(max_tokens=10)
             ref_more = ref.generate(max_tokens=12)
             ref.rewind(12)
@@ -122,7 +124,7 @@ def test_fork_beyond_free_slots_and_close_frees(model_path: Path) -> None:
         assert c.generate(max_tokens=4) == a.generate(max_tokens=4)
         for s in (seq, a, c):
             s.close()
-        assert small.context.n_free_slots == 3
+        assert small.cache.stats.live == 0
 
 
 def test_checkpoint_of_parent_is_valid_on_fork_within_shared_history(model: lcgen.Model) -> None:
@@ -241,7 +243,7 @@ def test_load_rejects_bad_files(model: lcgen.Model, tmp_path: Path) -> None:
             lcgen.Sequence.load(model, tmp_path / name)
     with pytest.raises(lcgen.StateFileError, match="cannot read"):
         lcgen.Sequence.load(model, tmp_path / "missing.lcs")
-    assert model.context.n_free_slots == model.context.n_seq_max
+    assert model.cache.stats.live == 0
 
 
 def _encode(header: dict[str, object], kv: memoryview) -> bytearray:
@@ -264,7 +266,7 @@ def test_load_rejects_other_versions_and_models(model: lcgen.Model) -> None:
     other = _encode({**header, "model": "0" * 64}, kv)
     with pytest.raises(lcgen.StateFileError, match="another model"):
         lcgen.Sequence.from_bytes(model, other)
-    assert model.context.n_free_slots == model.context.n_seq_max
+    assert model.cache.stats.live == 0
 
 
 def test_save_is_atomic(

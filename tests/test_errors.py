@@ -123,7 +123,7 @@ def test_bad_generation_options(model: lcgen.Model) -> None:
         model.generate("x", max_tokens=3, stop=[""])
     with pytest.raises(TypeError, match="bogus"):
         model.generate("x", bogus=1)  # type: ignore[call-arg]
-    with pytest.raises(ValueError, match="n_seq_max must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"n_seq_max must be in \[1, 256\], got 0"):
         lcgen.Model("unused.gguf", n_seq_max=0)
 
 

@@ -17,10 +17,12 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", 
 
 @pytest.mark.parametrize("flash_attn", [True, False])
 def test_greedy_equals_llama_cpp_python(model_path: Path, flash_attn: bool) -> None:
-    """Token for token, with the same attention kernel on both sides (it changes near-ties)."""
+    """Token for token, with the same attention kernel on both sides (it changes near-ties),
+    and the same KV layout: no prefix cache, so each prompt's cells start at the pool's start as
+    llama-cpp-python's do (the layout changes the logits' last bits too)."""
     llama_cpp = pytest.importorskip("llama_cpp")
     gpu_layers = -1 if llama_cpp.llama_supports_gpu_offload() else 0  # as lcgen's default
-    ours = lcgen.Model(model_path, n_ctx=512, flash_attn=flash_attn)
+    ours = lcgen.Model(model_path, n_ctx=512, flash_attn=flash_attn, cache=False)
     llm = llama_cpp_python(
         ours, model_path, n_ctx=512, n_batch=512, flash_attn=flash_attn, n_gpu_layers=gpu_layers
     )
@@ -94,7 +96,7 @@ def test_two_sequences_in_one_batch_give_identical_logits(model: lcgen.Model) ->
 
     expected = [run_alone(p) for p in PROMPTS[:2]]
     seqs = [model.sequence(p) for p in PROMPTS[:2]]
-    scheduler = lcgen.Scheduler(model.context)
+    scheduler = lcgen.Scheduler(model.cache)
     for run in [s.run(max_tokens=12) for s in seqs]:
         scheduler.submit(lambda run=run: run)  # type: ignore[misc]
     sizes = [len(event.run.sequences()) for event in scheduler]
@@ -108,7 +110,7 @@ def test_more_prompts_than_slots_are_queued(model_path: Path, model: lcgen.Model
     prompts = [*PROMPTS, "The sky is", "Water boils at"]
     with lcgen.Model(model_path, n_seq_max=2, n_ctx=1024) as small:
         out = small.generate(prompts, max_tokens=8)
-        assert small.context.n_free_slots == 2
+        assert small.cache.stats.live == 0
     assert out == [model.generate(p, max_tokens=8) for p in prompts]
 
 
@@ -175,6 +177,7 @@ def test_chat_uses_the_gguf_template(model: lcgen.Model) -> None:
 def test_generator_steps_on_logits_from_elsewhere(model: lcgen.Model) -> None:
     rows: list[np.ndarray] = []
     model.generate("The sky is", max_tokens=8, hooks=[rows.append])  # type: ignore[list-item]
+    model.cache.clear()  # decoded the same way again, from nothing
     expected = list(model.stream("The sky is", max_tokens=8))
     gen = lcgen.Generator(model, max_tokens=8)
     chunks = [gen.step(step.logits) for step in rows]  # type: ignore[attr-defined]

@@ -61,3 +61,22 @@ def test_full_window_cache_rewinds_in_place(gemma_path: Path) -> None:
         assert seq.stats.fallbacks == 0
         seq.append_tokens(full.tokenize(TEXT)[100:])
         assert seq.generate(max_tokens=8) == first
+
+
+def test_the_cache_reuses_only_what_the_window_still_holds(
+    small_swa: lcgen.Model, gemma_path: Path
+) -> None:
+    small_swa.cache.clear()
+    first = small_swa.generate(TEXT, max_tokens=4)
+    before = small_swa.context.n_decoded
+    again = small_swa.generate(TEXT, max_tokens=4)  # the window holds the end of TEXT
+    assert small_swa.context.n_decoded - before == again.stats.decoded == 1 + 3
+    assert again == first
+    # A prompt that shares only the start of TEXT: the window dropped those cells, so nothing
+    # is reused (the store checks what the memory holds) and the result is a fresh run's.
+    head = small_swa.detokenize(small_swa.tokenize(TEXT)[:100]) + " Then the wind"
+    before = small_swa.context.n_decoded
+    out = small_swa.generate(head, max_tokens=8)
+    assert small_swa.context.n_decoded - before == len(small_swa.tokenize(head)) + 7
+    with lcgen.Model(gemma_path, n_ctx=2048, n_seq_max=1, swa_full=False, cache=False) as other:
+        assert other.generate(head, max_tokens=8) == out

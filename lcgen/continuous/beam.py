@@ -18,13 +18,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lcgen.continuous.elements import Element, Pool, cut_at_stop, settle, text_of
+from lcgen.continuous.elements import Element, cut_at_stop, open_prefilled, settle, text_of
 from lcgen.continuous.specs import GenerateSpec
 from lcgen.decoding import Chunk, Generator
 from lcgen.decoding.sampling import log_normalizer, top_ids
-from lcgen.errors import SlotsExhaustedError
 from lcgen.runtime import Run, Scheduler, Sequence
-from lcgen.runtime.tokens import ModelLike
 
 __all__ = ["BeamSearch", "search"]
 
@@ -48,7 +46,6 @@ class BeamSearch:
     every live beam, keeps the best continuations and forks them."""
 
     spec: GenerateSpec
-    pool: Pool
     root: Element
     text_before: str
     live: list[_Beam]
@@ -139,47 +136,25 @@ def _expand(search: BeamSearch, rows: list[np.ndarray], width: int, bans: list[i
 
 
 def _step(search: BeamSearch, rows: list[np.ndarray]) -> None:
-    """Advance one batch element by a token: expand, rank, fork the kept beams."""
-    spec, pool, width, model = search.spec, search.pool, search.width, search.spec.model
+    """Advance one batch element by a token: expand, rank, fork the kept beams that go on."""
+    spec, width = search.spec, search.width
     kept = _expand(search, rows, width, spec.bans)
     going = [k for k in kept if not k[2].gen.is_done]
-    entries: list[tuple[float, Kept | None, Element | None]] = [
-        (rank, None, elem) for rank, elem in search.finished
-    ]
-    entries += [(_rank(k[2], spec.length_penalty), k, None) for k in kept if k[2].gen.is_done]
-    entries.sort(key=lambda e: -e[0])
-    for _, _, elem in entries[width:]:
-        if elem is not None:
-            elem.release()
-    entries = entries[:width]
-    _fork_children(model, pool, search.live, going + [k for _, k, _ in entries if k is not None])
-    finished = []
-    for rank, k, elem in entries:
-        if elem is None:
-            assert k is not None
-            elem = _finished(model, pool, search, k)
-        finished.append((rank, elem))
-    search.finished = finished
+    ranked: list[tuple[float, Element]] = list(search.finished)
+    ranked += [(_rank(k[2], spec.length_penalty), _finished(search, k[2])) for k in kept
+               if k[2].gen.is_done]  # fmt: skip
+    ranked.sort(key=lambda e: -e[0])
+    search.finished = ranked[:width]
+    _fork_children(search.live, going)
     search.live = [child for _, _, child in going]
 
 
-def _fork(model: ModelLike, pool: Pool, seq: Sequence, required: bool) -> Sequence | None:
-    if model.context.n_free_slots == 0:
-        pool.evict()  # a finished beam (or another idle element) keeps its tokens only
-    try:
-        return seq.fork()
-    except SlotsExhaustedError:
-        if required:
-            raise
-        return None
-
-
-def _fork_children(model: ModelLike, pool: Pool, parents: list[_Beam], kept: list[Kept]) -> None:
-    """Give each kept child a sequence: forks of its parent, the parent's own for the last
-    one; a finished child gets one only while a slot can be had. Parents without children
-    are closed first."""
+def _fork_children(parents: list[_Beam], going: list[Kept]) -> None:
+    """Give each child that goes on a sequence: its parent's own for the first, forks (no KV
+    copied) for the others. Parents without such children close theirs: the cells stay
+    cached."""
     by_parent: dict[int, list[tuple[int, _Beam]]] = {}
-    for i, tok, child in kept:
+    for i, tok, child in going:
         by_parent.setdefault(i, []).append((tok, child))
     for i, parent in enumerate(parents):
         if i not in by_parent and parent.seq is not None:
@@ -187,62 +162,46 @@ def _fork_children(model: ModelLike, pool: Pool, parents: list[_Beam], kept: lis
     for i, children in by_parent.items():
         seq = parents[i].seq
         assert seq is not None
-        children.sort(key=lambda c: c[1].gen.is_done)  # going ones first
         for _, child in children[1:]:
-            child.seq = _fork(model, pool, seq, required=not child.gen.is_done)
+            child.seq = seq.fork()
         children[0][1].seq = seq
         for tok, child in children:
-            if child.seq is not None:
-                child.seq.append_tokens([tok])
+            assert child.seq is not None
+            child.seq.append_tokens([tok])
 
 
-def _finished(model: ModelLike, pool: Pool, search: BeamSearch, kept: Kept) -> Element:
-    """A finished beam as an element (holding its sequence, if it has one, as an idle one)."""
-    beam = kept[2]
-    elem = Element(list(search.root.tokens), list(search.root.logprobs))
-    tokens = beam.seq.tokens if beam.seq is not None else elem.tokens + beam.gen.tokens
-    settle(elem, tokens, beam.logprobs)
-    if beam.seq is not None:
-        pool.adopt(elem, beam.seq)
+def _finished(search: BeamSearch, beam: _Beam) -> Element:
+    """A finished beam as an element: the root's tokens and the generated ones."""
+    root = search.root
+    elem = Element(list(root.tokens), list(root.logprobs))
+    settle(elem, root.tokens + beam.gen.tokens, beam.logprobs)
     if beam.last is not None and beam.last.stop is not None:
-        cut_at_stop(model, elem, search.text_before, "".join(beam.parts))
+        cut_at_stop(search.spec.model, elem, search.text_before, "".join(beam.parts))
     return elem
 
 
-def _start(spec: GenerateSpec, pool: Pool, root: Element, started: list[BeamSearch]) -> Run | None:
-    """Start the search after ``root`` when it can have its ``width`` slots (idle elements give
-    theirs up); at most ``n_seq_max // width`` searches run at once."""
-    model, width = spec.model, spec.beams or 1
-    active = sum(not s.is_done for s in started)
-    if active >= max(1, model.context.n_seq_max // width):
-        return None
-    while model.context.n_free_slots < width and pool.evict():
-        pass
-    if active and model.context.n_free_slots < width:
-        return None
-    if not pool.materialize(model, root):
-        raise SlotsExhaustedError("no sequence slot is free for a beam search root")
-    seq, root.seq = root.seq, None
-    assert seq is not None
+def _start(spec: GenerateSpec, root: Element, started: list[BeamSearch]) -> Run:
+    """Start the search after ``root``: its sequence, decoded but for the last token."""
+    seq = open_prefilled(spec.model, root.tokens)
     gen = seq.run_plan(spec.element_plan(None)).generator
-    search = BeamSearch(spec, pool, root, text_of(model, root.tokens), [_Beam(seq, gen)])
+    search = BeamSearch(spec, root, text_of(spec.model, root.tokens), [_Beam(seq, gen)])
     started.append(search)
     return search
 
 
-def search(spec: GenerateSpec, pool: Pool, roots: list[Element]) -> list[list[Element]]:
-    """Beam search after each root, ``spec.beams`` wide, through the scheduler: as many batch
-    elements at once as the model's slots hold ``beams`` live sequences each, the rest queued,
-    every live beam of every running search decoded in one batch per step.
+def search(spec: GenerateSpec, roots: list[Element]) -> list[list[Element]]:
+    """Beam search after each root, ``spec.beams`` wide, through the scheduler: each search
+    reserves ``beams`` slots, as many run at once as the slots allow, the rest wait; every live
+    beam of every running search is decoded in one batch per step.
 
     Returns:
         Per root, the finished beams as elements, best first (at most ``spec.beams``).
     """
     started: list[BeamSearch] = []
     results: list[list[Element]] = [[] for _ in roots]
-    scheduler = Scheduler(spec.model.context)
+    scheduler = Scheduler(spec.model.cache)
     for root in roots:
-        scheduler.submit(functools.partial(_start, spec, pool, root, started))
+        scheduler.submit(functools.partial(_start, spec, root, started), n_slots=spec.beams or 1)
     try:
         for event in scheduler:
             if event.is_last:

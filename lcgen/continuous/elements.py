@@ -1,13 +1,12 @@
-"""The elements of continuous states and the slots they share; running a spec on them.
+"""The elements of continuous states, and running a spec on them through the scheduler.
 
 An element of a :class:`~lcgen.continuous.SequenceState` is its tokens (the truth) and the
-log-probabilities of those generated. While the model has slots, an element also holds a live
-:class:`~lcgen.Sequence` with its KV cache, so continuing it decodes only new tokens. When more
-elements are needed than the model's ``n_seq_max`` slots, the least recently used element that
-is not generating gives its slot up and keeps its tokens only; it is rebuilt when next used,
-from the longest prefix a live sequence still holds (a sibling sample with the same prompt, the
-state it was sliced from), so only the tokens no live sequence shares are decoded again. All
-elements being generated are decoded together, one batch per step.
+log-probabilities of those generated. It holds no slot: the model's KV store keeps the cells of
+every sequence that closes, so an element being continued, sliced, sampled again or added to
+opens a sequence that starts from the longest prefix the store holds (its own last generation,
+a sibling sample with the same prompt, the state it was sliced from) and decodes only the rest.
+All elements being generated are decoded together, one batch per step; more elements than
+slots wait their turn.
 """
 
 from __future__ import annotations
@@ -17,128 +16,42 @@ import functools
 import itertools
 import math
 import os
-import weakref
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from lcgen.continuous.specs import GenerateSpec
 from lcgen.decoding import Chunk
 from lcgen.runtime import Backtracker, PlainRun, Run, Scheduler, Sequence
-from lcgen.runtime.tokens import ModelLike, common_prefix
+from lcgen.runtime.kvstore import common_prefix
+from lcgen.runtime.tokens import ModelLike
 
-_SHARED_MIN = 2  # a prefix worth forking holds at least one decoded cell (the last is pending)
 
-
+@dataclass(slots=True)
 class Element:
-    """One element of a state: tokens (the truth), a log-probability per token (0 for tokens
-    not generated), and the live sequence holding their KV cache while it has a slot."""
+    """One element of a state: tokens (the truth) and a log-probability per token (0 for
+    tokens not generated)."""
 
-    __slots__ = ("__weakref__", "busy", "last_used", "logprobs", "origin", "seq", "tokens")
-
-    def __init__(
-        self, tokens: list[int], logprobs: list[float], origin: Element | None = None
-    ) -> None:
-        self.tokens = tokens
-        self.logprobs = logprobs
-        self.seq: Sequence | None = None
-        self.origin = origin  # the live element this one was derived from: keeps its cache
-        self.busy = False
-        self.last_used = 0
-
-    @property
-    def is_live(self) -> bool:
-        return self.seq is not None and not self.seq.is_closed
+    tokens: list[int]
+    logprobs: list[float]
 
     @property
     def weight(self) -> float:
         return math.fsum(self.logprobs)
 
-    def derive(self, tokens: list[int], logprobs: list[float]) -> Element:
-        """A new element whose tokens start like this one's (it may fork this one's cache)."""
-        return Element(tokens, logprobs, self if self.is_live else self.origin)
-
-    def release(self) -> None:
-        if self.seq is not None:
-            self.seq.close()
-            self.seq = None
+    def copy(self) -> Element:
+        return Element(list(self.tokens), list(self.logprobs))
 
 
-class Pool:
-    """The elements of one model that hold live sequences (weakly: a dropped state frees its
-    slots), and the policy that hands slots out."""
-
-    def __init__(self) -> None:
-        self._live: weakref.WeakSet[Element] = weakref.WeakSet()
-        self._clock = itertools.count(1)
-
-    def adopt(self, elem: Element, seq: Sequence) -> None:
-        elem.seq, elem.origin = seq, None
-        self._live.add(elem)
-        self.touch(elem)
-
-    def touch(self, elem: Element) -> None:
-        elem.last_used = next(self._clock)
-
-    def live(self) -> list[Element]:
-        return [e for e in list(self._live) if e.is_live]
-
-    def source(self, tokens: Seq[int]) -> Element | None:
-        """The live element sharing the longest prefix with ``tokens`` (at least 2 tokens)."""
-        best, best_n = None, _SHARED_MIN - 1
-        for elem in self.live():
-            n = common_prefix(elem.tokens, tokens)
-            if n > best_n:
-                best, best_n = elem, n
-        return best
-
-    def evict(self, keep: Element | None = None) -> bool:
-        """Free the slot of the least recently used idle element; False when there is none."""
-        idle = [e for e in self.live() if not e.busy and e is not keep]
-        if not idle:
-            return False
-        min(idle, key=lambda e: e.last_used).release()
-        return True
-
-    def materialize(self, model: ModelLike, elem: Element) -> bool:
-        """Give ``elem`` a live sequence holding its tokens, every one decoded but the last.
-
-        Forks the live sequence sharing the longest prefix (or, with no slot free, takes it
-        over when it is idle); starts a new one when none shares a prefix. Returns False when
-        no slot can be had now (all are generating).
-        """
-        if elem.is_live:
-            self.touch(elem)
-            return True
-        src = self.source(elem.tokens)
-        if model.context.n_free_slots == 0:
-            if src is not None and src.seq is not None and not src.busy:
-                seq, src.seq = src.seq, None
-                seq.reuse(elem.tokens)
-                return self._ready(elem, seq)
-            if not self.evict(keep=src):
-                return False
-        if src is not None and src.seq is not None:
-            seq = src.seq.fork()
-            seq.reuse(elem.tokens)
-        else:
-            seq = Sequence(model, elem.tokens)
-        return self._ready(elem, seq)
-
-    def _ready(self, elem: Element, seq: Sequence) -> bool:
-        seq.prefill()  # so forks share these cells and each step decodes one token per element
-        self.adopt(elem, seq)
-        return True
-
-
-_POOLS: weakref.WeakKeyDictionary[ModelLike, Pool] = weakref.WeakKeyDictionary()
-
-
-def pool_of(model: ModelLike) -> Pool:
-    pool = _POOLS.get(model)
-    if pool is None:
-        pool = _POOLS[model] = Pool()
-        model.context.reclaimers.append(pool.evict)  # a sequence needing a slot takes an idle one
-    return pool
+def open_prefilled(model: ModelLike, tokens: list[int]) -> Sequence:
+    """A sequence of ``tokens`` with every one but the last decoded now (from the longest
+    cached prefix), so that siblings opened next share these cells instead of decoding them."""
+    seq = Sequence(model, tokens)
+    try:
+        seq.prefill()
+    except BaseException:
+        seq.close()
+        raise
+    return seq
 
 
 # text <-> tokens ---------------------------------------------------------------------------
@@ -166,10 +79,8 @@ def prefix_tokens(
 
 
 def _cut(model: ModelLike, elem: Element, n_chars: int) -> None:
-    """Cut an element (and its live sequence) to the first ``n_chars`` characters."""
+    """Cut an element to the first ``n_chars`` characters."""
     elem.tokens, elem.logprobs = prefix_tokens(model, elem.tokens, elem.logprobs, n_chars)
-    if elem.seq is not None and elem.is_live:
-        elem.seq.reuse(elem.tokens)
 
 
 def settle(elem: Element, new_tokens: list[int], generated: Seq[float]) -> None:
@@ -199,6 +110,7 @@ class _Job:
 
     elem: Element
     text_before: str
+    seq: Sequence | None = None
     run: PlainRun | Backtracker | None = None
     parts: list[str] = field(default_factory=list)
 
@@ -206,43 +118,39 @@ class _Job:
         if chunk is not None:
             self.parts.append(chunk.text)
 
+    def close(self) -> None:
+        if self.seq is not None:
+            self.seq.close()  # its cells stay cached for the next use of the element
 
-def _start(spec: GenerateSpec, pool: Pool, job: _Job, seed: int) -> Run | None:
-    """Give the element a live sequence (None: no slot can be had now) and start its run."""
-    if not pool.materialize(spec.model, job.elem):
-        return None
-    assert job.elem.seq is not None
-    job.elem.busy = True
-    job.run = job.elem.seq.run_plan(spec.element_plan(seed))
+
+def _start(spec: GenerateSpec, job: _Job, seed: int) -> Run:
+    """Open the element's sequence and start its run."""
+    job.seq = open_prefilled(spec.model, job.elem.tokens)
+    job.run = job.seq.run_plan(spec.element_plan(seed))
     return job.run
 
 
-def _finish(model: ModelLike, pool: Pool, job: _Job, last: Chunk | None) -> None:
-    elem, run = job.elem, job.run
-    assert elem.seq is not None and run is not None
-    settle(elem, elem.seq.tokens, run.token_logprobs)
+def _finish(model: ModelLike, job: _Job, last: Chunk | None) -> None:
+    assert job.seq is not None and job.run is not None
+    settle(job.elem, job.seq.tokens, job.run.token_logprobs)
     if last is not None and last.stop is not None:
-        cut_at_stop(model, elem, job.text_before, "".join(job.parts))
-    elem.busy = False
-    pool.touch(elem)
+        cut_at_stop(model, job.elem, job.text_before, "".join(job.parts))
+    job.close()
 
 
 def run(spec: GenerateSpec, elements: list[Element], seeds: list[int]) -> None:
-    """Generate on every element in place through the scheduler: all live ones decoded in one
-    batch per step, the rest queued for slots."""
-    pool = pool_of(spec.model)
+    """Generate on every element in place through the scheduler: all running ones decoded in
+    one batch per step, the rest queued for slots."""
     jobs = [_Job(elem, text_of(spec.model, elem.tokens)) for elem in elements]
-    scheduler = Scheduler(spec.model.context)
+    scheduler = Scheduler(spec.model.cache)
     for job, seed in zip(jobs, seeds, strict=True):
-        scheduler.submit(functools.partial(_start, spec, pool, job, seed))
+        scheduler.submit(functools.partial(_start, spec, job, seed))
     try:
         for event in scheduler:
             job = jobs[event.ticket]
             job.take(event.chunk)
             if event.is_last:
-                _finish(spec.model, pool, job, event.chunk)
+                _finish(spec.model, job, event.chunk)
     finally:
-        for job in jobs:
-            if job.elem.busy:  # interrupted: the sequence holds tokens the element does not
-                job.elem.busy = False
-                job.elem.release()
+        for job in jobs:  # interrupted: the elements keep their tokens from before
+            job.close()

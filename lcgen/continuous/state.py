@@ -6,11 +6,10 @@
     s = text("Write a story about a cat:")       # a SequenceState
     s = text(s[:40] + " Then")                   # the KV cache of the first 40 characters is kept
 
-A state is a value: its elements' tokens and the log-probabilities of the tokens generated;
-while slots allow, each element also holds a live sequence with its KV cache, so continuing,
-slicing and adding decode only new tokens (see :mod:`lcgen.continuous.elements` for how slots
-are shared
-when elements outnumber them).
+A state is a value: its elements' tokens and the log-probabilities of the tokens generated.
+It holds no slot: the model's KV store keeps the cells of every generation, so continuing,
+slicing and adding decode only the tokens the store does not hold (see
+:mod:`lcgen.continuous.elements`).
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ import numpy as np
 from lcgen.continuous import beam
 from lcgen.continuous.elements import (
     Element,
-    pool_of,
     prefix_tokens,
     random_seed,
     run,
@@ -55,8 +53,8 @@ class SequenceState:
 
     ``list(state)`` gives the texts, batch-major; ``len(state)`` their number; ``state.shape``
     is ``(batch, samples)``; ``state.weights`` the summed log-probabilities of the generated
-    tokens. A state holds live sequences: ``close()``, a with-block, or dropping it gives
-    their slots back (the state stays usable; its tokens are decoded again when needed).
+    tokens. A state holds no slot: its elements' KV cells stay in the model's KV store
+    (``model.cache``) until evicted, and ``state.n_cached`` says how many are held whole.
     """
 
     def __init__(self, model: ModelLike, elements: list[list[Element]]) -> None:
@@ -107,9 +105,15 @@ class SequenceState:
         return np.array([[e.weight for e in row] for row in self._elements], dtype=np.float64)
 
     @property
-    def n_live(self) -> int:
-        """How many elements hold a live sequence (a KV slot) now."""
-        return sum(e.is_live for row in self._elements for e in row)
+    def n_cached(self) -> int:
+        """How many elements the model's KV store holds whole (all tokens but the last, which
+        the next step decodes): continuing them decodes no old token."""
+        cache = self.model.cache
+        return sum(
+            cache.cached(e.tokens) == max(0, len(e.tokens) - 1)
+            for row in self._elements
+            for e in row
+        )
 
     def __len__(self) -> int:
         return self.shape[0] * self.shape[1]
@@ -126,10 +130,7 @@ class SequenceState:
             text if len(text) <= 40 else text[:37] + "..." for text in itertools.islice(self, 4)
         ]
         more = ", ..." if len(self) > 4 else ""
-        return (
-            f"<lcgen.SequenceState shape={self.shape}, {self.n_live} live: "
-            f"{', '.join(map(repr, shown))}{more}>"
-        )
+        return f"<lcgen.SequenceState shape={self.shape}: {', '.join(map(repr, shown))}{more}>"
 
     def element_at(self, b: int, s: int) -> Element:
         """The element at (b, s), broadcasting an axis of size 1."""
@@ -180,7 +181,7 @@ class SequenceState:
         """
         if isinstance(other, str):
             extra = self.model.vocab.tokenize(other, add_bos=False)
-            return self._map(lambda e: e.derive(e.tokens + extra, e.logprobs + [0.0] * len(extra)))
+            return self._map(lambda e: Element(e.tokens + extra, e.logprobs + [0.0] * len(extra)))
         if not isinstance(other, SequenceState):
             return NotImplemented
         if other.model is not self.model:
@@ -212,15 +213,12 @@ class SequenceState:
     def _concat(self, a: Element, b: Element) -> Element:
         bos = self.model.vocab.bos
         skip = 1 if b.tokens[:1] == [bos] and bos >= 0 else 0
-        return a.derive(a.tokens + b.tokens[skip:], a.logprobs + b.logprobs[skip:])
+        return Element(a.tokens + b.tokens[skip:], a.logprobs + b.logprobs[skip:])
 
     # lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Give every element's KV slot back. Idempotent; the state keeps its tokens."""
-        for row in self._elements:
-            for elem in row:
-                elem.release()
-                elem.origin = None
+        """Nothing to give back: a state holds no slot (its KV cells stay in the model's cache
+        until evicted). Kept so that states work in with-blocks."""
 
     def __enter__(self) -> SequenceState:
         return self
@@ -272,7 +270,7 @@ def _as_int(index: object, axis: str) -> int:
 def _slice_text(model: ModelLike, elem: Element, chars: Index) -> Element:
     """The element with its text indexed by ``chars`` (a character, or a slice)."""
     if chars == slice(None):
-        return elem.derive(list(elem.tokens), list(elem.logprobs))
+        return elem.copy()
     text = text_of(model, elem.tokens)
     if not isinstance(chars, slice):
         i = _as_int(chars, "character")
@@ -281,7 +279,7 @@ def _slice_text(model: ModelLike, elem: Element, chars: Index) -> Element:
         chars = slice(i % len(text), i % len(text) + 1)
     start, stop, stride = chars.indices(len(text))
     if start == 0 and stride == 1:
-        return elem.derive(*prefix_tokens(model, elem.tokens, elem.logprobs, stop))
+        return Element(*prefix_tokens(model, elem.tokens, elem.logprobs, stop))
     tokens = model.vocab.tokenize(text[chars])  # not a prefix: a fresh sequence
     return Element(tokens, [0.0] * len(tokens))
 
@@ -352,11 +350,11 @@ class Continuous:
                 f"index one sample before asking for {width} {'beams' if spec.beams else 'samples'}"
             )
         if spec.beams is not None:
-            roots = [_copy(state.element_at(b, 0)) for b in range(n_batch)]
-            return SequenceState(model, beam.search(spec, pool_of(model), roots))
+            roots = [state.element_at(b, 0).copy() for b in range(n_batch)]
+            return SequenceState(model, beam.search(spec, roots))
         n_out = max(n_in, num_samples)
         base = seed if seed is not None else spec.plan.sampler.seed
-        rows = [[_copy(state.element_at(b, s)) for s in range(n_out)] for b in range(n_batch)]
+        rows = [[state.element_at(b, s).copy() for s in range(n_out)] for b in range(n_batch)]
         seeds = [
             base + s if base is not None else random_seed() for _ in rows for s in range(n_out)
         ]
@@ -369,10 +367,6 @@ class Continuous:
                 raise ValueError("the state was made with another model than this generator's")
             return prompt
         return SequenceState.from_text(self.spec.model, prompt)
-
-
-def _copy(elem: Element) -> Element:
-    return elem.derive(list(elem.tokens), list(elem.logprobs))
 
 
 def continuous(spec: GenerateSpec) -> Continuous:

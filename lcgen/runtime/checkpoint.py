@@ -41,9 +41,12 @@ class SequenceStats:
             memory), so the kept tokens were decoded again.
         tokens_redecoded: tokens decoded again because of those fallbacks.
         tokens_decoded: every token of this sequence passed to ``llama_decode`` so far.
+        tokens_reused: tokens whose KV cells came from the model's KV store when the sequence
+            was opened (not decoded for it).
     """
 
     rewinds: int = 0
     fallbacks: int = 0
     tokens_redecoded: int = 0
     tokens_decoded: int = 0
+    tokens_reused: int = 0

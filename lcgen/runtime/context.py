@@ -1,11 +1,14 @@
-"""One llama.cpp context shared by many live sequences: slots, batched decode, memory edits.
+"""One llama.cpp context shared by many sequences: batched decode and memory edits, with an
+exact ledger of the KV cells (see :mod:`lcgen.runtime.cells`).
 
 Every call that touches the context holds one lock, so sequences may be driven from several
-threads; a single sequence should be driven by one thread at a time.
+threads; a single sequence should be driven by one thread at a time. Which sequence id belongs
+to whom is the KV store's business (:mod:`lcgen.runtime.kvstore`).
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -14,7 +17,8 @@ import numpy as np
 
 from lcgen._native.context import ContextHandle
 from lcgen._native.model import ModelHandle
-from lcgen.errors import SlotsExhaustedError
+from lcgen.errors import ContextFullError
+from lcgen.runtime.cells import CellLedger
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +39,7 @@ class DecodeRequest:
 
 
 class Context:
-    """Owns a ``llama_context`` and hands out its sequence slots."""
+    """Owns a ``llama_context``: decodes batches, edits the memory, keeps the cell ledger."""
 
     def __init__(
         self,
@@ -50,15 +54,21 @@ class Context:
         self._handle = ContextHandle(
             model, n_ctx, n_batch, n_seq_max, n_threads, flash_attn, swa_full
         )
-        self._free = list(range(n_seq_max - 1, -1, -1))
-        # Called in turn when no slot is free; each gives one back (True) or cannot (False).
-        self.reclaimers: list[Callable[[], bool]] = []
         self.lock = threading.RLock()
+        self.ledger = CellLedger()
+        # Called when the memory has no room for a batch; frees some (True) or cannot (False).
+        self.on_full: Callable[[], bool] | None = None
         self.n_decoded = 0  # tokens decoded over the context's life, for cost accounting
 
     @property
     def n_ctx(self) -> int:
+        """The most tokens one sequence can hold."""
         return self._handle.n_ctx_seq
+
+    @property
+    def n_cells(self) -> int:
+        """The cells of the memory, shared by all sequences."""
+        return self._handle.n_ctx
 
     @property
     def n_batch(self) -> int:
@@ -69,38 +79,10 @@ class Context:
         return self._handle.n_seq_max
 
     @property
-    def n_free_slots(self) -> int:
-        return len(self._free)
+    def is_open(self) -> bool:
+        return self._handle.ptr is not None
 
-    def acquire_slot(self) -> int:
-        """Reserve an empty sequence slot; when none is free, the reclaimers are asked to give
-        one back (idle continuous states keep their tokens and give up their slots).
-
-        Raises:
-            SlotsExhaustedError: every slot is held by a live sequence.
-        """
-        with self.lock:
-            for reclaim in self.reclaimers:
-                if self._free:
-                    break
-                reclaim()
-            if not self._free:
-                raise SlotsExhaustedError(
-                    f"all {self.n_seq_max} sequence slots are in use: close a sequence "
-                    f"(seq.close() or a with-block) or load the model with n_seq_max > "
-                    f"{self.n_seq_max}"
-                )
-            return self._free.pop()
-
-    def release_slot(self, seq_id: int) -> None:
-        """Drop the slot's memory and make it available again."""
-        with self.lock:
-            if self._handle.ptr is None:
-                return
-            self._handle.seq_rm(seq_id, -1, -1)
-            assert seq_id not in self._free, seq_id
-            self._free.append(seq_id)
-
+    # memory ------------------------------------------------------------------------------
     def truncate(self, seq_id: int, n_keep: int) -> bool:
         """Drop positions >= n_keep of a sequence, keeping [0, n_keep) usable.
 
@@ -112,8 +94,13 @@ class Context:
         with self.lock:
             if not self._handle.seq_rm(seq_id, n_keep, -1):
                 return False
-            if n_keep == 0:
-                return True
+            self.ledger.removed(seq_id, n_keep)
+            return n_keep == 0 or self.holds_window(seq_id, n_keep)
+
+    def holds_window(self, seq_id: int, n_keep: int) -> bool:
+        """Whether the sequence holds exactly [0, n_keep) as the next token needs it: every
+        position, or (a sliding-window cache that is not full size) the last window of them."""
+        with self.lock:
             pos_min, pos_max = self._handle.seq_pos_range(seq_id)
             # The next token (position n_keep) attends to positions > n_keep - n_swa.
             needed = max(0, n_keep - self._handle.n_swa + 1) if self._handle.n_swa else 0
@@ -121,17 +108,22 @@ class Context:
 
     def clear_slot(self, seq_id: int) -> None:
         with self.lock:
-            self._handle.seq_rm(seq_id, -1, -1)
+            if self.is_open:
+                self._handle.seq_rm(seq_id, -1, -1)
+            self.ledger.removed(seq_id, 0)
 
     def copy_slot(self, src: int, dst: int, n_keep: int) -> None:
-        """Make ``dst`` share the first ``n_keep`` positions of ``src`` (no KV bytes copied)."""
+        """Make ``dst`` (empty) share the first ``n_keep`` positions of ``src`` (no KV bytes
+        copied)."""
         with self.lock:
             self._handle.seq_cp(src, dst, 0, n_keep)
+            self.ledger.copied(src, dst, n_keep)
 
     def pos_range(self, seq_id: int) -> tuple[int, int]:
         with self.lock:
             return self._handle.seq_pos_range(seq_id)
 
+    # state -------------------------------------------------------------------------------
     def state_size(self) -> int:
         """The size in bytes of the whole context's state (every sequence's cells)."""
         with self.lock:
@@ -146,17 +138,32 @@ class Context:
         with self.lock:
             return self._handle.seq_state_into(seq_id, out, offset, size)
 
-    def set_seq_state(self, seq_id: int, data: bytes | bytearray | memoryview) -> None:
-        with self.lock:
-            self._handle.set_seq_state(seq_id, data)
+    def set_seq_state(self, seq_id: int, data: bytes | bytearray | memoryview) -> int:
+        """Load a state written by :meth:`seq_state_into` into ``seq_id``.
 
+        Returns:
+            How many positions the sequence holds now.
+        """
+        with self.lock:
+            self.ledger.removed(seq_id, 0)  # llama.cpp replaces what the id held
+            self._handle.set_seq_state(seq_id, data)
+            n = self._handle.seq_pos_range(seq_id)[1] + 1
+            self.ledger.decoded(seq_id, 0, n)
+            return n
+
+    # decoding ----------------------------------------------------------------------------
     def decode(self, requests: Sequence[DecodeRequest]) -> list[np.ndarray | None]:
         """Decode the requests together, in as few ``llama_decode`` calls as ``n_batch`` allows.
+        When the memory is full, :attr:`on_full` is asked to free cells and the batch is tried
+        again.
 
         Returns:
             For each request, the logits after its last token (shape (n_vocab,)) or None when
             not wanted. A row is a view valid until the next decode when every request fit in
             one batch, else a copy.
+
+        Raises:
+            ContextFullError: the memory has no room, and nothing could be freed.
         """
         flat = _flatten(requests)
         n = len(flat[0])
@@ -164,27 +171,47 @@ class Context:
         if n == 0:
             return rows
         owner = flat[4]
+        begins = [0, *itertools.accumulate(len(r.tokens) for r in requests)]
         with self.lock:
             for start in range(0, n, self.n_batch):
                 end = min(start + self.n_batch, n)
                 out = flat[3][start:end]
-                logits = self._handle.decode(
-                    flat[0][start:end], flat[1][start:end], flat[2][start:end], out
-                )
+                logits = self._decode_chunk(flat, start, end)
                 self.n_decoded += end - start
+                self._record(requests, begins, start, end)
                 single = start == 0 and end == n
                 for row, i in enumerate(owner[start:end][out.astype(bool)]):
                     rows[i] = logits[row] if single else logits[row].copy()
         return rows
+
+    def _decode_chunk(self, flat: _Flat, start: int, end: int) -> np.ndarray:
+        while True:
+            try:
+                return self._handle.decode(
+                    flat[0][start:end], flat[1][start:end], flat[2][start:end], flat[3][start:end]
+                )
+            except ContextFullError:
+                if self.on_full is None or not self.on_full():
+                    raise
+
+    def _record(
+        self, requests: Sequence[DecodeRequest], begins: list[int], start: int, end: int
+    ) -> None:
+        """Enter the cells one chunk (flat tokens ``[start, end)``) made in the ledger."""
+        for req, begin in zip(requests, begins, strict=False):
+            lo, hi = max(begin, start), min(begin + len(req.tokens), end)
+            if hi > lo:
+                self.ledger.decoded(req.seq_id, req.pos + lo - begin, hi - lo)
 
     def close(self) -> None:
         with self.lock:
             self._handle.close()
 
 
-def _flatten(
-    requests: Sequence[DecodeRequest],
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+_Flat = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _flatten(requests: Sequence[DecodeRequest]) -> _Flat:
     """Token, position, seq id, output flag and request index arrays for a list of requests."""
     sizes = [len(r.tokens) for r in requests]
     n = sum(sizes)

@@ -15,12 +15,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from lcgen.decoding import Chunk
-from lcgen.errors import SlotsExhaustedError
-from lcgen.runtime.context import Context
+from lcgen.runtime.kvstore import KVStore
 from lcgen.runtime.run import Run, step
 
-# Start a run: take its slots and set it up; None when its slots cannot be had now.
-Start = Callable[[], Run | None]
+# Start a run: open its sequences (from the longest cached prefix) and set it up.
+Start = Callable[[], Run]
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,27 +45,31 @@ class Event:
 
 
 class Scheduler:
-    """Runs any number of generations on one context, as many at once as slots allow.
+    """Runs any number of generations on one model, as many at once as slots allow.
 
     Submit work with :meth:`submit`, then iterate: each step admits waiting work in the order
-    it was submitted (while each start can get its slots), decodes the pending tokens of every
-    running generation in one batch, advances each, and yields an :class:`Event` per run.
-    Handle an event whose ``is_last`` is set by retiring its run; the next step admits more.
+    it was submitted (while the slots it asks for can be had), decodes the pending tokens of
+    every running generation in one batch, advances each, and yields an :class:`Event` per
+    run. Handle an event whose ``is_last`` is set by retiring its run (closing its sequences:
+    their cells stay cached); the next step admits more.
 
     Args:
-        context: the context the runs decode in.
+        cache: the model's KV store (``model.cache``), which hands out the slots.
     """
 
-    def __init__(self, context: Context) -> None:
-        self.context = context
+    def __init__(self, cache: KVStore) -> None:
+        self.cache = cache
         self._tickets = itertools.count()
-        self._waiting: deque[tuple[int, Start]] = deque()
-        self._running: list[tuple[int, Run]] = []
+        self._waiting: deque[tuple[int, Start, int]] = deque()
+        self._running: list[tuple[int, Run, int]] = []
 
-    def submit(self, start: Start) -> int:
-        """Queue a generation; returns its ticket (0, 1, ... in the order of submission)."""
+    def submit(self, start: Start, *, n_slots: int = 1) -> int:
+        """Queue a generation that needs ``n_slots`` slots at most while it runs (a beam
+        search: its width); returns its ticket (0, 1, ... in the order of submission)."""
+        if n_slots < 1:
+            raise ValueError(f"n_slots must be >= 1, got {n_slots!r}")
         ticket = next(self._tickets)
-        self._waiting.append((ticket, start))
+        self._waiting.append((ticket, start, n_slots))
         return ticket
 
     @property
@@ -81,35 +84,39 @@ class Scheduler:
         """Admit, decode one batch, advance every running generation.
 
         Raises:
-            SlotsExhaustedError: nothing runs, and the next waiting work cannot get its slots
-                (they are held by sequences outside this scheduler).
+            SlotsExhaustedError: nothing runs, and the next waiting work cannot get a slot:
+                they are all held by this thread's live sequences or pinned prefixes.
         """
         events = self._admit()
         if self._running:
-            runs = [run for _, run in self._running]
-            chunks = step(runs)
-            events += [Event(t, run, c) for (t, run), c in zip(self._running, chunks, strict=True)]
-            self._running = [(t, run) for t, run in self._running if not run.is_done]
+            chunks = step([run for _, run, _ in self._running])
+            events += [
+                Event(ticket, run, chunk)
+                for (ticket, run, _), chunk in zip(self._running, chunks, strict=True)
+            ]
+            self._running = [job for job in self._running if not job[1].is_done]
         return events
 
     def _admit(self) -> list[Event]:
-        """Start waiting work while it can get its slots; runs done from the start (nothing
-        to generate) come back as events without a step."""
+        """Start waiting work while its slots can be had (the first always: opening a
+        sequence waits for other threads' slots, or raises when only this one holds them);
+        runs done from the start (nothing to generate) come back as events without a step."""
         done: list[Event] = []
         while self._waiting:
-            ticket, start = self._waiting[0]
-            run = start()
-            if run is None:
-                if self._running or done:
-                    break
-                raise SlotsExhaustedError(
-                    f"all {self.context.n_seq_max} sequence slots are held by sequences outside "
-                    "this generation: close some (seq.close(), state.close()) or load the model "
-                    "with a larger n_seq_max"
-                )
+            ticket, start, n_slots = self._waiting[0]
+            if (self._running or done) and not self._has_room(n_slots):
+                break
             self._waiting.popleft()
+            run = start()
             if run.is_done:
                 done.append(Event(ticket, run, None))
             else:
-                self._running.append((ticket, run))
+                self._running.append((ticket, run, n_slots))
         return done
+
+    def _has_room(self, n_slots: int) -> bool:
+        """Whether ``n_slots`` more fit beside what the running work may still take: every
+        slot it reserved but does not hold yet (a beam search forks as it goes)."""
+        held = sum(len(run.sequences()) for _, run, _ in self._running)
+        reserved = sum(n for _, _, n in self._running)
+        return reserved - held + n_slots <= self.cache.available_slots()

@@ -47,12 +47,9 @@ class Sequence(TokenSequence):
             SlotsExhaustedError: no free slot for the fork.
         """
         self._check_open()
-        child = Sequence(self.model)
-        if self._n_decoded:
-            self._ctx.copy_slot(self._slot, child._slot, self._n_decoded)
-        child._tokens = list(self._tokens)
+        child = Sequence.__new__(Sequence)
+        child._adopt(self.model, self.model.cache.fork(self._entry), self._n_decoded, None)
         child._stamps = list(self._stamps)
-        child._n_decoded = self._n_decoded
         child._rng.bit_generator.state = self._rng.bit_generator.state
         child._rng_log = dict(self._rng_log)
         if seed is not None:
@@ -118,13 +115,19 @@ class Sequence(TokenSequence):
                 f"the saved sequence has {len(header['tokens'])} tokens, more than the context "
                 f"of {model.context.n_ctx}: load the model with a larger n_ctx"
             )
-        seq = cls(model, header["tokens"])
+        tokens = model.vocab.check_tokens(header["tokens"])
+        seq = cls(model)
         try:
-            if header["n_decoded"]:
-                seq._ctx.set_seq_state(seq._slot, kv)
+            n_cells = seq._ctx.set_seq_state(seq._slot, kv) if header["n_decoded"] else 0
+            if n_cells != header["n_decoded"]:
+                raise StateFileError(
+                    f"the saved sequence says {header['n_decoded']} tokens have KV cells, its "
+                    f"state holds {n_cells}"
+                )
         except BaseException:
             seq.close()
             raise
+        seq.append_tokens(tokens)
         seq._n_decoded = header["n_decoded"]
         seq._rng.bit_generator.state = header["rng"]
         seq._rng_log = {pos: state for pos, state in header["rng_log"]}

@@ -1,12 +1,15 @@
-"""The saved-sequence file format.
+"""The saved-state file format: a sequence (``seq.save``) or cache entries
+(``model.cache.save``).
 
-A saved sequence is one file::
+A file is::
 
-    b"LCGSEQ\\0" | version u32 | header length u32 | header (JSON) | KV length u64 | KV bytes
+    magic (7 bytes) | version u32 | header length u32 | header (JSON) | KV length u64 | KV bytes
     | sha256 of everything before it (32 bytes)
 
-The header carries the model's fingerprint, the tokens and lcgen's own per-token state; the KV
-bytes are llama.cpp's sequence state. Files are written atomically (temp file, fsync, rename).
+The magic is ``b"LCGSEQ\\0"`` for a sequence, ``b"LCGKVS\\0"`` for cache entries. The header
+carries the model's fingerprint, the tokens and lcgen's own state; the KV bytes are llama.cpp's
+sequence state (for cache entries, one length-prefixed state per entry). Files are written
+atomically (temp file, fsync, rename).
 """
 
 from __future__ import annotations
@@ -23,27 +26,33 @@ from typing import Any
 from lcgen.errors import StateFileError
 
 FORMAT_VERSION = 1
-_MAGIC = b"LCGSEQ\x00"
+SEQUENCE = (b"LCGSEQ\x00", "sequence")
+CACHE = (b"LCGKVS\x00", "cache")
+FileKind = tuple[bytes, str]  # (magic, what it holds: for messages)
 _HEAD = struct.Struct("<7sII")
 _KV_LEN = struct.Struct("<Q")
 _DIGEST = 32
 
 
 def encode(
-    header: dict[str, Any], kv_size: int, write_kv: Callable[[bytearray, int, int], int]
+    header: dict[str, Any],
+    kv_size: int,
+    write_kv: Callable[[bytearray, int, int], int],
+    kind: FileKind = SEQUENCE,
 ) -> bytearray:
-    """The bytes of a saved sequence, built in one buffer.
+    """The bytes of a saved state, built in one buffer.
 
     Args:
         header: lcgen's state (JSON-serializable).
         kv_size: the most bytes the KV state takes.
         write_kv: ``write_kv(buffer, offset, size)`` writes the KV state in place and returns
             how many bytes it wrote.
+        kind: what the file holds (:data:`SEQUENCE` or :data:`CACHE`).
     """
     head = json.dumps(header, separators=(",", ":")).encode()
     at = _HEAD.size + len(head) + _KV_LEN.size
     out = bytearray(at + kv_size + _DIGEST)
-    _HEAD.pack_into(out, 0, _MAGIC, FORMAT_VERSION, len(head))
+    _HEAD.pack_into(out, 0, kind[0], FORMAT_VERSION, len(head))
     out[_HEAD.size : _HEAD.size + len(head)] = head
     n = write_kv(out, at, kv_size)
     _KV_LEN.pack_into(out, at - _KV_LEN.size, n)
@@ -54,31 +63,37 @@ def encode(
     return out
 
 
-def decode(data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], memoryview]:
-    """Check and split a saved sequence into (header, KV bytes); the KV part is not copied.
+def decode(
+    data: bytes | bytearray | memoryview, kind: FileKind = SEQUENCE
+) -> tuple[dict[str, Any], memoryview]:
+    """Check and split a saved state into (header, KV bytes); the KV part is not copied.
 
     Raises:
-        StateFileError: not an lcgen sequence, another format version, truncated or corrupted.
+        StateFileError: not an lcgen file of this kind, another format version, truncated or
+            corrupted.
     """
+    magic, what = kind
     view = memoryview(data).cast("B")
-    if len(view) < _HEAD.size + _KV_LEN.size + _DIGEST or view[: len(_MAGIC)] != _MAGIC:
-        raise StateFileError(f"not an lcgen sequence file ({len(view)} bytes, bad header)")
+    if len(view) < _HEAD.size + _KV_LEN.size + _DIGEST or view[: len(magic)] != magic:
+        raise StateFileError(f"not an lcgen {what} file ({len(view)} bytes, bad header)")
     _, version, head_len = _HEAD.unpack_from(view)
     if version != FORMAT_VERSION:
         raise StateFileError(
-            f"sequence file format version {version} is not supported (this lcgen reads "
+            f"{what} file format version {version} is not supported (this lcgen reads "
             f"version {FORMAT_VERSION})"
         )
     body, digest = view[:-_DIGEST], view[-_DIGEST:]
     if hashlib.sha256(body).digest() != digest:
         raise StateFileError(
-            f"sequence file is truncated or corrupted (checksum mismatch, {len(view)} bytes)"
+            f"{what} file is truncated or corrupted (checksum mismatch, {len(view)} bytes)"
         )
     at = _HEAD.size + head_len
+    if at + _KV_LEN.size > len(body):
+        raise StateFileError(f"{what} file header is longer than the file ({head_len} bytes)")
     (kv_len,) = _KV_LEN.unpack_from(body, at)
     kv = body[at + _KV_LEN.size :]
     if len(kv) != kv_len:
-        raise StateFileError(f"sequence file holds {len(kv)} KV bytes, its header says {kv_len}")
+        raise StateFileError(f"{what} file holds {len(kv)} KV bytes, its header says {kv_len}")
     header: dict[str, Any] = json.loads(bytes(body[_HEAD.size : at]))
     return header, kv
 
@@ -98,8 +113,8 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | bytearray) -> None:
             tmp.unlink()
 
 
-def read_file(path: str | os.PathLike[str]) -> bytes:
-    """Read a saved sequence.
+def read_file(path: str | os.PathLike[str], kind: FileKind = SEQUENCE) -> bytes:
+    """Read a saved state.
 
     Raises:
         StateFileError: the file cannot be read.
@@ -107,4 +122,4 @@ def read_file(path: str | os.PathLike[str]) -> bytes:
     try:
         return Path(path).read_bytes()
     except OSError as exc:
-        raise StateFileError(f"cannot read sequence file {str(path)!r}: {exc}") from exc
+        raise StateFileError(f"cannot read {kind[1]} file {str(path)!r}: {exc}") from exc

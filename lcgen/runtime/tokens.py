@@ -27,6 +27,7 @@ from lcgen.decoding.sampling import new_rng
 from lcgen.errors import ClosedError, RewindError
 from lcgen.runtime.checkpoint import Checkpoint, RngState, SequenceStats
 from lcgen.runtime.context import Context, DecodeRequest
+from lcgen.runtime.kvstore import Entry, KVStore, common_prefix
 from lcgen.vocab import Vocab
 
 _stamps = itertools.count(1)
@@ -40,23 +41,19 @@ class ModelLike(Protocol):
     @property
     def context(self) -> Context: ...
     @property
+    def cache(self) -> KVStore: ...
+    @property
     def fingerprint(self) -> str: ...
     @property
     def path(self) -> Path: ...
 
 
-def common_prefix(a: Seq[int], b: Seq[int]) -> int:
-    """How many tokens ``a`` and ``b`` share from the start."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 class TokenSequence:
     """Tokens of one live generation in a KV slot, with O(1) checkpoints and rewinds.
+
+    The slot comes from the model's KV store, starting from the longest prefix of ``tokens``
+    it holds (only the rest is decoded); closing the sequence parks its cells there for the
+    next sequence that starts the same way.
 
     Args:
         model: the model.
@@ -64,17 +61,25 @@ class TokenSequence:
         seed: seeds the sequence's sampler RNG (None: a fresh random seed).
 
     Raises:
-        SlotsExhaustedError: every slot is held by a live sequence.
+        SlotsExhaustedError: every slot is held by a live sequence of this thread (with other
+            threads holding some, it waits for one).
     """
 
     def __init__(self, model: ModelLike, tokens: Seq[int] = (), *, seed: int | None = None) -> None:
+        entry, n_reused = model.cache.open(model.vocab.check_tokens(tokens))
+        self._adopt(model, entry, n_reused, seed)
+        self.stats.tokens_reused = n_reused
+
+    def _adopt(self, model: ModelLike, entry: Entry, n_decoded: int, seed: int | None) -> None:
+        """Take ``entry`` (a live slot whose first ``n_decoded`` tokens have cells)."""
         self.model = model
         self.vocab = model.vocab
         self._ctx: Context = model.context
-        self._tokens: list[int] = list(self.vocab.check_tokens(tokens))
-        self._slot = self._ctx.acquire_slot()
-        self._finalizer = weakref.finalize(self, self._ctx.release_slot, self._slot)
-        self._n_decoded = 0
+        self._entry = entry
+        self._tokens = entry.tokens  # the same list: the store sees what this sequence holds
+        self._slot = entry.slot
+        self._finalizer = weakref.finalize(self, model.cache.park, entry)
+        self._n_decoded = n_decoded
         self._stamps = [next(_stamps) for _ in range(len(self._tokens) + 1)]
         self._uid = self._stamps[0]
         self._rng = new_rng(seed)
@@ -316,7 +321,8 @@ class TokenSequence:
 
     # lifetime --------------------------------------------------------------------------
     def close(self) -> None:
-        """Free the KV slot. Idempotent."""
+        """Give the slot back; its cells stay in the model's KV store for later sequences
+        that start the same way. Idempotent."""
         self._finalizer()
 
     def __enter__(self) -> Self:

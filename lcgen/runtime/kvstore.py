@@ -1,0 +1,502 @@
+"""The model keeps its KV cache: every sequence starts from the longest cached prefix.
+
+llama.cpp's unified KV cache is one pool of cells shared by up to ``n_seq_max`` sequence ids,
+the slots. The store hands slots to sequences and, when a sequence closes, keeps ("parks") its
+cells under its tokens instead of wiping them. A sequence opened on tokens T starts from the
+slot whose cells share the longest prefix with T: a parked entry (taken over when nothing of it
+would be lost or no slot is free, else copied with ``llama_memory_seq_cp``, which shares cells
+and copies no KV bytes), a pinned entry, or a live sequence's decoded prefix; only the rest of T
+is decoded. Parked entries are evicted least recently used when a slot or cells are needed, or
+when the cells held pass the budget; live and pinned entries never are. Slots are a scheduling
+resource: a thread that needs one while other threads hold all of them waits for one.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import struct
+import threading
+import time
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from lcgen.errors import SlotsExhaustedError, StateFileError
+from lcgen.runtime import statefile
+from lcgen.runtime.context import Context, DecodeRequest
+from lcgen.vocab import Vocab
+
+EntryState = Literal["live", "parked", "pinned", "dropped"]
+_BLOB_LEN = struct.Struct("<Q")
+
+
+@dataclass(eq=False, slots=True)
+class Entry:
+    """What one slot holds.
+
+    Attributes:
+        slot: the llama.cpp sequence id.
+        tokens: a live sequence's tokens (the same list; those past the cells are pending), or
+            the tokens a parked or pinned entry's cells hold.
+        state: ``"live"`` (a sequence uses it), ``"parked"`` (kept until evicted),
+            ``"pinned"`` (kept until unpinned) or ``"dropped"`` (its slot is gone).
+        last_used: a clock value, for least-recently-used eviction.
+        owner: the thread that opened a live entry.
+    """
+
+    slot: int
+    tokens: list[int]
+    state: EntryState = "live"
+    last_used: int = 0
+    owner: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """What the model's KV store did and holds.
+
+    Attributes:
+        hits: sequences that started from a cached prefix.
+        misses: sequences that found none.
+        tokens_reused: prompt tokens those hits did not decode.
+        tokens_decoded: every token the context decoded.
+        evictions: parked entries dropped for room (slots, cells or the budget).
+        cells_held: KV cells in use (live, parked and pinned, each shared cell once).
+        budget: the most cells the store lets entries hold before it evicts.
+        entries: parked and pinned entries.
+        pinned: pinned entries.
+        live: slots used by live sequences.
+        free_slots: slots holding nothing.
+    """
+
+    hits: int
+    misses: int
+    tokens_reused: int
+    tokens_decoded: int
+    evictions: int
+    cells_held: int
+    budget: int
+    entries: int
+    pinned: int
+    live: int
+    free_slots: int
+
+
+def common_prefix(a: Seq[int], b: Seq[int]) -> int:
+    """How many tokens ``a`` and ``b`` share from the start (slices compare in C)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[lo:mid] == b[lo:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class KVStore:
+    """The KV cache of one model's context (``model.cache``).
+
+    Args:
+        context: the context whose slots and cells it manages.
+        vocab: for :meth:`pin` of text.
+        fingerprint: the model's fingerprint (for :meth:`save` and :meth:`load`).
+        enabled: keep closed sequences' cells for later ones; False wipes a slot on close, so
+            a sequence reuses only what a live sequence (a fork, a sibling sample) or a pinned
+            prefix holds.
+        budget: the most cells entries may hold before parked ones are evicted (None: the
+            whole pool, so parked entries go only when their room is needed).
+        slot_timeout: how long a thread waits for a slot that other threads hold (None: as
+            long as it takes).
+    """
+
+    def __init__(
+        self,
+        context: Context,
+        vocab: Vocab,
+        fingerprint: Callable[[], str],
+        *,
+        enabled: bool = True,
+        budget: int | None = None,
+        slot_timeout: float | None = None,
+    ) -> None:
+        if budget is not None and budget < 0:
+            raise ValueError(f"the cache budget must be >= 0 cells, got {budget!r}")
+        if slot_timeout is not None and not slot_timeout >= 0:
+            raise ValueError(f"slot_timeout must be >= 0 seconds or None, got {slot_timeout!r}")
+        self._ctx, self._vocab, self._fingerprint = context, vocab, fingerprint
+        self.enabled = enabled
+        self.budget = context.n_cells if budget is None else budget
+        self.slot_timeout = slot_timeout
+        self._free = list(range(context.n_seq_max - 1, -1, -1))
+        self._entries: dict[int, Entry] = {}
+        self._clock = itertools.count(1)
+        self._cond = threading.Condition(context.lock)
+        self._hits = self._misses = self._reused = self._evictions = 0
+        context.on_full = self._evict_for_cells
+
+    # opening and closing sequences ------------------------------------------------------
+    def open(self, tokens: Seq[int], *, limit: int | None = None) -> tuple[Entry, int]:
+        """A live entry for a sequence of ``tokens``, holding the cells of the longest cached
+        prefix.
+
+        Args:
+            tokens: the sequence's tokens (checked).
+            limit: reuse at most this many (default: all but the last token, which a sequence
+                keeps pending so that its next step has logits).
+
+        Returns:
+            The entry (its ``tokens`` is a new list of ``tokens``) and how many of them have
+            cells already.
+
+        Raises:
+            SlotsExhaustedError: every slot is held by a live or pinned sequence and no other
+                thread can give one back (or none did within ``slot_timeout``).
+        """
+        limit = max(0, len(tokens) - 1) if limit is None else limit
+        with self._cond:
+            src, n_reused = self._best(tokens, limit)
+            if src is not None and self._takes_over(src, n_reused):
+                entry = src
+                if n_reused < self._ctx.ledger.held(entry.slot):
+                    self._evictions += 1  # its tail is lost
+                if not self._ctx.truncate(entry.slot, n_reused):
+                    self._ctx.clear_slot(entry.slot)  # the window lost what it needs
+                    n_reused = 0
+            else:
+                entry = Entry(self._take_slot(keep=src), [])
+                if src is not None and n_reused:
+                    self._ctx.copy_slot(src.slot, entry.slot, n_reused)
+                    if not self._ctx.holds_window(entry.slot, n_reused):
+                        self._ctx.clear_slot(entry.slot)
+                        n_reused = 0
+            entry.tokens, entry.state, entry.owner = list(tokens), "live", threading.get_ident()
+            entry.last_used = next(self._clock)
+            self._entries[entry.slot] = entry
+            self._count(n_reused)
+            return entry, n_reused
+
+    def fork(self, entry: Entry) -> Entry:
+        """A live entry sharing all of ``entry``'s cells (none are copied), same tokens."""
+        with self._cond:
+            slot = self._take_slot(keep=entry)
+            held = self._ctx.ledger.held(entry.slot)
+            if held:
+                self._ctx.copy_slot(entry.slot, slot, held)
+            child = Entry(slot, list(entry.tokens), "live", next(self._clock))
+            child.owner = threading.get_ident()
+            self._entries[slot] = child
+            return child
+
+    def park(self, entry: Entry) -> None:
+        """A sequence closed: keep its cells under its tokens (or wipe them with the cache
+        off). Idempotent."""
+        with self._cond:
+            if entry.state != "live" or self._entries.get(entry.slot) is not entry:
+                return
+            held = self._ctx.ledger.held(entry.slot)
+            if not (self.enabled and held and self._ctx.is_open):
+                self._drop(entry)
+                return
+            entry.tokens, entry.state, entry.owner = entry.tokens[:held], "parked", 0
+            entry.last_used = next(self._clock)
+            self._dedupe(entry)
+            self._fit_budget()
+            self._cond.notify_all()
+
+    def cached(self, tokens: Seq[int]) -> int:
+        """How many of ``tokens`` a sequence opened on them now would not decode."""
+        with self._cond:
+            return self._best(tokens, max(0, len(tokens) - 1))[1]
+
+    def available_slots(self) -> int:
+        """Slots a new sequence could have now: free ones and those of parked entries."""
+        with self._cond:
+            return len(self._free) + sum(e.state == "parked" for e in self._entries.values())
+
+    # choosing ------------------------------------------------------------------------------
+    def _best(self, tokens: Seq[int], limit: int) -> tuple[Entry | None, int]:
+        """The entry whose cells share the longest prefix with ``tokens`` (on a tie: one that a
+        takeover would lose nothing of, then a parked one), and that length."""
+        best: Entry | None = None
+        best_key = (0, False, False, 0)
+        for entry in self._entries.values():
+            held = self._ctx.ledger.held(entry.slot)
+            n = min(common_prefix(entry.tokens, tokens), held, limit)
+            key = (n, n == held, entry.state == "parked", entry.last_used)
+            if n > 0 and key > best_key:
+                best, best_key = entry, key
+        return best, best_key[0]
+
+    def _takes_over(self, src: Entry, n_reused: int) -> bool:
+        """Take a parked entry's slot itself when nothing of it is lost (the new tokens extend
+        it), or when no slot is free and it is the one eviction would take anyway; else copy
+        its prefix and keep it for others."""
+        if src.state != "parked":
+            return False
+        if n_reused == self._ctx.ledger.held(src.slot):
+            return True
+        return not self._free and self._lru_parked() is src
+
+    def _take_slot(self, keep: Entry | None) -> int:
+        """A free slot; else the least recently used parked entry's; else wait for another
+        thread to give one back."""
+        deadline = None if self.slot_timeout is None else time.monotonic() + self.slot_timeout
+        while True:
+            if self._free:
+                return self._free.pop()
+            victim = self._lru_parked(keep)
+            if victim is not None:
+                self._evict(victim)
+                continue
+            me = threading.get_ident()
+            if not any(e.state == "live" and e.owner != me for e in self._entries.values()):
+                raise SlotsExhaustedError(self._exhausted_message())
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise SlotsExhaustedError(
+                    f"no sequence slot came free within slot_timeout={self.slot_timeout} s: "
+                    + self._exhausted_message()
+                )
+            self._cond.wait(left)
+
+    def _exhausted_message(self) -> str:
+        live = sum(e.state == "live" for e in self._entries.values())
+        pinned = sum(e.state == "pinned" for e in self._entries.values())
+        return (
+            f"all {self._ctx.n_seq_max} sequence slots are in use ({live} by live sequences, "
+            f"{pinned} by pinned prefixes): close a sequence (seq.close() or a with-block), "
+            f"unpin a prefix, or load the model with n_seq_max > {self._ctx.n_seq_max}"
+        )
+
+    def _lru_parked(self, keep: Entry | None = None) -> Entry | None:
+        parked = [e for e in self._entries.values() if e.state == "parked" and e is not keep]
+        return min(parked, key=lambda e: e.last_used) if parked else None
+
+    # dropping ------------------------------------------------------------------------------
+    def _drop(self, entry: Entry) -> None:
+        """Wipe a slot and make it free."""
+        self._ctx.clear_slot(entry.slot)
+        if self._entries.get(entry.slot) is entry:
+            del self._entries[entry.slot]
+            self._free.append(entry.slot)
+        entry.state = "dropped"
+        self._cond.notify_all()
+
+    def _evict(self, entry: Entry) -> None:
+        self._drop(entry)
+        self._evictions += 1
+
+    def _evict_for_cells(self) -> bool:
+        """The memory is full: evict the least recently used parked entry (False: none)."""
+        with self._cond:
+            victim = self._lru_parked()
+            if victim is None:
+                return False
+            self._evict(victim)
+            return True
+
+    def _dedupe(self, entry: Entry) -> None:
+        """Drop the parked entries ``entry`` covers (their tokens start it), or ``entry``
+        itself when a parked or pinned one covers it."""
+        mine = entry.tokens
+        for other in list(self._entries.values()):
+            if other is entry or other.state == "live":
+                continue
+            theirs = other.tokens
+            if (
+                other.state == "parked"
+                and len(theirs) <= len(mine)
+                and mine[: len(theirs)] == theirs
+            ):
+                self._drop(other)
+            elif len(theirs) >= len(mine) and theirs[: len(mine)] == mine:
+                self._drop(entry)
+                return
+
+    def _fit_budget(self) -> None:
+        while self._ctx.ledger.n_cells() > self.budget:
+            victim = self._lru_parked()
+            if victim is None:
+                return
+            self._evict(victim)
+
+    def _count(self, n_reused: int) -> None:
+        if n_reused:
+            self._hits += 1
+            self._reused += n_reused
+        else:
+            self._misses += 1
+
+    # the public cache API ------------------------------------------------------------------
+    def pin(self, prompt: str | Seq[int], *, special: bool = False) -> int:
+        """Decode ``prompt`` now (what is not cached already) and keep its cells until
+        :meth:`unpin`: a system prompt or a document every later call starts from.
+
+        Args:
+            prompt: text (tokenized as a prompt, BOS included) or token ids.
+            special: parse special-token text in ``prompt``.
+
+        Returns:
+            How many tokens were decoded for it.
+
+        Raises:
+            SlotsExhaustedError: no slot can be had for it.
+            ContextFullError: the memory has no room for it.
+        """
+        tokens = self._tokens_of(prompt, special)
+        with self._cond:
+            for entry in self._entries.values():
+                if entry.state == "pinned" and entry.tokens == tokens:
+                    return 0
+            entry, n_reused = self.open(tokens, limit=len(tokens))
+            try:
+                if n_reused < len(tokens):
+                    request = DecodeRequest(entry.slot, tokens[n_reused:], n_reused, False)
+                    self._ctx.decode([request])
+            except BaseException:
+                self._drop(entry)
+                raise
+            entry.state, entry.owner = "pinned", 0
+            self._dedupe(entry)
+            return len(tokens) - n_reused
+
+    def unpin(self, prompt: str | Seq[int], *, special: bool = False) -> bool:
+        """Let a pinned prefix be evicted like any parked one. Returns whether it was pinned."""
+        tokens = self._tokens_of(prompt, special)
+        with self._cond:
+            for entry in self._entries.values():
+                if entry.state == "pinned" and entry.tokens == tokens:
+                    entry.state, entry.last_used = "parked", next(self._clock)
+                    self._cond.notify_all()
+                    return True
+            return False
+
+    def _tokens_of(self, prompt: str | Seq[int], special: bool) -> list[int]:
+        if isinstance(prompt, str):
+            return self._vocab.tokenize(prompt, special=special)
+        return self._vocab.check_tokens(prompt)
+
+    @property
+    def stats(self) -> CacheStats:
+        """What the store did and holds now (a value)."""
+        with self._cond:
+            states = [e.state for e in self._entries.values()]
+            return CacheStats(
+                hits=self._hits,
+                misses=self._misses,
+                tokens_reused=self._reused,
+                tokens_decoded=self._ctx.n_decoded,
+                evictions=self._evictions,
+                cells_held=self._ctx.ledger.n_cells(),
+                budget=self.budget,
+                entries=states.count("parked") + states.count("pinned"),
+                pinned=states.count("pinned"),
+                live=states.count("live"),
+                free_slots=len(self._free),
+            )
+
+    def clear(self, *, pinned: bool = False) -> None:
+        """Drop every parked entry (and, with ``pinned``, every pinned one); live sequences
+        keep theirs."""
+        with self._cond:
+            for entry in list(self._entries.values()):
+                if entry.state == "parked" or (pinned and entry.state == "pinned"):
+                    self._drop(entry)
+
+    # persistence ---------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str], *, pinned_only: bool = False) -> int:
+        """Write the parked and pinned entries (or only the pinned ones) to ``path``
+        atomically, for :meth:`load` in another process of the same model.
+
+        Returns:
+            How many entries were written.
+        """
+        with self._cond:
+            kept = [
+                e
+                for e in self._entries.values()
+                if e.state == "pinned" or (e.state == "parked" and not pinned_only)
+            ]
+            header: dict[str, Any] = {
+                "model": self._fingerprint(),
+                "entries": [{"tokens": e.tokens, "pinned": e.state == "pinned"} for e in kept],
+            }
+            sizes = [self._ctx.seq_state_size(e.slot) for e in kept]
+
+            def write_kv(out: bytearray, offset: int, size: int) -> int:
+                at = offset
+                for entry, most in zip(kept, sizes, strict=True):
+                    n = self._ctx.seq_state_into(entry.slot, out, at + _BLOB_LEN.size, most)
+                    _BLOB_LEN.pack_into(out, at, n)
+                    at += _BLOB_LEN.size + n
+                return at - offset
+
+            total = sum(sizes) + _BLOB_LEN.size * len(kept)
+            data = statefile.encode(header, total, write_kv, statefile.CACHE)
+        statefile.write_atomic(path, data)
+        return len(kept)
+
+    def load(self, path: str | os.PathLike[str]) -> int:
+        """Load entries written by :meth:`save` (as they were: parked or pinned).
+
+        Returns:
+            How many entries were loaded.
+
+        Raises:
+            StateFileError: the file is corrupt, truncated, of another format version or of
+                another model (nothing is loaded then).
+            SlotsExhaustedError: not enough slots for the entries.
+        """
+        header, kv = statefile.decode(statefile.read_file(path, statefile.CACHE), statefile.CACHE)
+        if header.get("model") != self._fingerprint():
+            raise StateFileError(
+                f"the cache file {os.fspath(path)!r} was saved with another model "
+                f"(fingerprint {str(header.get('model'))[:12]})"
+            )
+        blobs = _split_blobs(kv, len(header["entries"]))
+        loaded: list[Entry] = []
+        with self._cond:
+            try:
+                for item, blob in zip(header["entries"], blobs, strict=True):
+                    loaded.append(self._load_entry(self._vocab.check_tokens(item["tokens"]), blob))
+                    loaded[-1].state = "pinned" if item.get("pinned") else "parked"
+            except BaseException:
+                for entry in loaded:
+                    self._drop(entry)
+                raise
+            for entry in loaded:
+                self._dedupe(entry)
+            self._fit_budget()
+        return len(loaded)
+
+    def _load_entry(self, tokens: list[int], blob: memoryview) -> Entry:
+        entry = Entry(self._take_slot(keep=None), tokens, "parked", next(self._clock))
+        self._entries[entry.slot] = entry
+        n = self._ctx.set_seq_state(entry.slot, blob)
+        if n != len(tokens):
+            raise StateFileError(
+                f"a cache entry of {len(tokens)} tokens holds the state of {n} positions"
+            )
+        return entry
+
+
+def _split_blobs(kv: memoryview, n: int) -> list[memoryview]:
+    blobs, at = [], 0
+    for _ in range(n):
+        if at + _BLOB_LEN.size > len(kv):
+            raise StateFileError("the cache file holds fewer entries than its header lists")
+        (size,) = _BLOB_LEN.unpack_from(kv, at)
+        at += _BLOB_LEN.size
+        if at + size > len(kv):
+            raise StateFileError("a cache entry's state runs past the end of the file")
+        blobs.append(kv[at : at + size])
+        at += size
+    if at != len(kv):
+        raise StateFileError("the cache file holds more data than its header lists")
+    return blobs

@@ -1,0 +1,304 @@
+"""The model keeps its KV cache: every call starts from the longest cached prefix.
+
+Decode counts (the context's counter), not timings, prove what was reused; outputs are compared
+with a model that has no cache (``cold_model``) within the stated exactness: the same tokens
+wherever the top-2 margin is clear, bit-identical logits when the same chunking is replayed.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import lcgen
+
+FEW_SHOT = "".join(
+    f"Q: What is {a} plus {b}?\nA: {a + b}.\n\n" for a, b in [(2, 3), (7, 5), (10, 4), (6, 6)]
+)
+NOISE = 1.5  # the most a logit moved between cached and cold runs (measured: 1.47)
+
+
+def steps_of(model: lcgen.Model, prompt: str, n: int) -> tuple[list[int], list[np.ndarray]]:
+    """Greedy tokens after ``prompt`` and the logits each was chosen from."""
+    rows: list[np.ndarray] = []
+
+    def record(step: lcgen.Step) -> None:
+        rows.append(step.logits)
+
+    text = model.generate(prompt, max_tokens=n, hooks=[record])
+    return list(text.tokens), rows
+
+
+def assert_same_where_clear(
+    ours: list[int], cold: list[int], cold_rows: list[np.ndarray], what: str
+) -> None:
+    """Equal tokens up to the first difference, and that one only at a near-tie."""
+    for i, (a, b) in enumerate(zip(ours, cold, strict=False)):
+        if a != b:
+            top2 = np.sort(cold_rows[i])[-2:]
+            assert top2[1] - top2[0] < 2 * NOISE, f"{what}: token {i} differs at a clear margin"
+            return
+    assert len(ours) == len(cold), what
+
+
+# reuse across calls --------------------------------------------------------------------------
+def test_calls_sharing_a_prefix_decode_only_the_rest(model: lcgen.Model) -> None:
+    n_shared = len(model.tokenize(FEW_SHOT))
+    costs = []
+    for a, b in [(3, 4), (8, 1), (5, 9), (2, 2), (9, 9)]:
+        prompt = f"{FEW_SHOT}Q: What is {a} plus {b}?\nA:"
+        before = model.context.n_decoded
+        out = model.generate(prompt, max_tokens=4)
+        costs.append((model.context.n_decoded - before, len(model.tokenize(prompt)), out))
+    first, *later = costs
+    assert first[0] == first[1] + 3  # the whole prompt, then 3 of the 4 new tokens
+    for decoded, n_prompt, out in later:
+        assert out.stats.decoded == decoded  # the call's own count agrees with the context's
+        assert decoded <= n_prompt - n_shared + 1 + 3  # the new question, its last token, 3
+    stats = model.cache.stats
+    assert stats.hits >= 4 and stats.tokens_reused >= 4 * (n_shared - 1)
+
+
+def test_a_cached_prefix_changes_speed_not_tokens(
+    model: lcgen.Model, cold_model: lcgen.Model
+) -> None:
+    for a, b in [(3, 4), (8, 1), (5, 9)]:
+        prompt = f"{FEW_SHOT}Q: What is {a} plus {b}?\nA:"
+        ours, _ = steps_of(model, prompt, 12)
+        cold, cold_rows = steps_of(cold_model, prompt, 12)
+        assert_same_where_clear(ours, cold, cold_rows, prompt[-20:])
+    assert model.cache.stats.hits >= 2 and cold_model.cache.stats.hits == 0
+
+
+def test_the_same_chunking_replayed_gives_bit_identical_logits(
+    model: lcgen.Model, cold_model: lcgen.Model
+) -> None:
+    """A second call of a prompt reuses its cells but the last (decoded in one chunk with the
+    rest by the first call), decodes the last token alone, then one token a step. A cold run
+    that decodes in the same chunks gives the same logits to the bit."""
+    prompt = "The history of the printing press begins"
+    model.generate(prompt, max_tokens=6)
+    cached, cached_rows = steps_of(model, prompt, 10)
+    with cold_model.sequence(prompt) as seq:
+        seq.generate(max_tokens=1)  # the prompt in one chunk
+        seq.rewind(1)  # keep its cells but the last: the last token is decoded alone next
+        rows: list[np.ndarray] = []
+        replayed = seq.generate(max_tokens=10, hooks=[lambda s: rows.append(s.logits)])
+    assert cached == list(replayed.tokens)
+    for a, b in zip(cached_rows, rows, strict=True):
+        assert np.array_equal(a, b)
+
+
+def test_the_cache_off_decodes_every_prompt(cold_model: lcgen.Model) -> None:
+    prompt = "Water boils at"
+    before = cold_model.context.n_decoded
+    cold_model.generate(prompt, max_tokens=2)
+    cold_model.generate(prompt, max_tokens=2)
+    assert cold_model.context.n_decoded - before == 2 * (len(cold_model.tokenize(prompt)) + 1)
+    stats = cold_model.cache.stats
+    assert stats.entries == 0 and stats.cells_held == 0
+
+
+# chat ----------------------------------------------------------------------------------------
+def test_a_chat_loop_decodes_only_each_new_turn(model: lcgen.Model) -> None:
+    messages = [{"role": "user", "content": "Name a color."}]
+    for turn in range(4):
+        before = model.context.n_decoded
+        reply = model.chat(messages, max_tokens=12)
+        decoded = model.context.n_decoded - before
+        history = len(model.chat_tokens(messages))
+        if turn:
+            # The new user message and its template tokens, a few retokenized ones at the end
+            # of the last reply, and the reply's own tokens; never the history again.
+            assert decoded < 40 + len(reply.tokens) < history
+        messages += [
+            {"role": "assistant", "content": str(reply)},
+            {"role": "user", "content": "And another one?"},
+        ]
+    assert model.cache.stats.tokens_reused > 3 * 30
+
+
+# eviction, pins, budgets -----------------------------------------------------------------------
+def test_slots_evict_the_least_recently_used(model_path: Path) -> None:
+    with lcgen.Model(model_path, n_ctx=1024, n_seq_max=2) as small:
+        for p in ["A cat", "A dog", "A cow"]:
+            small.generate(p + " is an animal that", max_tokens=3)
+        stats = small.cache.stats
+        assert stats.entries == 2 and stats.evictions == 1 and stats.live == 0
+        before = small.context.n_decoded
+        small.generate("A cow is an animal that", max_tokens=3)  # still cached: the newest
+        assert small.context.n_decoded - before == 1 + 2
+        before = small.context.n_decoded
+        small.generate("A cat is an animal that", max_tokens=3)  # evicted: decoded again
+        n_prompt = len(small.tokenize("A cat is an animal that"))
+        assert small.context.n_decoded - before == n_prompt - 1 + 2  # but "A", which is shared
+
+
+def test_a_cell_budget_below_the_working_set_evicts_and_pins_survive(model_path: Path) -> None:
+    with lcgen.Model(model_path, n_ctx=1024, n_seq_max=8, cache=120) as small:
+        assert small.cache.pin(FEW_SHOT) == len(small.tokenize(FEW_SHOT))
+        for i in range(12):
+            small.generate(f"Story {i}: once upon a time there was a", max_tokens=8)
+            stats = small.cache.stats
+            # Over the budget only while the pinned prefix alone is (it is never evicted).
+            assert stats.cells_held <= max(120, len(small.tokenize(FEW_SHOT)) + 30)
+        stats = small.cache.stats
+        assert stats.evictions > 0 and stats.pinned == 1
+        before = small.context.n_decoded
+        question = small.tokenize(FEW_SHOT + "Q: What is 1 plus 1?\nA:")
+        small.generate(FEW_SHOT + "Q: What is 1 plus 1?\nA:", max_tokens=2)
+        # The pinned tokens the question starts with (its tokenization may differ at the seam).
+        pinned = small.tokenize(FEW_SHOT)
+        kept = next(i for i, (a, b) in enumerate(zip(question, pinned, strict=False)) if a != b)
+        assert small.context.n_decoded - before == len(question) - kept + 1
+        assert small.cache.pin(FEW_SHOT) == 0  # already pinned
+        assert small.cache.unpin(FEW_SHOT) and not small.cache.unpin(FEW_SHOT)
+
+
+def test_a_full_memory_evicts_parked_prefixes_instead_of_failing(model_path: Path) -> None:
+    with lcgen.Model(model_path, n_ctx=256, n_seq_max=4) as small:
+        words = ["Red", "Blue", "Green", "Amber", "Violet", "Silver", "Gold", "Cyan"]
+        for word in words:  # no shared prefix: each prompt needs its own cells
+            out = small.generate(f"{word}. " + "The quick brown fox jumps. " * 12, max_tokens=8)
+            assert out.stats.tokens == 8
+        assert small.cache.stats.evictions > 0
+        assert small.cache.stats.cells_held <= 256
+
+
+def test_clear_keeps_live_sequences_and_pins_unless_asked(model: lcgen.Model) -> None:
+    model.cache.pin("A pinned prefix")
+    model.generate("A parked one", max_tokens=2)
+    with model.sequence("A live one") as seq:
+        seq.generate(max_tokens=2)
+        model.cache.clear()
+        assert model.cache.stats.entries == 1 and model.cache.stats.live == 1
+        seq.generate(max_tokens=2)  # unharmed
+        model.cache.clear(pinned=True)
+        assert model.cache.stats.entries == 0
+    assert model.cache.stats.entries == 1  # the closed sequence is parked
+
+
+# slots are a scheduling resource ----------------------------------------------------------------
+def test_threads_wait_for_slots_and_share_the_prefix(
+    model_path: Path, cold_model: lcgen.Model
+) -> None:
+    prompts = [f"{FEW_SHOT}Q: What is {i} plus 2?\nA:" for i in range(8)]
+    with lcgen.Model(model_path, n_ctx=2048, n_seq_max=3) as small:
+        small.generate(FEW_SHOT, max_tokens=1)  # the shared prefix, cached once
+        before = small.context.n_decoded
+        outs: dict[int, lcgen.Text] = {}
+        errors: list[BaseException] = []
+
+        def ask(i: int) -> None:
+            try:
+                outs[i] = small.generate(prompts[i], max_tokens=6)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        assert not errors and len(outs) == 8
+        decoded = small.context.n_decoded - before
+        assert decoded < 8 * 30  # each question and its answer, never the few-shot prefix
+        for i, prompt in enumerate(prompts):
+            cold, rows = steps_of(cold_model, prompt, 6)
+            assert_same_where_clear(list(outs[i].tokens), cold, rows, prompt[-12:])
+        assert small.cache.stats.live == 0
+
+
+def test_a_thread_that_holds_every_slot_gets_an_error_not_a_hang(model_path: Path) -> None:
+    with lcgen.Model(model_path, n_ctx=512, n_seq_max=2) as small:
+        held = [small.sequence("one"), small.sequence("two")]
+        with pytest.raises(lcgen.SlotsExhaustedError, match="2 by live sequences"):
+            small.sequence("three")
+        for seq in held:
+            seq.close()
+        assert small.generate("three", max_tokens=1).stats.tokens == 1
+
+
+def test_slot_timeout_bounds_the_wait(model_path: Path) -> None:
+    with lcgen.Model(model_path, n_ctx=512, n_seq_max=1, slot_timeout=0.2) as small:
+        taken, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with small.sequence("held"):
+                taken.set()
+                release.wait(30)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        taken.wait(30)
+        try:
+            with pytest.raises(lcgen.SlotsExhaustedError, match=r"slot_timeout=0\.2"):
+                small.sequence("waiting")
+        finally:
+            release.set()
+            holder.join()
+        assert small.generate("waiting", max_tokens=1).stats.tokens == 1
+
+
+def test_more_prompts_than_slots_in_one_call_queue(model_path: Path) -> None:
+    with lcgen.Model(model_path, n_ctx=1024, n_seq_max=2) as small:
+        outs = small.generate([f"Number {i} is" for i in range(7)], max_tokens=3)
+        assert len(outs) == 7 and all(o.stats.tokens == 3 for o in outs)
+        assert small.cache.stats.live == 0
+
+
+# persistence ------------------------------------------------------------------------------------
+def test_a_saved_cache_loads_in_another_model_and_skips_the_prefix(
+    model: lcgen.Model, model_path: Path, tmp_path: Path
+) -> None:
+    model.cache.pin(FEW_SHOT)
+    expected = model.generate(FEW_SHOT + "Q: What is 4 plus 4?\nA:", max_tokens=4)
+    path = tmp_path / "few-shot.lcc"
+    assert model.cache.save(path, pinned_only=True) == 1
+    with lcgen.Model(model_path) as other:
+        assert other.cache.load(path) == 1 and other.cache.stats.pinned == 1
+        before = other.context.n_decoded
+        out = other.generate(FEW_SHOT + "Q: What is 4 plus 4?\nA:", max_tokens=4)
+        assert str(out) == str(expected)
+        assert other.context.n_decoded - before == out.stats.decoded < 20
+    model.cache.unpin(FEW_SHOT)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "model", "missing"])
+def test_a_damaged_cache_file_raises_and_loads_nothing(
+    model: lcgen.Model, tmp_path: Path, damage: str
+) -> None:
+    model.generate("Saved prefix for the file test", max_tokens=2)
+    path = tmp_path / "cache.lcc"
+    assert model.cache.save(path) >= 1
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "flip":
+        data[len(data) // 2] ^= 0x40
+        path.write_bytes(data)
+    elif damage == "missing":
+        path.unlink()
+    model.cache.clear()
+    if damage == "model":
+        gemma = pytest.importorskip("lcgen.registry").resolve("gemma3-270m", download=False)
+        with (
+            lcgen.Model(gemma, n_ctx=512) as other,
+            pytest.raises(lcgen.StateFileError, match="another model"),
+        ):
+            other.cache.load(path)
+        return
+    with pytest.raises(lcgen.StateFileError):
+        model.cache.load(path)
+    assert model.cache.stats.entries == 0
+
+
+def test_a_sequence_file_is_not_a_cache_file(model: lcgen.Model, tmp_path: Path) -> None:
+    with model.sequence("A sequence") as seq:
+        seq.generate(max_tokens=2)
+        seq.save(tmp_path / "seq.lcs")
+    with pytest.raises(lcgen.StateFileError, match="not an lcgen cache file"):
+        model.cache.load(tmp_path / "seq.lcs")
