@@ -132,7 +132,14 @@ def _print_stream(chunks: Iterable[Chunk]) -> Chunk | None:
 
 def _constraint(args: argparse.Namespace) -> dict[str, Any]:
     """The one --grammar / --json-schema / --choice / --regex given, as generation options."""
-    given = [name for name in ("grammar", "json_schema", "choice", "regex") if getattr(args, name)]
+    given = [
+        name
+        for name in ("grammar", "json_schema", "choice", "regex")
+        if getattr(args, name) is not None
+    ]
+    for name in given:
+        if not getattr(args, name):
+            raise ValueError(f"--{name.replace('_', '-')} is empty: give a value or leave it out")
     if len(given) > 1:
         raise ValueError(
             f"give at most one of --grammar, --json-schema, --choice, --regex; got {given}"

@@ -32,20 +32,18 @@ _M = TypeVar("_M")
 # every parked prefix needs one: 32 by default.
 DEFAULT_SLOTS = 32
 _MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ
+_MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS
 _MAX_SIZE = 2**31 - 1  # llama.cpp takes sizes as uint32; larger values would wrap
 
 
-def _check_sizes(n_ctx: int, n_batch: int, n_seq_max: int) -> None:
-    """Refuse sizes llama.cpp would abort on (or silently wrap)."""
-    for name, value, low, high in (
-        ("n_ctx", n_ctx, 0, _MAX_SIZE),
-        ("n_batch", n_batch, 1, _MAX_SIZE),
-        ("n_seq_max", n_seq_max, 1, _MAX_SEQ),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"{name} must be an int, got {value!r}")
-        if not low <= value <= high:
-            raise ValueError(f"{name} must be in [{low}, {high}], got {value!r}")
+def _check_sizes(n_ctx: int, n_batch: int, n_seq_max: int | None) -> int:
+    """Refuse sizes llama.cpp would abort on (or silently wrap); returns ``n_seq_max``
+    (None: :data:`DEFAULT_SLOTS` within what the sizes allow)."""
+    _check_int("n_ctx", n_ctx, 0, _MAX_SIZE)
+    _check_int("n_batch", n_batch, 1, _MAX_SIZE)
+    if n_seq_max is None:
+        n_seq_max = min(DEFAULT_SLOTS, n_batch, n_ctx or DEFAULT_SLOTS)
+    _check_int("n_seq_max", n_seq_max, 1, _MAX_SEQ)
     # Every slot may output a row in one batch: llama.cpp asserts room for n_seq_max outputs.
     for name, value in (("n_batch", n_batch), ("n_ctx", n_ctx)):
         if value and value < n_seq_max:
@@ -53,10 +51,41 @@ def _check_sizes(n_ctx: int, n_batch: int, n_seq_max: int) -> None:
                 f"{name}={value} is below n_seq_max={n_seq_max}: give {name} >= n_seq_max "
                 "or fewer slots"
             )
+    return n_seq_max
+
+
+def _check_int(name: str, value: object, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value!r}")
+    return value
+
+
+def _check_threads(n_threads: int) -> int:
+    return _check_int("n_threads", n_threads, 1, _MAX_THREADS)
 
 
 def _default_threads() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
+    """The cores this process may really use (CPU affinity, a cgroup CPU quota), at most 8:
+    more threads than cores slow llama.cpp many times over."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, min(8, cores, _cgroup_quota() or cores))
+
+
+def _cgroup_quota() -> int | None:
+    """The CPUs a cgroup v2 ``cpu.max`` quota allows, rounded up; None without a quota."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max", encoding="ascii") as f:
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max" or not quota.isdigit() or not period.isdigit() or int(period) == 0:
+        return None
+    return max(1, -(-int(quota) // int(period)))
 
 
 class Model:
@@ -103,9 +132,8 @@ class Model:
         slot_timeout: float | None = None,
         verbose: bool = False,
     ) -> None:
-        if n_seq_max is None:
-            n_seq_max = min(DEFAULT_SLOTS, n_batch, n_ctx or DEFAULT_SLOTS)
-        _check_sizes(n_ctx, n_batch, n_seq_max)
+        n_seq_max = _check_sizes(n_ctx, n_batch, n_seq_max)
+        self.n_threads = _check_threads(n_threads) if n_threads is not None else _default_threads()
         init(verbose)
         self.path = Path(path)
         if n_gpu_layers is None:
@@ -123,7 +151,6 @@ class Model:
         # Whether llama.cpp's extra CPU buffers (AMX, repacked weights) are used: off where
         # the CPU reports AMX that crashes (see lcgen._native.cpu).
         self.extra_cpu_buffers = self._handle.extra_cpu_buffers
-        self.n_threads = n_threads or _default_threads()
         n_ctx = n_ctx or self._handle.n_ctx_train
         self.context = Context(
             self._handle, n_ctx, n_batch, n_seq_max, self.n_threads, flash_attn, swa_full
@@ -326,8 +353,9 @@ class Model:
     # lifetime --------------------------------------------------------------------------
     def close(self) -> None:
         """Free the context, then the weights. Idempotent; live sequences become unusable."""
-        self.context.close()
-        self._handle.close()
+        with self.context.lock:  # no decode is running; a later one raises ClosedError
+            self.context.close()
+            self._handle.close()
 
     def __enter__(self) -> Model:
         return self

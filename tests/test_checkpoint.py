@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -298,3 +299,74 @@ def test_generator_restore_needs_a_checkpoint_taken_with_it(model: lcgen.Model) 
             seq.rewind(1, gen)
         with_gen = seq.checkpoint(gen)
         assert with_gen.generation is not None and with_gen.generation.n_tokens == 0
+
+
+def test_threads_saving_to_one_path_all_succeed_and_orphans_are_removed(
+    model: lcgen.Model, tmp_path: Path
+) -> None:
+    import threading
+
+    path = tmp_path / "shared.lcs"
+    dead = tmp_path / f".shared.lcs.{2**22 + 12345}.1.abcd.tmp"  # a pid that is not running
+    dead.write_bytes(b"left by a writer that was killed")
+    with model.sequence(PROMPT) as seq:
+        seq.generate(max_tokens=3)
+        errors: list[BaseException] = []
+
+        def save() -> None:
+            try:
+                seq.save(path)
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=save) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors
+        expected = seq.to_bytes()
+    assert path.read_bytes() == expected
+    assert [p.name for p in tmp_path.iterdir()] == ["shared.lcs"]
+
+
+def _forged(model: lcgen.Model, **changes: object) -> bytearray:
+    """A saved sequence with header fields changed and the checksum recomputed."""
+    header, kv = ckpt.decode(_saved(model))
+    return _encode({**header, **changes}, kv)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"n_decoded": -3}, "have KV cells"),
+        ({"n_decoded": 10**6}, "have KV cells"),
+        ({"tokens": [1, 2, -7]}, "not token ids"),
+        ({"tokens": "hello"}, "not token ids"),
+        ({"rng": "x"}, "malformed"),
+        ({"rng_log": [[1]]}, "malformed"),
+    ],
+)
+def test_forged_headers_with_a_valid_checksum_are_refused(
+    model: lcgen.Model, changes: dict[str, object], message: str
+) -> None:
+    with pytest.raises(lcgen.StateFileError, match=message):
+        lcgen.Sequence.from_bytes(model, _forged(model, **changes))
+    assert model.cache.stats.live == 0
+
+
+def test_rewind_targets_that_are_not_checkpoints_of_it(model: lcgen.Model) -> None:
+    with model.sequence(PROMPT) as seq:
+        run = seq.run(max_tokens=4)
+        cp = run.checkpoint()
+        run.step()
+        with pytest.raises(lcgen.RewindError, match=">= 0"):
+            seq.rewind(dataclasses.replace(cp, n_tokens=-1))
+        for bad in (1.5, None, "2"):
+            with pytest.raises(TypeError, match="Checkpoint or a number"):
+                seq.rewind(bad)  # type: ignore[arg-type]
+        other = seq.run(max_tokens=4).generator
+        with pytest.raises(ValueError, match="another generator"):
+            seq.rewind(cp, other)
+        run.rewind(cp)
+        assert run.step().tokens

@@ -125,3 +125,9 @@ def test_generate_with_constraints(model: lcgen.Model, tmp_path: Path) -> None:
     assert out.returncode == 1 and "no bundled grammar" in out.stderr
     out = run("generate", "smollm2-135m", "x", "--choice", "a", "--regex", "b")
     assert out.returncode == 1 and "at most one of" in out.stderr
+
+
+@pytest.mark.parametrize("flag", ["--grammar", "--choice", "--regex", "--json-schema"])
+def test_an_empty_constraint_is_an_error_not_unconstrained(flag: str) -> None:
+    out = run("generate", "smollm2-135m", "x", flag, "", "--max-tokens", "2")
+    assert out.returncode == 1 and f"{flag} is empty" in out.stderr, out.stderr

@@ -36,7 +36,7 @@ def test_truncated_gguf(tmp_path: Path, model_path: Path, keep: float) -> None:
     cut = tmp_path / "cut.gguf"
     with model_path.open("rb") as src, cut.open("wb") as dst:
         dst.write(src.read(n))
-    with pytest.raises(lcgen.ModelLoadError, match="could not load"):
+    with pytest.raises(lcgen.ModelLoadError, match=r"could not load|is truncated"):
         lcgen.Model(cut)
 
 
@@ -147,3 +147,14 @@ def test_model_closed_twice(model_path: Path, tmp_path: Path) -> None:
     m.close()
     m.close()
     seq.close()
+
+
+def test_options_that_take_lists_refuse_a_lone_value(model: lcgen.Model) -> None:
+    with pytest.raises(TypeError, match=r"use banned=\['Paris'\]"):
+        model.generate("x", banned="Paris")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="hooks takes a list of callables"):
+        model.generate("x", hooks=print)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="decode them first"):
+        model.generate("x", stop=b"x")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="did you mean 'max_tokens'"):
+        model.generate("x", max_new_tokens=5)  # type: ignore[call-arg]

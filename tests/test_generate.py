@@ -198,3 +198,17 @@ def test_generator_clone_is_independent(model: lcgen.Model) -> None:
     assert not gen.grammar.allows(no) or not twin.grammar.allows(yes)
     draws = gen.rng.random(), twin.rng.random()  # the same state, separate generators
     assert draws[0] == draws[1] and gen.rng is not twin.rng
+
+
+def test_the_default_thread_count_follows_the_cores_really_available(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lcgen import model as model_module
+
+    monkeypatch.setattr(model_module.os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    assert model_module._default_threads() == 1
+    monkeypatch.setattr(model_module.os, "sched_getaffinity", lambda pid: set(range(64)))
+    monkeypatch.setattr(model_module, "_cgroup_quota", lambda: 3)
+    assert model_module._default_threads() == 3  # a quota of 3 CPUs
+    monkeypatch.setattr(model_module, "_cgroup_quota", lambda: None)
+    assert model_module._default_threads() == 8  # at most 8

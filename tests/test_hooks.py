@@ -446,3 +446,15 @@ def test_the_output_never_holds_a_banned_phrase(model: lcgen.Model, data: st.Dat
     for phrase in phrases:
         assert (phrase.lower() if ignore_case else phrase) not in haystack
     assert out.finish_reason in ("length", "stop", "retries")
+
+
+def test_a_sequence_goes_on_after_a_generation_ends_by_retries(model: lcgen.Model) -> None:
+    """Ending with "retries" before any token kept the last token decoded, not pending: the
+    next step found nothing to decode (regression)."""
+    with model.sequence("Tell me about Rome.") as seq:
+        out = seq.generate(max_tokens=30, hooks=[lambda s: lcgen.Resample()], max_retries=3)
+        assert (out, out.finish_reason, out.stats.resamples) == ("", "retries", 3)
+        more = seq.generate(max_tokens=5)
+        assert more.stats.tokens == 5 and seq.n_decoded == seq.n_tokens - 1
+        with seq.fork() as child:
+            assert child.generate(max_tokens=3).stats.tokens == 3

@@ -49,6 +49,7 @@ class ContextHandle:
             raise ModelLoadError(f"llama.cpp could not create a context (n_ctx={n_ctx}): {reason}")
         self.ptr: ctypes.c_void_p | None = ptr
         self.mem = C.llama_get_memory(ptr)
+        self.name = model.name
         self.n_vocab = model.n_vocab
         self.n_ctx = int(C.llama_n_ctx(ptr))
         self.n_ctx_seq = int(C.llama_n_ctx_seq(ptr))
@@ -83,7 +84,7 @@ class ContextHandle:
             ClosedError: the context (its model) was closed.
         """
         if self.ptr is None:
-            raise ClosedError("the model is closed; load it again with lcgen.load()")
+            raise ClosedError(f"the model {self.name} is closed; load it again with lcgen.load()")
         return self.ptr
 
     def close(self) -> None:
@@ -169,4 +170,6 @@ class ContextHandle:
         data_ptr = arr.ctypes.data_as(ctypes.POINTER(ctypes.c_uint8))
         if C.llama_state_seq_set_data(ptr, data_ptr, arr.size, seq) == 0:
             reason = log_errors_since(mark) or "no reason logged"
+            if "available cells" in reason:  # a full memory, not a bad file
+                raise ContextFullError(f"no room in the KV cache for the saved state: {reason}")
             raise StateFileError(f"llama.cpp rejected the saved sequence state: {reason}")

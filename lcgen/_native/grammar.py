@@ -96,10 +96,12 @@ class GrammarSampler:
 
     @classmethod
     def new(cls, model: ModelHandle, gbnf: str, root: str) -> GrammarSampler:
-        return cls(model, _new_sampler(model.vocab(), gbnf, root))
+        with model.lock:
+            return cls(model, _new_sampler(model.vocab(), gbnf, root))
 
     def clone(self) -> GrammarSampler:
-        ptr = C.llama_sampler_clone(self._live())
+        with self.model.lock:
+            ptr = C.llama_sampler_clone(self._live())
         if not ptr:
             raise GrammarError("llama.cpp could not clone the grammar state")
         return GrammarSampler(self.model, ptr)
@@ -117,7 +119,6 @@ class GrammarSampler:
             raise ValueError(
                 f"token {token!r} is outside the vocabulary (0..{self.model.n_vocab - 1})"
             )
-        ptr = self._live()
         if self._one is None:
             data = C.llama_token_data(0, 0.0, 0.0)
             self._one = C.llama_token_data_array(ctypes.pointer(data), 1, -1, False)
@@ -126,14 +127,16 @@ class GrammarSampler:
         data = self._one_data
         data.id = token  # type: ignore[assignment]
         data.logit = 0.0
-        C.llama_sampler_apply(ptr, self._one_p)
+        with self.model.lock:
+            C.llama_sampler_apply(self._live(), self._one_p)
         return bool(data.logit == 0.0)
 
     def accept(self, token: int) -> bool:
         """Advance past ``token`` if the grammar allows it; False (and no change) if not."""
         if not self.allows(token):
             return False
-        C.llama_sampler_accept(self._live(), token)
+        with self.model.lock:
+            C.llama_sampler_accept(self._live(), token)
         return True
 
     def allowed(self, ids: np.ndarray) -> np.ndarray:
@@ -144,7 +147,8 @@ class GrammarSampler:
         array = C.llama_token_data_array(
             data.ctypes.data_as(ctypes.POINTER(C.llama_token_data)), len(ids), -1, False
         )
-        C.llama_sampler_apply(self._live(), ctypes.byref(array))
+        with self.model.lock:
+            C.llama_sampler_apply(self._live(), ctypes.byref(array))
         result = np.zeros(self.model.n_vocab, dtype=bool)
         result[ids] = data["logit"] == 0.0
         return result

@@ -6,11 +6,14 @@ import ctypes
 import functools
 import hashlib
 import os
+import threading
 from collections.abc import Callable, Sequence
+from typing import Concatenate, ParamSpec, TypeVar
 
 import llama_cpp as C
 
 from lcgen._native.cpu import extra_buffers_usable
+from lcgen._native.gguf import check_hyperparameters
 from lcgen._native.log import init, log_errors_since, log_mark
 from lcgen.errors import ClosedError, ModelLoadError
 
@@ -45,16 +48,36 @@ def _read_str(call: Callable[[ctypes.Array[ctypes.c_char], int], int]) -> str | 
         size = n + 1
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _locked(
+    method: Callable[Concatenate[ModelHandle, _P], _R],
+) -> Callable[Concatenate[ModelHandle, _P], _R]:
+    """Run a method holding the handle's lock: :meth:`ModelHandle.close` cannot free the model
+    while it calls into it (from another thread)."""
+
+    def held(handle: ModelHandle, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with handle.lock:
+            return method(handle, *args, **kwargs)
+
+    held.__doc__, held.__name__ = method.__doc__, method.__name__
+    return held
+
+
 class ModelHandle:
     """An owned ``llama_model`` pointer and its vocabulary.
 
-    Every call checks that the model is still open: the vocabulary pointer dies with the model,
-    and using it afterwards would crash the process.
+    Every call checks that the model is still open, holding the handle's lock: the vocabulary
+    pointer dies with the model, and using it afterwards would crash the process.
     """
 
     def __init__(self, path: str, n_gpu_layers: int, use_mmap: bool = True) -> None:
         init()
+        self.lock = threading.RLock()
         _check_gguf_file(path)
+        check_hyperparameters(path)
         params = C.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.use_mmap = use_mmap
@@ -92,16 +115,19 @@ class ModelHandle:
         self.live()
         return self._vocab  # type: ignore[no-any-return]
 
+    @_locked
     def close(self) -> None:
         ptr, self.ptr = self.ptr, None
         if ptr:
             C.llama_model_free(ptr)
 
+    @_locked
     def meta(self, key: str) -> str | None:
         """A GGUF metadata value as a string, or None when the key is absent."""
         ptr = self.live()
         return _read_str(lambda buf, n: C.llama_model_meta_val_str(ptr, key.encode(), buf, n))
 
+    @_locked
     def fingerprint(self) -> str:
         """A sha256 over the GGUF metadata, sizes and parameter count: tells models apart."""
         ptr = self.live()
@@ -114,16 +140,19 @@ class ModelHandle:
         digest.update(repr(sizes).encode())
         return digest.hexdigest()
 
+    @_locked
     def description(self) -> str:
         buf = ctypes.create_string_buffer(256)
         C.llama_model_desc(self.live(), buf, 256)
         return buf.value.decode("utf-8", "replace")
 
+    @_locked
     def chat_template(self) -> str | None:
         tmpl = C.llama_model_chat_template(self.live(), None)
         return tmpl.decode("utf-8", "replace") if tmpl else None
 
     # vocabulary -------------------------------------------------------------------------
+    @_locked
     def special_tokens(self) -> tuple[int, int, int, bool]:
         """(bos, eos, eot, add_bos); a missing token is -1."""
         v = self.vocab()
@@ -134,12 +163,15 @@ class ModelHandle:
             bool(C.llama_vocab_get_add_bos(v)),
         )
 
+    @_locked
     def is_eog(self, token: int) -> bool:
         return bool(C.llama_vocab_is_eog(self.vocab(), token))
 
+    @_locked
     def token_attr(self, token: int) -> int:
         return int(C.llama_vocab_get_attr(self.vocab(), token))
 
+    @_locked
     def tokenize(self, data: bytes, add_special: bool, parse_special: bool) -> list[int]:
         vocab = self.vocab()
         n_max = len(data) + 8
@@ -152,6 +184,7 @@ class ModelHandle:
                 return list(buf[:n])
             n_max = -n
 
+    @_locked
     def token_to_piece(self, token: int) -> bytes:
         """The token's bytes, special tokens shown (hide them by their attributes)."""
         vocab = self.vocab()
@@ -163,6 +196,7 @@ class ModelHandle:
                 return buf.raw[:n]
             size = -n
 
+    @_locked
     def all_pieces(self) -> list[bytes]:
         """Every token's piece (as :meth:`token_to_piece`), fetched in one pass."""
         vocab = self.vocab()
@@ -173,10 +207,12 @@ class ModelHandle:
             pieces.append(buf.raw[:n] if n >= 0 else self.token_to_piece(token))
         return pieces
 
+    @_locked
     def all_attrs(self) -> list[int]:
         vocab = self.vocab()
         return [int(C.llama_vocab_get_attr(vocab, token)) for token in range(self.n_vocab)]
 
+    @_locked
     def detokenize(self, tokens: Sequence[int], special: bool) -> bytes:
         vocab = self.vocab()
         arr = (C.llama_token * len(tokens))(*tokens)

@@ -58,6 +58,7 @@ class Grammar:
         if "\x00" in self.gbnf:
             raise GrammarError("the grammar contains a NUL character (write it as \\x00)")
         _check_repetition_bounds(self.gbnf)
+        _check_nesting(self.gbnf)
         check_gbnf(self.gbnf, self.root)
 
     @classmethod
@@ -169,6 +170,33 @@ class Grammar:
         :meth:`GrammarState.accepts_text`)."""
         with GrammarState(self, model) as state:
             return state.accepts_text(text)
+
+
+# llama.cpp parses GBNF by recursive descent and walks text through nested rules with stacks
+# whose work grows with the depth: deeper than these, it could overflow the C stack (measured:
+# 20,000 parentheses) or take minutes (text nested 4,000 deep in JSON: 39 s), so refuse.
+MAX_GBNF_NESTING = 1000
+MAX_TEXT_NESTING = 512
+
+
+def _max_depth(text: str, opening: str, closing: str) -> int:
+    depth = deepest = 0
+    for char in text:
+        if char in opening:
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in closing:
+            depth = max(0, depth - 1)
+    return deepest
+
+
+def _check_nesting(gbnf: str) -> None:
+    depth = _max_depth(LITERALS_AND_COMMENTS.sub(" ", gbnf), "(", ")")
+    if depth > MAX_GBNF_NESTING:
+        raise GrammarError(
+            f"the grammar nests parentheses {depth} deep, over the bound of {MAX_GBNF_NESTING} "
+            "(llama.cpp's parser recurses per level): use rules instead of deep nesting"
+        )
 
 
 def _check_repetition_bounds(gbnf: str) -> None:
@@ -375,8 +403,14 @@ class GrammarState:
 
         Raises:
             GrammarError: the vocabulary cannot spell ``text`` (neither its tokenization nor
-                single-byte tokens reproduce it).
+                single-byte tokens reproduce it), or it nests brackets over 512 deep.
         """
+        depth = _max_depth(text, "([{", ")]}")
+        if depth > MAX_TEXT_NESTING:
+            raise GrammarError(
+                f"the text nests brackets {depth} deep, over the bound of {MAX_TEXT_NESTING} "
+                "(llama.cpp's grammar check slows with the square of the depth)"
+            )
         tokens = self._spell(text.encode("utf-8"))
         with self.clone() as walker:
             if not all(walker.try_accept(t) for t in tokens):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from lcgen.vocab import HasVocab, Vocab, vocab_of
 
 # Redraws after a grammar rejection before masking the whole vocabulary.
 _REDRAWS = 8
+_ids = itertools.count(1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +41,7 @@ class GeneratorState:
     rng: Mapping[str, Any]
     finish_reason: FinishReason | None
     grammar: GrammarState | None = None
+    generator: int = 0  # which generator it was taken from (restore checks it)
 
 
 class Generator:
@@ -84,6 +87,7 @@ class Generator:
         vocab.check_tokens(tok for tok, _ in plan.sampler.logit_bias)
         self.vocab = vocab
         self.plan = plan
+        self._id = next(_ids)
         self.rng = rng if rng is not None else new_rng(plan.sampler.seed)
         self.tokens: list[int] = []
         self.text_state = TextState()
@@ -121,6 +125,7 @@ class Generator:
             self.rng.bit_generator.state,
             self.finish_reason,
             self.grammar.clone() if self.grammar is not None else None,
+            self._id,
         )
 
     def restore(self, state: GeneratorState) -> None:
@@ -129,6 +134,8 @@ class Generator:
         Raises:
             ValueError: the state lies beyond the tokens generated so far.
         """
+        if state.generator != self._id:
+            raise ValueError("the state was taken from another generator: restore it there")
         if state.n_tokens > len(self.tokens):
             raise ValueError(
                 f"cannot restore to token {state.n_tokens}: only {len(self.tokens)} generated"

@@ -17,6 +17,7 @@ from typing import Union
 import numpy as np
 
 from lcgen.decoding.sampling import log_normalizer, top_ids
+from lcgen.decoding.text import check_prefix_cost
 from lcgen.vocab import Vocab
 
 __all__ = ["BannedPhrases", "Hook", "Override", "Resample", "Rewind", "Step", "Validator"]
@@ -183,6 +184,7 @@ class BannedPhrases:
                     f"banned phrase {phrase!r} is a {type(phrase).__name__}, "
                     "not a str or a compiled re.Pattern"
                 )
+        check_prefix_cost(literals, "banned phrases")
         flags = re.IGNORECASE if ignore_case else 0
         by_length = sorted(set(literals), key=len, reverse=True)
         self.literals = tuple(by_length)

@@ -10,10 +10,11 @@ in llama.cpp: grammar states are made per generation.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TypedDict, Unpack
+from typing import Any, TypedDict, Unpack
 
 from lcgen.constrain import Grammar
 from lcgen.decoding.hooks import BannedPhrases, Hook, Validator
@@ -126,12 +127,19 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
     """
     unknown = options.keys() - _KEYS
     if unknown:
-        raise TypeError(f"unknown generation option(s) {sorted(unknown)}; see lcgen.make_plan")
+        hints = [
+            f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name)
+            for name in sorted(unknown)
+            for close in [difflib.get_close_matches(name, sorted(_KEYS), n=1)]
+        ]
+        raise TypeError(f"unknown generation option {', '.join(hints)}; see lcgen.make_plan")
     max_tokens = _int("max_tokens", options.get("max_tokens", DEFAULT_MAX_TOKENS), low=0)
     logprobs = options.get("logprobs")
     if logprobs is not None:
         logprobs = _int("logprobs", logprobs, low=0, high=MAX_LOGPROBS)
     stop = options.get("stop")
+    if isinstance(stop, bytes | bytearray):
+        raise TypeError(f"stop strings are str, got the bytes {stop!r}: decode them first")
     bias = options.get("logit_bias")
     sampler = (options.get("sampler") or SamplerConfig()).with_options(
         temperature=options.get("temperature"),
@@ -204,12 +212,25 @@ def _constraint(options: GenerateOptions, schema: SchemaLike | None) -> Grammar 
     return None
 
 
+def _sequence_of(options: GenerateOptions, name: str, items: str) -> tuple[Any, ...]:
+    """An option that takes a list: refuse a lone str (iterated, it would be its letters)
+    or a lone callable."""
+    value: Any = options.get(name)
+    if value is None:
+        return ()
+    if isinstance(value, str) or callable(value):
+        raise TypeError(f"{name} takes a list of {items}, got {value!r}: use {name}=[{value!r}]")
+    return tuple(value)
+
+
 def _backtracking(options: GenerateOptions) -> Backtracking | None:
     max_retries = _int("max_retries", options.get("max_retries", DEFAULT_MAX_RETRIES), low=0)
     lookback = _int("lookback", options.get("lookback", DEFAULT_LOOKBACK), low=1)
-    banned = BannedPhrases(options.get("banned") or (), options.get("banned_ignore_case", False))
-    hooks = tuple(options.get("hooks") or ())
-    validators = tuple(options.get("validators") or ())
+    banned = BannedPhrases(
+        _sequence_of(options, "banned", "phrases"), options.get("banned_ignore_case", False)
+    )
+    hooks = _sequence_of(options, "hooks", "callables")
+    validators = _sequence_of(options, "validators", "callables")
     for name, fns in (("hooks", hooks), ("validators", validators)):
         for fn in fns:
             if not callable(fn):

@@ -18,12 +18,15 @@ from __future__ import annotations
 
 import re
 from codecs import utf_8_decode
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 __all__ = [
+    "MAX_PREFIX_COST",
     "NO_STOPS",
     "Stops",
     "TextState",
+    "check_prefix_cost",
     "decode_flush",
     "decode_step",
     "stop_flush",
@@ -64,6 +67,28 @@ def decode_flush(held: bytes) -> str:
     return held.decode("utf-8", "replace")
 
 
+# Holding back text that could still become a stop (or a banned phrase) tables every prefix of
+# every string: the cost grows with each length squared. This bound (about 0.8 s to prepare)
+# refuses what would otherwise take minutes.
+MAX_PREFIX_COST = 2_000_000
+
+
+def check_prefix_cost(strings: Iterable[str], what: str) -> None:
+    """Refuse strings whose prefix tables would take too long to build.
+
+    Raises:
+        ValueError: the lengths squared sum past :data:`MAX_PREFIX_COST` (both named).
+    """
+    lengths = [len(s) for s in strings]
+    cost = sum(n * n for n in lengths)
+    if cost > MAX_PREFIX_COST:
+        raise ValueError(
+            f"{what} of {sum(lengths)} characters (the longest {max(lengths)}) are too long to "
+            f"match as they stream: the sum of their lengths squared, {cost}, is over "
+            f"{MAX_PREFIX_COST}; keep each under about 1,000 characters"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Stops:
     """Stop strings and how a hit is emitted; immutable, precomputes its lookup tables.
@@ -100,6 +125,7 @@ class Stops:
                 raise TypeError(f"stop string {stop!r} is a {type(stop).__name__}, not a str")
             if not stop:
                 raise ValueError(f"stop string {stop!r} is empty; stops are {strings!r}")
+        check_prefix_cost(strings, "stop strings")
         prefixes = {stop[:k] for stop in strings for k in range(1, len(stop))}
         # Anchored at the end, searched left to right: the first match is the longest suffix.
         alternatives = "|".join(map(re.escape, sorted(prefixes, key=len, reverse=True)))

@@ -8,16 +8,17 @@ to whom is the KV store's business (:mod:`lcgen.runtime.kvstore`).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from lcgen._native.context import ContextHandle
 from lcgen._native.model import ModelHandle
-from lcgen.errors import ContextFullError
+from lcgen.errors import ClosedError, ContextFullError
 from lcgen.runtime.cells import CellLedger
 
 
@@ -55,6 +56,9 @@ class Context:
             model, n_ctx, n_batch, n_seq_max, n_threads, flash_attn, swa_full
         )
         self.lock = threading.RLock()
+        self._idle = threading.Condition(self.lock)
+        self._in_use: dict[int, int] = {}  # thread -> steps it is in (reading logits views)
+        self._closing = False
         self.ledger = CellLedger()
         # Called when the memory has no room for a batch; frees some (True) or cannot (False).
         self.on_full: Callable[[], bool] | None = None
@@ -143,10 +147,20 @@ class Context:
 
         Returns:
             How many positions the sequence holds now.
+
+        Raises:
+            ContextFullError: the memory has no room for it, and nothing could be freed.
+            StateFileError: llama.cpp rejects the state.
         """
         with self.lock:
             self.ledger.removed(seq_id, 0)  # llama.cpp replaces what the id held
-            self._handle.set_seq_state(seq_id, data)
+            while True:
+                try:
+                    self._handle.set_seq_state(seq_id, data)
+                    break
+                except ContextFullError:
+                    if self.on_full is None or not self.on_full():
+                        raise
             n = self._handle.seq_pos_range(seq_id)[1] + 1
             self.ledger.decoded(seq_id, 0, n)
             return n
@@ -203,8 +217,41 @@ class Context:
             if hi > lo:
                 self.ledger.decoded(req.seq_id, req.pos + lo - begin, hi - lo)
 
-    def close(self) -> None:
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """A step: decoding and reading the logits it returned (views into llama.cpp's
+        buffer). :meth:`close` waits until no other thread is inside one."""
+        me = threading.get_ident()
         with self.lock:
+            if self._closing:
+                self._handle.live()  # raises ClosedError once closed
+                raise ClosedError("the model is being closed")
+            self._in_use[me] = self._in_use.get(me, 0) + 1
+        try:
+            yield
+        finally:
+            with self.lock:
+                self._in_use[me] -= 1
+                if not self._in_use[me]:
+                    del self._in_use[me]
+                self._idle.notify_all()
+
+    def close(self) -> None:
+        """Free the context once no other thread is inside a step (it then gets
+        :class:`~lcgen.ClosedError` at its next call). Idempotent.
+
+        Raises:
+            ValueError: called from inside a step of this thread (a hook, a validator).
+        """
+        with self.lock:
+            if threading.get_ident() in self._in_use:
+                raise ValueError(
+                    "cannot close the model from inside a generation step (a hook or a "
+                    "validator): close it after the generation"
+                )
+            self._closing = True  # no new step starts: the ones running end
+            while self._in_use:
+                self._idle.wait()
             self._handle.close()
 
 

@@ -73,18 +73,25 @@ def step(runs: Seq[Run]) -> list[Chunk | None]:
         pending), so the runs can go on or be dropped.
     """
     groups = [run.sequences() for run in runs]
-    rows = decode([seq for group in groups for seq in group])
+    seqs = [seq for group in groups for seq in group]
+    if not seqs:
+        return [run.advance([]) for run in runs]
     chunks: list[Chunk | None] = []
-    at = 0
-    try:
-        for run, group in zip(runs, groups, strict=True):
-            chunks.append(run.advance(rows[at : at + len(group)]))
-            at += len(group)
-    except BaseException:
-        for group in groups:
-            for seq in group:
+    with seqs[0].model.context.in_use():  # the logits are views: the model stays open
+        rows = decode(seqs)
+        at = 0
+        try:
+            for run, group in zip(runs, groups, strict=True):
+                chunks.append(run.advance(rows[at : at + len(group)]))
+                at += len(group)
+        except BaseException:
+            for seq in seqs:
                 seq.resync()
-        raise
+            raise
+    for group in groups:
+        for seq in group:
+            if seq.n_decoded == len(seq) and not seq.is_closed:
+                seq.resync()  # it ended without a new token (retries): keep the last pending
     return chunks
 
 

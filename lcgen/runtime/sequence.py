@@ -105,32 +105,25 @@ class Sequence(TokenSequence):
             StateFileError: corrupted, truncated, another format version, or another model.
         """
         header, kv = statefile.decode(data)
-        if header["model"] != model.fingerprint:
-            raise StateFileError(
-                f"the sequence was saved with another model (fingerprint {header['model'][:12]}, "
-                f"this model is {model.fingerprint[:12]}: {model.path.name})"
-            )
-        if len(header["tokens"]) > model.context.n_ctx:
-            raise StateFileError(
-                f"the saved sequence has {len(header['tokens'])} tokens, more than the context "
-                f"of {model.context.n_ctx}: load the model with a larger n_ctx"
-            )
-        tokens = model.vocab.check_tokens(header["tokens"])
+        tokens, n_decoded = _checked_header(header, model)
         seq = cls(model)
         try:
-            n_cells = seq._ctx.set_seq_state(seq._slot, kv) if header["n_decoded"] else 0
-            if n_cells != header["n_decoded"]:
+            n_cells = seq._ctx.set_seq_state(seq._slot, kv) if n_decoded else 0
+            if n_cells != n_decoded:
                 raise StateFileError(
-                    f"the saved sequence says {header['n_decoded']} tokens have KV cells, its "
-                    f"state holds {n_cells}"
+                    f"the saved sequence says {n_decoded} tokens have KV cells, its state "
+                    f"holds {n_cells}"
                 )
+            seq._rng.bit_generator.state = header["rng"]
+            seq._rng_log = {int(pos): state for pos, state in header["rng_log"]}
+        except (KeyError, TypeError, ValueError) as exc:
+            seq.close()
+            raise StateFileError(f"the saved sequence's header is malformed: {exc!r}") from None
         except BaseException:
             seq.close()
             raise
         seq.append_tokens(tokens)
-        seq._n_decoded = header["n_decoded"]
-        seq._rng.bit_generator.state = header["rng"]
-        seq._rng_log = {pos: state for pos, state in header["rng_log"]}
+        seq._n_decoded = n_decoded
         return seq
 
     @classmethod
@@ -231,3 +224,34 @@ class Sequence(TokenSequence):
 def _chunks(run: PlainRun | Backtracker) -> Iterator[Chunk]:
     while not run.is_done:
         yield run.step()
+
+
+def _checked_header(header: dict[str, Any], model: ModelLike) -> tuple[list[int], int]:
+    """The tokens and decoded count of a saved sequence's header, checked.
+
+    Raises:
+        StateFileError: another model, more tokens than the context, or fields of the wrong
+            type or out of range (a forged file whose checksum was recomputed).
+    """
+    fingerprint = header.get("model")
+    if fingerprint != model.fingerprint:
+        raise StateFileError(
+            f"the sequence was saved with another model (fingerprint {str(fingerprint)[:12]}, "
+            f"this model is {model.fingerprint[:12]}: {model.path.name})"
+        )
+    tokens, n_decoded = header.get("tokens"), header.get("n_decoded")
+    if not isinstance(tokens, list) or not all(
+        isinstance(t, int) and 0 <= t < model.vocab.n_vocab for t in tokens
+    ):
+        raise StateFileError("the saved sequence's tokens are not token ids of this model")
+    if len(tokens) > model.context.n_ctx:
+        raise StateFileError(
+            f"the saved sequence has {len(tokens)} tokens, more than the context of "
+            f"{model.context.n_ctx}: load the model with a larger n_ctx"
+        )
+    if not isinstance(n_decoded, int) or not 0 <= n_decoded < max(1, len(tokens)):
+        raise StateFileError(
+            f"the saved sequence says {n_decoded!r} of its {len(tokens)} tokens have KV cells "
+            "(the last one never has)"
+        )
+    return tokens, n_decoded

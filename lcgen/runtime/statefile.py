@@ -15,10 +15,13 @@ atomically (temp file, fsync, rename).
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
+import secrets
 import struct
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -99,18 +102,56 @@ def decode(
 
 
 def write_atomic(path: str | os.PathLike[str], data: bytes | bytearray) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves either the old file or the new one."""
+    """Write ``data`` to ``path`` so that a crash leaves either the old file or the new one.
+
+    The data goes to a temporary file of a name no other writer uses (process, thread and a
+    random part), is synced, renamed over ``path``, and the folder is synced. Temporary files
+    that writers which died left beside ``path`` are removed.
+    """
     target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    _remove_orphans(target)
+    tmp = target.with_name(
+        f".{target.name}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}.tmp"
+    )
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
+        _sync_folder(target.parent)
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
+
+
+def _remove_orphans(target: Path) -> None:
+    """Remove ``.NAME.<pid>.*.tmp`` files beside ``target`` whose process is gone."""
+    for tmp in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
+        pid = tmp.name[len(target.name) + 2 :].split(".", 1)[0]
+        if pid.isdigit() and not _is_alive(int(pid)):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+
+
+def _is_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _sync_folder(folder: Path) -> None:
+    """Make the rename durable (best effort: some systems cannot open a folder)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def read_file(path: str | os.PathLike[str], kind: FileKind = SEQUENCE) -> bytes:

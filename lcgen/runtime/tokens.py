@@ -226,6 +226,8 @@ class TokenSequence:
                 "to restore a generator, rewind to a checkpoint taken with it: "
                 "seq.checkpoint(generator)"
             )
+        if isinstance(target, bool) or not isinstance(target, int | Checkpoint):
+            raise TypeError(f"rewind takes a Checkpoint or a number of tokens, got {target!r}")
         if isinstance(target, int):
             if not 0 <= target <= len(self._tokens):
                 raise RewindError(
@@ -257,6 +259,8 @@ class TokenSequence:
 
     def _check_reachable(self, cp: Checkpoint) -> None:
         n = len(self._tokens)
+        if not isinstance(cp.n_tokens, int) or cp.n_tokens < 0:
+            raise RewindError(f"a checkpoint's position must be an int >= 0, got {cp.n_tokens!r}")
         if cp.n_tokens <= n and self._stamps[cp.n_tokens] == cp.stamp:
             return
         if cp.seq_uid != self._uid and cp.stamp not in self._stamps:
