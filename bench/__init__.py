@@ -9,12 +9,11 @@ from round to round) and the reported figure is the median over the rounds.
 
 - ``limit``: a minimal loop over llama.cpp's C API, with a context set up exactly like lcgen's
   (same n_ctx, n_batch = n_ubatch, n_seq_max, threads, ``kv_unified``, ``swa_full``,
-  ``no_perf``; flash attention left on llama.cpp's ``auto`` as lcgen leaves it). Prefill is
+  ``no_perf``; flash attention as lcgen sets it: off on the CPU). Prefill is
   ``llama_batch_get_one`` in n_batch chunks; each step is ``llama_decode`` of one token, then
   numpy argmax over ``llama_get_logits_ith(ctx, -1)`` with the end-of-generation tokens masked.
 - ``llama-cpp-python``: ``llama_cpp.Llama.create_completion`` with the same settings (flash
-  attention on, the value ``auto`` resolves to on CPU; its cache reset before each run, so the
-  prompt is always decoded).
+  attention as lcgen's; its cache reset before each run, so the prompt is always decoded).
 - ``lcgen``: the public API, ``model.sequence(prompt)`` and ``seq.generate``.
 
 Every run bans the end-of-generation tokens (``logit_bias`` of -inf), so all generate exactly
@@ -128,7 +127,12 @@ def open_bench(args: argparse.Namespace, scratch: Path) -> Bench:
         n_seq_max=base.n_seq_max,
         cache=False,  # these rows time cold work, as llama-cpp-python's reset cache does
     )
-    cfg = replace(base, n_threads=model.n_threads, extra_cpu_buffers=model.extra_cpu_buffers)
+    cfg = replace(
+        base,
+        n_threads=model.n_threads,
+        extra_cpu_buffers=model.extra_cpu_buffers,
+        flash_attn=model.flash_attn,
+    )
     try:
         work = build_workload(
             model, args.prompt_tokens, args.tokens, args.context_tokens, args.schemas

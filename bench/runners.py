@@ -47,8 +47,10 @@ class ContextConfig:
     n_seq_max: int = 8
     n_threads: int = 1
     n_gpu_layers: int = 0
-    # lcgen turns llama.cpp's extra CPU buffers off where AMX crashes; the others follow it.
+    # lcgen turns llama.cpp's extra CPU buffers off where AMX crashes, and flash attention off
+    # on the CPU (None: llama.cpp decides); the others follow it.
     extra_cpu_buffers: bool = True
+    flash_attn: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -202,6 +204,10 @@ def _context_params(cfg: ContextConfig) -> Any:
     params.no_perf = True
     params.kv_unified = True
     params.swa_full = True
+    if cfg.flash_attn is not None:
+        params.flash_attn_type = (
+            C.LLAMA_FLASH_ATTN_TYPE_ENABLED if cfg.flash_attn else C.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        )
     return params
 
 
@@ -239,7 +245,7 @@ class LlamaCppPython:
                 n_threads=cfg.n_threads,
                 n_threads_batch=cfg.n_threads,
                 n_gpu_layers=cfg.n_gpu_layers,
-                flash_attn=True,
+                flash_attn=cfg.flash_attn is not False,  # its auto: on, as llama.cpp's
                 swa_full=True,
                 no_perf=True,
                 verbose=False,
