@@ -19,7 +19,7 @@ from llama_cpp.llama_cache import LlamaRAMCache
 
 import lcgen
 from bench.harness import Bench, Check, Row, RowFactory, at_least, at_most
-from bench.runners import ContextConfig, LlamaCppPython, Sample, Workload
+from bench.runners import ContextConfig, LlamaCppPython, Sample, Workload, load_lcgen
 
 NEW_TOKENS = 8
 N_CALLS = 5
@@ -68,13 +68,7 @@ class _Loader:
         if self.sides is None:
             cfg: ContextConfig = bench.llama_cpp_python.cfg
             path = bench.lcgen.model.path
-            model = lcgen.load(
-                path,
-                n_threads=cfg.n_threads,
-                n_gpu_layers=cfg.n_gpu_layers,
-                n_ctx=cfg.n_ctx,
-                n_batch=cfg.n_batch,
-            )
+            model = load_lcgen(path, cfg)  # its KV cache on
             self.sides = _Sides(
                 model, LlamaCppPython(path, cfg), LlamaCppPython(path, cfg), dict(bench.work.bias)
             )

@@ -34,7 +34,7 @@ from bench.harness import (
     at_least,
     interleaved,
 )
-from bench.runners import Lcgen, LlamaCppPython, Sample, Workload
+from bench.runners import Lcgen, LlamaCppPython, Sample, Workload, load_lcgen
 from lcgen.registry import resolve
 
 CONSTRAINED_MIN_FREE_RATIO = 0.9  # lcgen constrained / lcgen unconstrained
@@ -310,15 +310,8 @@ def constrained_gemma_row(work: Workload) -> Row:
 
 def _load_json_work(path: Path, bench: Bench, n_schemas: int) -> JsonWork:
     cfg = bench.llama_cpp_python.cfg
-    model = lcgen.load(
-        path,
-        n_threads=cfg.n_threads,
-        n_gpu_layers=cfg.n_gpu_layers,
-        n_ctx=cfg.n_ctx,
-        n_batch=cfg.n_batch,
-        n_seq_max=cfg.n_seq_max,
-        cache=False,  # cold work, as llama-cpp-python's reset cache does
-    )
+    # Cold work, as llama-cpp-python's reset cache does.
+    model = load_lcgen(path, cfg, n_seq_max=cfg.n_seq_max, cache=False)
     lc = Lcgen(model)
     try:
         llama_cpp_python = LlamaCppPython(path, cfg)

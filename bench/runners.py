@@ -229,6 +229,18 @@ def extra_cpu_buffers(enabled: bool) -> Iterator[None]:
         low_level.llama_model_default_params = default
 
 
+def load_lcgen(path: Path, cfg: ContextConfig, **options: Any) -> lcgen.Model:
+    """lcgen's model of ``path`` with the benchmark's context settings (``options`` added)."""
+    return lcgen.load(
+        path,
+        n_threads=cfg.n_threads,
+        n_gpu_layers=cfg.n_gpu_layers,
+        n_ctx=cfg.n_ctx,
+        n_batch=cfg.n_batch,
+        **options,
+    )
+
+
 class LlamaCppPython:
     """llama-cpp-python's high-level ``Llama``, used the way its users call it."""
 
