@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return int(args.func(args))
-    except (LcgenError, ValueError, OSError) as exc:
+    except (LcgenError, ValueError, TypeError, OSError) as exc:
         print(f"lcgen: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -62,6 +62,29 @@ def _check_int(name: str, value: object, low: int, high: int) -> int:
     return value
 
 
+def _check_messages(messages: object) -> list[dict[str, str]]:
+    """Chat messages as dicts, each with a str role and content.
+
+    Raises:
+        TypeError: not a list of mappings (a lone string is named).
+        ValueError: a message without a str role or content.
+    """
+    if isinstance(messages, str) or not isinstance(messages, Seq):
+        raise TypeError(
+            f"chat takes a list of messages, got {messages!r}: use "
+            "[{'role': 'user', 'content': ...}]"
+        )
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping):
+            raise TypeError(f"chat message {i} is not a mapping: {message!r}")
+        for key in ("role", "content"):
+            if not isinstance(message.get(key), str):
+                raise ValueError(f"chat message {i} needs a str {key!r}: {dict(message)!r}")
+        out.append(dict(message))
+    return out
+
+
 def _check_threads(n_threads: int) -> int:
     return _check_int("n_threads", n_threads, 1, _MAX_THREADS)
 
@@ -224,14 +247,19 @@ class Model:
         Raises:
             ValueError: the model has no chat template, or the template rejects the messages.
         """
+        checked = _check_messages(messages)
         template = self._handle.chat_template()
         if template is None:
             raise ValueError(f"{self.path.name} has no chat template; use generate() instead")
         bos = self.vocab.special_piece(self.bos).decode() if self.bos >= 0 else ""
         eos = self.vocab.special_piece(self.eos).decode() if self.eos >= 0 else ""
-        return render_chat_template(
-            template, [dict(m) for m in messages], bos, eos, add_generation_prompt
-        )
+        try:
+            return render_chat_template(template, checked, bos, eos, add_generation_prompt)
+        except Exception as exc:  # jinja2's errors: the template fails on these messages
+            raise ValueError(
+                f"the chat template of {self.path.name} failed on these messages: "
+                f"{type(exc).__name__}: {exc}"
+            ) from None
 
     def chat_tokens(self, messages: Seq[Message]) -> list[int]:
         """The prompt tokens for ``messages``, ending where the assistant's reply starts."""
@@ -262,8 +290,13 @@ class Model:
         Raises:
             SlotsExhaustedError: all ``n_seq_max`` slots are held by live sequences.
         """
-        tokens = self.tokenize(prompt, special=special) if isinstance(prompt, str) else prompt
-        return Sequence(self, tokens if prompt else [], seed=seed)
+        if isinstance(prompt, str):
+            tokens = self.tokenize(prompt, special=special) if prompt else []
+        elif isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Seq):
+            raise TypeError(f"a prompt is a str or a list of token ids, got {prompt!r}")
+        else:
+            tokens = self.vocab.check_tokens(prompt)  # type: ignore[arg-type]
+        return Sequence(self, tokens, seed=seed)
 
     def stream(
         self, prompt: str, *, schema: SchemaLike | None = None, **options: Unpack[GenerateOptions]
@@ -324,6 +357,8 @@ class Model:
         if isinstance(prompt, str):
             with self.sequence(prompt) as seq:
                 return seq.generate(schema=schema, **options)
+        if not isinstance(prompt, list | tuple) or not all(isinstance(p, str) for p in prompt):
+            raise TypeError(f"a prompt is a str or a list of str, got {prompt!r}")
         plan = make_plan(schema=schema, **options)
         texts = self._generate_batch([self.tokenize(p) for p in prompt], plan)
         return texts if schema is None else [parse_structured(t, schema) for t in texts]

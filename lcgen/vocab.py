@@ -9,6 +9,7 @@ token. Built once per model; the tables over the whole vocabulary are built on f
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Iterable
 from typing import Protocol
 
@@ -74,8 +75,14 @@ class Vocab:
 
         Raises:
             ValueError: a token id is outside ``[0, n_vocab)``.
+            TypeError: a token id is not an int.
         """
-        out = [int(t) for t in tokens]
+        if isinstance(tokens, str | bytes | bytearray):
+            raise TypeError(f"token ids are a list of int, got {tokens!r}")
+        try:
+            out = [operator.index(t) for t in tokens]
+        except TypeError:
+            raise TypeError(f"token ids must be ints, got {list(tokens)[:8]!r}...") from None
         for tok in out:
             if not 0 <= tok < self.n_vocab:
                 raise ValueError(f"token id {tok} is outside the vocabulary [0, {self.n_vocab})")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -158,3 +160,54 @@ def test_options_that_take_lists_refuse_a_lone_value(model: lcgen.Model) -> None
         model.generate("x", stop=b"x")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="did you mean 'max_tokens'"):
         model.generate("x", max_new_tokens=5)  # type: ignore[call-arg]
+
+
+def test_unclear_errors_now_name_the_value(model: lcgen.Model) -> None:
+    """Each of these used to fail with an error that named nothing (TypeError from inside,
+    AttributeError, jinja2's, decimal's, RecursionError)."""
+    cases: list[tuple[type[Exception], str, Any]] = [
+        (TypeError, "temperature must be a number", lambda: model.generate("x", temperature="0.5")),
+        (TypeError, "top_k must be an int", lambda: model.generate("x", top_k=2.5)),
+        (ValueError, "seed must be an int >= 0", lambda: model.generate("x", seed=-1)),
+        (TypeError, "logprobs must be an int", lambda: model.generate("x", logprobs=2.5)),
+        (TypeError, "max_tokens must be an int", lambda: model.generate("x", max_tokens="5")),
+        (
+            TypeError,
+            "logit_bias keys are token ids",
+            lambda: model.generate("x", logit_bias={"5": 1}),
+        ),
+        (TypeError, "lcgen.SamplerConfig", lambda: model.generate("x", sampler="greedy")),
+        (TypeError, "lcgen.Grammar(text)", lambda: model.generate("x", grammar='root ::= "a"')),
+        (TypeError, "Override takes a token id", lambda: lcgen.Override("x")),
+        (TypeError, "a prompt is a str or a list", lambda: model.generate(None)),
+        (TypeError, "a prompt is a str or a list of token ids", lambda: model.sequence(123)),
+        (TypeError, "token ids must be ints", lambda: model.sequence(["a", "b"])),
+        (TypeError, "chat takes a list of messages", lambda: model.chat("Hello")),
+        (ValueError, "needs a str 'content'", lambda: model.chat([{"role": "user"}])),
+        (TypeError, "n_ctx must be an int", lambda: lcgen.Model("x.gguf", n_ctx="512")),
+        (TypeError, "n_threads must be an int", lambda: lcgen.Model("x.gguf", n_threads=2.5)),
+        (
+            lcgen.GrammarError,
+            "nests too deeply",
+            lambda: lcgen.Grammar.regex("(" * 400 + "a" + ")" * 400),
+        ),
+    ]
+    for error, message, call in cases:
+        with pytest.raises(error, match=re.escape(message)):
+            call()
+
+
+def test_schemas_that_used_to_break_the_converter(model: lcgen.Model) -> None:
+    big = {"type": "integer", "minimum": -1e30, "maximum": 1e30}
+    assert lcgen.Grammar.from_json_schema(big).accepts(model, "123456789012345678901234567890")
+    nested: dict[str, Any] = {"type": "integer"}
+    for _ in range(60):  # the item rule is named once per level, not written out twice
+        nested = {"type": "array", "items": nested}
+    grammar = lcgen.Grammar.from_json_schema(nested)
+    assert len(grammar.gbnf) < 20_000 and grammar.accepts(model, "[" * 60 + "1" + "]" * 60)
+    for _ in range(200):
+        nested = {"type": "array", "items": nested}
+    with pytest.raises(lcgen.GrammarError, match="nests too deeply"):
+        lcgen.Grammar.from_json_schema(nested)
+    value = model.generate("A JSON number:", schema='{"type": "integer"}', max_tokens=8)
+    assert isinstance(value, int)  # a JSON Schema given as JSON text

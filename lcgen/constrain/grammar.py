@@ -148,7 +148,13 @@ class Grammar:
         """
         if not isinstance(pattern, str):
             raise TypeError(f"regex pattern must be a str, got {type(pattern).__name__}")
-        return cls(f"root ::= {_regex.regex_to_gbnf(pattern)}\n")
+        try:
+            body = _regex.regex_to_gbnf(pattern)
+        except RecursionError:
+            raise GrammarError(
+                f"the regular expression nests too deeply to compile ({len(pattern)} characters)"
+            ) from None
+        return cls(f"root ::= {body}\n")
 
     def check(self, model: Vocab | HasVocab) -> None:
         """Check the grammar against a model's vocabulary: it parses (token names too) and

@@ -21,8 +21,10 @@ are ignored. Everything else raises.
 from __future__ import annotations
 
 import contextlib
+import decimal
 import json
 import math
+import re
 from decimal import Decimal
 from typing import Any
 from urllib.parse import unquote
@@ -42,13 +44,26 @@ def schema_to_gbnf(schema: dict[str, Any] | bool) -> str:
         GrammarError: an unsupported keyword or combination, an invalid schema, or one that no
             value satisfies.
     """
-    if isinstance(schema, dict):
-        validator_cls = jsonschema.validators.validator_for(schema)
-        try:
-            validator_cls.check_schema(schema)
-        except jsonschema.SchemaError as exc:
-            raise GrammarError(f"invalid JSON Schema: {exc.message}") from None
-    return _Compiler(schema).compile()
+    try:
+        if isinstance(schema, dict):
+            validator_cls = jsonschema.validators.validator_for(schema)
+            try:
+                validator_cls.check_schema(schema)
+            except jsonschema.SchemaError as exc:
+                raise GrammarError(f"invalid JSON Schema: {exc.message}") from None
+        with decimal.localcontext() as context:
+            context.prec = 1000  # bounds such as 1e300 are whole numbers of 301 digits
+            return _Compiler(schema).compile()
+    except RecursionError:
+        raise GrammarError(
+            "the JSON Schema nests too deeply to compile (or has too many properties in one "
+            "object, each compiled in turn): flatten it"
+        ) from None
+    except ArithmeticError as exc:
+        raise GrammarError(f"a numeric bound of the JSON Schema is out of range: {exc!r}") from None
+
+
+_RULE_NAME = re.compile(r"[a-zA-Z0-9-]+")
 
 
 class _Compiler:
@@ -62,6 +77,10 @@ class _Compiler:
 
     def compile(self) -> str:
         return self.rules.text(self.visit(self.root, "#"))
+
+    def named(self, name: str, expr: str) -> str:
+        """``expr`` as a rule name (itself when it is one already)."""
+        return expr if _RULE_NAME.fullmatch(expr) else self.rules.add(name, expr)
 
     def prim(self, name: str) -> str:
         if name not in self.rules.rules:
@@ -261,7 +280,11 @@ class _Compiler:
             raise GrammarError(f"no array satisfies minItems {low} / maxItems {high} at {path}")
         self.prim("ws")
         elems = [self.visit(s, f"{path}/prefixItems/{i}") for i, s in enumerate(prefix[:high])]
-        rest_rule = self.visit(rest, f"{path}/items") if rest is not False else None
+        rest_rule = None
+        if rest is not False:
+            # A named rule: the chain below writes the item twice, and inlined in nested
+            # arrays that would double the grammar at every level.
+            rest_rule = self.named("item", self.visit(rest, f"{path}/items"))
         return '"[" ws ' + self.item_chain(elems, rest_rule, low, high, 0) + ' "]"'
 
     def item_chain(

@@ -35,6 +35,10 @@ class Override:
 
     token: int
 
+    def __post_init__(self) -> None:
+        if isinstance(self.token, bool) or not isinstance(self.token, int):
+            raise TypeError(f"Override takes a token id (int), got {self.token!r}")
+
 
 @dataclass(frozen=True, slots=True)
 class Resample:

@@ -137,6 +137,12 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
     logprobs = options.get("logprobs")
     if logprobs is not None:
         logprobs = _int("logprobs", logprobs, low=0, high=MAX_LOGPROBS)
+    sampler_config = options.get("sampler")
+    if sampler_config is not None and not isinstance(sampler_config, SamplerConfig):
+        raise TypeError(
+            f"sampler must be an lcgen.SamplerConfig, got {sampler_config!r} (for greedy "
+            "decoding give temperature=0)"
+        )
     stop = options.get("stop")
     if isinstance(stop, bytes | bytearray):
         raise TypeError(f"stop strings are str, got the bytes {stop!r}: decode them first")
@@ -196,6 +202,11 @@ def _constraint(options: GenerateOptions, schema: SchemaLike | None) -> Grammar 
         raise ValueError(f"give at most one of grammar, choice, regex, schema; got {sorted(given)}")
     grammar, choice, regex = options.get("grammar"), options.get("choice"), options.get("regex")
     if grammar is not None:
+        if isinstance(grammar, str):
+            raise TypeError(
+                "grammar takes an lcgen.Grammar, got GBNF text: use grammar=lcgen.Grammar(text)"
+                " or lcgen.Grammar.from_file(name)"
+            )
         if not isinstance(grammar, Grammar):
             raise TypeError(f"grammar must be an lcgen.Grammar, got {type(grammar).__name__}")
         return grammar
@@ -207,6 +218,8 @@ def _constraint(options: GenerateOptions, schema: SchemaLike | None) -> Grammar 
         return Grammar.regex(regex)
     if isinstance(schema, Mapping):
         return Grammar.from_json_schema(dict(schema))
+    if isinstance(schema, str | bool):  # JSON Schema text, or the schemas true / false
+        return Grammar.from_json_schema(schema)
     if schema is not None:
         return Grammar.from_pydantic(schema)
     return None

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 FinishReason = Literal["stop", "length", "retries"]
-SchemaLike = Mapping[str, Any] | type[Any]
+# A JSON Schema (a dict, JSON text, or true / false) or a pydantic model class.
+SchemaLike = Mapping[str, Any] | str | bool | type[Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,6 +112,5 @@ def parse_structured(text: str, schema: SchemaLike) -> Any:
             "raise max_tokens",
             text,
         ) from None
-    if isinstance(schema, Mapping):
-        return value
-    return schema.model_validate(value)
+    validate = getattr(schema, "model_validate", None)
+    return value if validate is None else validate(value)

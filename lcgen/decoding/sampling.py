@@ -44,6 +44,17 @@ class SamplerConfig:
     )
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise TypeError(f"{name} must be a number, got {value!r}")
+        for name in ("top_k", "repeat_last_n"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {value!r}")
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if self.top_k < 0:
@@ -58,6 +69,11 @@ class SamplerConfig:
             raise ValueError(f"repeat_last_n must be >= 0, got {self.repeat_last_n!r}")
         if isinstance(self.logit_bias, Mapping):
             object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        for tok, bias in self.logit_bias:
+            if isinstance(tok, bool) or not isinstance(tok, int):
+                raise TypeError(f"logit_bias keys are token ids (int), got {tok!r}")
+            if isinstance(bias, bool) or not isinstance(bias, int | float) or bias != bias:
+                raise TypeError(f"logit_bias values are numbers, got {bias!r} for token {tok}")
         object.__setattr__(self, "only_bans", all(bias <= 0 for _, bias in self.logit_bias))
         object.__setattr__(self, "biased", frozenset(tok for tok, _ in self.logit_bias))
 

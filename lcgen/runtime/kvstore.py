@@ -459,13 +459,14 @@ class KVStore:
                 f"the cache file {os.fspath(path)!r} was saved with another model "
                 f"(fingerprint {str(header.get('model'))[:12]})"
             )
-        blobs = _split_blobs(kv, len(header["entries"]))
+        items = _checked_entries(header, self._vocab)
+        blobs = _split_blobs(kv, len(items))
         loaded: list[Entry] = []
         with self._cond:
             try:
-                for item, blob in zip(header["entries"], blobs, strict=True):
-                    loaded.append(self._load_entry(self._vocab.check_tokens(item["tokens"]), blob))
-                    loaded[-1].state = "pinned" if item.get("pinned") else "parked"
+                for (tokens, pinned), blob in zip(items, blobs, strict=True):
+                    loaded.append(self._load_entry(tokens, blob))
+                    loaded[-1].state = "pinned" if pinned else "parked"
             except BaseException:
                 for entry in loaded:
                     self._drop(entry)
@@ -484,6 +485,30 @@ class KVStore:
                 f"a cache entry of {len(tokens)} tokens holds the state of {n} positions"
             )
         return entry
+
+
+def _checked_entries(header: dict[str, Any], vocab: Vocab) -> list[tuple[list[int], bool]]:
+    """The (tokens, pinned) of each entry a cache file's header lists.
+
+    Raises:
+        StateFileError: the header is malformed (a forged file whose checksum was recomputed).
+    """
+    entries = header.get("entries")
+    if not isinstance(entries, list):
+        raise StateFileError("the cache file's header lists no entries")
+    out = []
+    for item in entries:
+        tokens = item.get("tokens") if isinstance(item, dict) else None
+        try:
+            checked = vocab.check_tokens(tokens) if isinstance(tokens, list) else None
+        except (TypeError, ValueError):
+            checked = None
+        if not checked:
+            raise StateFileError(
+                f"a cache entry's tokens are not token ids of this model: {item!r:.80}"
+            )
+        out.append((checked, bool(item.get("pinned"))))
+    return out
 
 
 def _split_blobs(kv: memoryview, n: int) -> list[memoryview]:
