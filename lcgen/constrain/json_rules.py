@@ -18,26 +18,39 @@ ANNOTATIONS = frozenset(
      "writeOnly", "discriminator", "contentEncoding", "contentMediaType", "$defs",
      "definitions", "$anchor"]
 )  # fmt: skip
-GENERIC = frozenset(["type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref"])
+APPLICATORS = frozenset(
+    ["$ref", "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependencies",
+     "dependentRequired", "dependentSchemas"]
+)  # fmt: skip
+GENERIC = frozenset(["type", "enum", "const", *APPLICATORS])
 BY_TYPE = {
     "string": frozenset(["minLength", "maxLength", "pattern", "format"]),
     "number": frozenset(
         ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf"]
     ),
     "object": frozenset(
-        ["properties", "required", "additionalProperties", "minProperties", "maxProperties"]
+        ["properties", "required", "additionalProperties", "minProperties", "maxProperties",
+         "patternProperties", "propertyNames"]
     ),
     "array": frozenset(
-        ["items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems"]
+        ["items", "prefixItems", "additionalItems", "minItems", "maxItems", "uniqueItems",
+         "contains", "minContains", "maxContains"]
     ),
-}
+}  # fmt: skip
+CONSTRAINING = GENERIC.union(*BY_TYPE.values())
 UNSUPPORTED = frozenset(
-    ["not", "if", "then", "else", "patternProperties", "propertyNames", "dependentRequired",
-     "dependentSchemas", "dependencies", "unevaluatedProperties", "unevaluatedItems",
-     "contains", "minContains", "maxContains", "$dynamicRef", "$recursiveRef",
-     "$dynamicAnchor", "$recursiveAnchor"]
-)  # fmt: skip
+    ["unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$recursiveRef"]
+)
+KNOWN = sorted(
+    ANNOTATIONS
+    | CONSTRAINING
+    | UNSUPPORTED
+    | {"$schema", "$id", "id", "$vocabulary", "$dynamicAnchor", "$recursiveAnchor"}
+)
+# Common annotations of other vocabularies (OpenAPI...), close to keywords but not misspelt.
+QUIET = frozenset(["example", "nullable", "readonly", "writeonly", "links", "media"])
 TYPES = ("null", "boolean", "integer", "number", "string", "array", "object")
+NON_NUMERIC = ("null", "boolean", "string", "array", "object")
 
 WS = "[ \\t\\n]{0,24}"
 HEX = "[0-9a-fA-F]"
@@ -57,6 +70,21 @@ DATE = (
 )
 LEAP_YY = '("0" [48] | [2468] [048] | [13579] [26])'
 HOUR = '([01] [0-9] | "2" [0-3])'
+# URI characters that need no escape in a JSON string (RFC 3986: unreserved, reserved, %XX).
+URI_CHAR = '([a-zA-Z0-9._~:/?#@!$&\'()*+,;=-] | "%" ' + HEX + " " + HEX + ")"
+
+
+def _ipv6() -> str:
+    """Eight groups, or fewer around one "::" (RFC 4291, without the IPv4 tail)."""
+
+    def groups(n: int) -> str:
+        return ' ":" '.join(["h16"] * n) if n else '""'
+
+    compressed = [f'{groups(a)} "::" {groups(b)}' for a in range(8) for b in range(8 - a)]
+    return " | ".join([groups(8), *compressed])
+
+
+DURATION = '"P" (dur-date ("T" dur-time)? | "T" dur-time | [0-9]+ "W")'
 PRIMITIVES = {
     "ws": WS,
     "char": CHAR,
@@ -67,6 +95,9 @@ PRIMITIVES = {
     "array": '"[" ws (value ws ("," ws value ws)*)? "]"',
     "year": '[0-9]{3} [1-9] | [0-9]{2} [1-9] "0" | [0-9] [1-9] "00" | [1-9] "000"',
     "leap-year": f'[0-9]{{2}} {LEAP_YY} | {LEAP_YY} "00"',
+    "h16": f"{HEX}{{1,4}}",
+    "dur-date": '[0-9]+ "Y" ([0-9]+ "M")? ([0-9]+ "D")? | [0-9]+ "M" ([0-9]+ "D")? | [0-9]+ "D"',
+    "dur-time": '[0-9]+ "H" ([0-9]+ "M")? ([0-9]+ "S")? | [0-9]+ "M" ([0-9]+ "S")? | [0-9]+ "S"',
     "day28": '"0" [1-9] | "1" [0-9] | "2" [0-8]',
     "date": DATE,
     "time": f'{HOUR} ":" [0-5] [0-9] ":" [0-5] [0-9] ("." [0-9]{{1,6}})? '
@@ -76,12 +107,22 @@ PRIMITIVES = {
     "email": '[A-Za-z0-9_%+-]+ ("." [A-Za-z0-9_%+-]+)* "@" label ("." label)+',
     "label": "[A-Za-z0-9] ([A-Za-z0-9-]* [A-Za-z0-9])?",
     "ipv4": 'octet "." octet "." octet "." octet',
+    # hostname: RFC 1123 labels; at most 8 of at most 30 characters keep it under 253 in all.
+    "hostname": 'hlabel ("." hlabel){0,7}',
+    "hlabel": "[A-Za-z0-9] ([A-Za-z0-9-]{0,28} [A-Za-z0-9])?",
+    "ipv6": _ipv6(),
+    "uri": f'[a-zA-Z] [a-zA-Z0-9+.-]* ":" {URI_CHAR}*',
+    "uri-reference": f"{URI_CHAR}*",
+    "duration": DURATION,
     "octet": '"25" [0-5] | "2" [0-4] [0-9] | "1" [0-9] [0-9] | [1-9] [0-9] | [0-9]',
 }
 DEPENDS = {"value": ("object", "array", "string", "number"), "object": ("ws", "string", "value"),
            "array": ("ws", "value"), "string": ("char",), "date": ("year", "leap-year", "day28"),
-           "date-time": ("date", "time"), "email": ("label",), "ipv4": ("octet",)}  # fmt: skip
-FORMATS = ("date", "time", "date-time", "uuid", "email", "ipv4")
+           "date-time": ("date", "time"), "email": ("label",), "ipv4": ("octet",),
+           "hostname": ("hlabel",), "ipv6": ("h16",),
+           "duration": ("dur-date", "dur-time")}  # fmt: skip
+FORMATS = ("date", "time", "date-time", "uuid", "email", "ipv4", "ipv6", "hostname", "uri",
+           "uri-reference", "duration")  # fmt: skip
 
 
 def type_of(value: Any) -> str:
@@ -117,9 +158,9 @@ def bound(schema: dict[str, Any], key: str, exclusive_key: str) -> g.Bound | Non
     """(exact value, exclusive) of the tighter of ``key`` and ``exclusive_key``."""
     value, exclusive = schema.get(key), schema.get(exclusive_key)
     candidates: list[g.Bound] = []
-    if isinstance(value, int | float) and not isinstance(value, bool):
+    if isinstance(value, int | float | Decimal) and not isinstance(value, bool):
         candidates.append((Decimal(value), exclusive is True))
-    if isinstance(exclusive, int | float) and not isinstance(exclusive, bool):
+    if isinstance(exclusive, int | float | Decimal) and not isinstance(exclusive, bool):
         candidates.append((Decimal(exclusive), True))
     if not candidates:
         return None

@@ -1,30 +1,33 @@
 """JSON Schema to GBNF, exactly: every text the grammar allows is JSON that validates.
 
-The grammar may allow less than the schema (a fixed property order, no extra properties where
-the schema merely permits them, canonical string escapes, numbers without exponents where
-bounded, whitespace of at most 24 characters), never more. A keyword lcgen cannot enforce
-raises :class:`~lcgen.errors.GrammarError` naming it and where it is, instead of being dropped.
+The grammar may allow less than the schema (a fixed property order, canonical string escapes,
+numbers without exponents where bounded, whitespace of at most 24 characters, no extra keys
+where patterns or property names make them hard to tell apart), never more. A keyword lcgen
+cannot enforce raises :class:`~lcgen.errors.GrammarError` naming it and where it is, instead
+of being dropped; unknown keywords are annotations, ignored as the specification says (a
+likely misspelling of a keyword warns).
 
-Enforced: ``type`` (and lists of types), ``enum``, ``const``, ``$ref`` (local, recursive too),
-``anyOf``, ``oneOf`` (when its alternatives are provably disjoint: different types, different
-constants, or a required property with different constants), ``allOf`` with one member;
-strings: ``minLength``, ``maxLength``, ``pattern`` (Python regex subset, search semantics),
-``format`` (date, time, date-time, uuid, email, ipv4); numbers: ``minimum``, ``maximum``,
-``exclusiveMinimum``, ``exclusiveMaximum`` (draft 4 booleans too), ``multipleOf`` where every
-integer satisfies it; objects: ``properties``, ``required``, ``additionalProperties``,
-``minProperties``/``maxProperties`` when the required/declared properties settle them; arrays:
-``items``, ``prefixItems``, ``additionalItems``, ``minItems``, ``maxItems``, ``uniqueItems``
-where at most one item is allowed. Annotations (``title``, ``description``, ``default``, ...)
-are ignored. Everything else raises.
+How: every schema is first *flattened* into alternatives, each a conjunction of plain schemas
+without applicators: ``allOf`` joins conjunctions, ``anyOf``/``oneOf`` and ``if``/``then``/
+``else`` and the dependency keywords branch, ``not`` is pushed inward (each keyword negated on
+its own: a conjunction fails when one of its keywords fails), and a ``$ref`` beside other
+keywords is expanded in place. Each conjunction then becomes GBNF per JSON type, gathering
+what its members say about that type: keywords of one type constrain only values of that
+type, as the specification says.
 """
 
 from __future__ import annotations
 
 import contextlib
 import decimal
+import difflib
+import functools
+import itertools
 import json
 import math
 import re
+import warnings
+from collections.abc import Callable
 from decimal import Decimal
 from typing import Any
 from urllib.parse import unquote
@@ -36,9 +39,21 @@ from lcgen.constrain import json_rules as spec
 from lcgen.constrain.regex import regex_to_gbnf
 from lcgen.errors import GrammarError
 
+Conj = list[dict[str, Any]]  # a conjunction of plain (applicator-free) schemas
+FALSE: dict[str, Any] = {"not": {}}  # "no value", in every draft
+# Keys of the plain schemas lcgen writes itself (validators ignore unknown keys): strings
+# that are none of a list; properties named only to constrain them (they close no object).
+NOT_IN, SYNTHETIC = "$lcgen-not-in", "$lcgen-synthetic"
+MAX_ALTERNATIVES = 256
 
-def schema_to_gbnf(schema: dict[str, Any] | bool) -> str:
+
+def schema_to_gbnf(schema: dict[str, Any] | bool, *, close_objects: bool = False) -> str:
     """GBNF text whose root matches exactly JSON texts (a subset) valid against ``schema``.
+
+    Args:
+        schema: the JSON Schema.
+        close_objects: objects that do not say whether they allow other properties allow
+            none (the specification allows any).
 
     Raises:
         GrammarError: an unsupported keyword or combination, an invalid schema, or one that no
@@ -53,7 +68,7 @@ def schema_to_gbnf(schema: dict[str, Any] | bool) -> str:
                 raise GrammarError(f"invalid JSON Schema: {exc.message}") from None
         with decimal.localcontext() as context:
             context.prec = 1000  # bounds such as 1e300 are whole numbers of 301 digits
-            return _Compiler(schema).compile()
+            return _Compiler(schema, close_objects).compile()
     except RecursionError:
         raise GrammarError(
             "the JSON Schema nests too deeply to compile (or has too many properties in one "
@@ -63,17 +78,46 @@ def schema_to_gbnf(schema: dict[str, Any] | bool) -> str:
         raise GrammarError(f"a numeric bound of the JSON Schema is out of range: {exc!r}") from None
 
 
+def _count(schema: dict[str, Any], key: str, default: int = 0) -> int:
+    """A count keyword (``minItems``...), which may be written as a float such as 2.0."""
+    return int(schema.get(key, default))
+
+
+class _Unsatisfiable(GrammarError):
+    """No value of one alternative validates (other alternatives may)."""
+
+
+def _first_satisfiable(options: list[Callable[[], str]], path: str) -> str:
+    """The alternatives of the options that some value satisfies (raising when none is)."""
+    found, reasons = [], []
+    for option in options:
+        try:
+            found.append(option())
+        except _Unsatisfiable as exc:
+            reasons.append(str(exc))
+    if found:
+        return g.alternatives(found)
+    if len(set(reasons)) == 1:
+        raise _Unsatisfiable(reasons[0])
+    raise _Unsatisfiable(f"no value satisfies the schema at {path}")
+
+
 _RULE_NAME = re.compile(r"[a-zA-Z0-9-]+")
+_OLD_DRAFTS = ("Draft3Validator", "Draft4Validator", "Draft6Validator", "Draft7Validator")
 
 
 class _Compiler:
-    def __init__(self, root: dict[str, Any] | bool) -> None:
+    def __init__(self, root: dict[str, Any] | bool, close_objects: bool) -> None:
         self.root = root
-        self.rules = g.RuleSet()
+        self.close_objects = close_objects
+        self.rules = g.RuleSet(reserved=[*spec.PRIMITIVES, "root"])
         self.refs: dict[str, str] = {}
+        self.expanding: list[str] = []
         base = root if isinstance(root, dict) else {}
         cls = jsonschema.validators.validator_for(base)
         self.validator = cls(base, format_checker=cls.FORMAT_CHECKER)
+        self.old_draft = cls.__name__ in _OLD_DRAFTS  # $ref ignores its siblings
+        self.draft4 = cls.__name__ in _OLD_DRAFTS[:2]  # boolean exclusiveMinimum/Maximum
 
     def compile(self) -> str:
         return self.rules.text(self.visit(self.root, "#"))
@@ -89,82 +133,103 @@ class _Compiler:
                 self.prim(dep)
         return name
 
-    # dispatch -------------------------------------------------------------------------------
+    # schemas to alternatives of conjunctions -------------------------------------------------
     def visit(self, schema: Any, path: str) -> str:
-        if schema is True or schema == {}:
-            return self.prim("value")
+        """The GBNF expression of the values ``schema`` allows."""
         if schema is False:
-            raise GrammarError(f"the schema at {path} is false: no value validates")
+            raise _Unsatisfiable(f"the schema at {path} is false: no value validates")
+        if isinstance(schema, dict) and "$ref" in schema and self.only_ref(schema):
+            self.check_keywords(schema, path)
+            return self.ref(schema["$ref"], path)
+        if schema is True or (isinstance(schema, dict) and not set(schema) & spec.CONSTRAINING):
+            if isinstance(schema, dict):
+                self.check_keywords(schema, path)
+            return self.prim("value")
+        return _first_satisfiable(
+            [functools.partial(self.conjunction, c, path) for c in self.flatten(schema, path)],
+            path,
+        )
+
+    def only_ref(self, schema: dict[str, Any]) -> bool:
+        return self.old_draft or not (set(schema) - spec.ANNOTATIONS - {"$ref", "$schema", "$id"})
+
+    def flatten(self, schema: Any, path: str) -> list[Conj]:
+        """``schema`` as alternatives, each a conjunction of plain schemas."""
+        if schema is True:
+            return [[]]
+        if schema is False:
+            return []
         if not isinstance(schema, dict):
             raise GrammarError(f"the schema at {path} is not an object: {schema!r}")
         self.check_keywords(schema, path)
-        active = set(schema) - spec.ANNOTATIONS - {"$schema", "$id"}
+        if "$ref" in schema and self.old_draft:
+            schema = {"$ref": schema["$ref"]}
+        plain = {k: v for k, v in schema.items() if k not in spec.APPLICATORS}
+        alts: list[Conj] = [[plain]]
         if "$ref" in schema:
-            self.only(active, {"$ref"}, "$ref", path)
-            return self.ref(schema["$ref"], path)
-        if "allOf" in schema:
-            self.only(active, {"allOf"}, "allOf", path)
-            if len(schema["allOf"]) != 1:
-                raise GrammarError(f"allOf with several schemas (at {path}) is not supported")
-            return self.visit(schema["allOf"][0], f"{path}/allOf/0")
-        for key in ("anyOf", "oneOf"):
-            if key in schema:
-                self.only(active, {key}, key, path)
-                options = schema[key]
-                if key == "oneOf":
-                    self.check_disjoint(options, path)
-                return g.alternatives(
-                    self.visit(s, f"{path}/{key}/{i}") for i, s in enumerate(options)
-                )
-        if "const" in schema or "enum" in schema:
-            return self.enum(schema, path)
-        return g.alternatives(self.visit_type(t, schema, path) for t in self.types(schema, path))
-
-    def check_keywords(self, schema: dict[str, Any], path: str) -> None:
-        for key in schema:
-            if key in spec.UNSUPPORTED:
-                raise GrammarError(f"unsupported JSON Schema keyword {key!r} at {path}")
-            if key in ("$schema", "$id") and path != "#":
-                raise GrammarError(f"{key!r} inside a subschema (at {path}) is not supported")
-            known = key in spec.ANNOTATIONS or key in spec.GENERIC or key in ("$schema", "$id")
-            known = known or key.startswith("x-") or any(key in k for k in spec.BY_TYPE.values())
-            if not known:
-                raise GrammarError(f"unknown JSON Schema keyword {key!r} at {path}")
+            alts = self.join(alts, self.expand_ref(schema["$ref"], path))
+        for i, sub in enumerate(schema.get("allOf", ())):
+            alts = self.join(alts, self.flatten(sub, f"{path}/allOf/{i}"))
+        if "anyOf" in schema:
+            alts = self.join(alts, self.union(schema["anyOf"], f"{path}/anyOf"))
+        if "oneOf" in schema:
+            self.check_disjoint(schema["oneOf"], path)
+            alts = self.join(alts, self.union(schema["oneOf"], f"{path}/oneOf"))
+        if "not" in schema:
+            alts = self.join(alts, self.negate(schema["not"], f"{path}/not"))
+        if "if" in schema and ("then" in schema or "else" in schema):
+            test = schema["if"]
+            yes = self.join(
+                self.flatten(test, f"{path}/if"),
+                self.flatten(schema.get("then", True), f"{path}/then"),
+            )
+            no = self.join(
+                self.negate(test, f"{path}/if"),
+                self.flatten(schema.get("else", True), f"{path}/else"),
+            )
+            alts = self.join(alts, yes + no)
+        for name, then in self.dependencies(schema):
+            absent: Conj = [{"properties": {name: FALSE}, SYNTHETIC: True}]
+            present = self.join(
+                [[{"required": [name]}]], self.flatten(then, f"{path}/dependencies/{name}")
+            )
+            alts = self.join(alts, [absent, *present])
+        return alts
 
     @staticmethod
-    def only(active: set[str], allowed: set[str], what: str, path: str) -> None:
-        extra = sorted(active - allowed)
-        if extra:
+    def dependencies(schema: dict[str, Any]) -> list[tuple[str, Any]]:
+        """(property, schema that applies when it is present) of every dependency keyword."""
+        found: list[tuple[str, Any]] = []
+        for key in ("dependencies", "dependentRequired", "dependentSchemas"):
+            for name, then in schema.get(key, {}).items():
+                found.append((name, {"required": then} if isinstance(then, list) else then))
+        return found
+
+    def join(self, left: list[Conj], right: list[Conj]) -> list[Conj]:
+        joined = [a + b for a in left for b in right]
+        if len(joined) > MAX_ALTERNATIVES:
             raise GrammarError(
-                f"{what} together with {', '.join(extra)} (at {path}) is not supported"
+                f"the schema branches into over {MAX_ALTERNATIVES} alternatives (anyOf, oneOf, "
+                "if/then/else and dependencies multiply): simplify it"
             )
+        return joined
 
-    def types(self, schema: dict[str, Any], path: str) -> list[str]:
-        declared = schema.get("type")
-        if declared is None:
-            found = [t for t, kws in spec.BY_TYPE.items() if kws & set(schema)]
-            return found or ["any"]
-        names = declared if isinstance(declared, list) else [declared]
-        if "number" in names and "integer" in names:
-            names = [n for n in names if n != "integer"]
-        return list(dict.fromkeys(names))
+    def union(self, schemas: list[Any], path: str) -> list[Conj]:
+        return [c for i, s in enumerate(schemas) for c in self.flatten(s, f"{path}/{i}")]
 
-    def visit_type(self, kind: str, schema: dict[str, Any], path: str) -> str:
-        if kind == "any":
-            return self.prim("value")
-        if kind == "null":
-            return '"null"'
-        if kind == "boolean":
-            return '("true" | "false")'
-        if kind in ("integer", "number"):
-            return self.number(schema, path, integer=kind == "integer")
-        return {"string": self.string, "array": self.array, "object": self.object}[kind](
-            schema, path
-        )
+    def expand_ref(self, ref: str, path: str) -> list[Conj]:
+        if ref in self.expanding:
+            raise GrammarError(
+                f"$ref {ref!r} beside other keywords (at {path}) refers to itself: lcgen "
+                "expands such references in place, which never ends"
+            )
+        self.expanding.append(ref)
+        try:
+            return self.flatten(self.resolve_ref(ref, path), ref)
+        finally:
+            self.expanding.pop()
 
-    def ref(self, ref: str, path: str) -> str:
-        if ref in self.refs:
-            return self.refs[ref]
+    def resolve_ref(self, ref: str, path: str) -> Any:
         if not ref.startswith("#"):
             raise GrammarError(f"$ref {ref!r} (at {path}): only local references are supported")
         target: Any = self.root
@@ -174,57 +239,217 @@ class _Compiler:
                 target = target[int(key)] if isinstance(target, list) else target[key]
             except (KeyError, IndexError, ValueError, TypeError):
                 raise GrammarError(f"$ref {ref!r} (at {path}) does not resolve") from None
-        name = self.rules.reserve(ref.rsplit("/", 1)[-1] or "root-ref")
+        return target
+
+    def ref(self, ref: str, path: str) -> str:
+        if ref in self.refs:
+            return self.refs[ref]
+        target = self.resolve_ref(ref, path)
+        name = self.rules.reserve("ref-" + (ref.rsplit("/", 1)[-1] or "root"))
         self.refs[ref] = name
-        self.rules.define(name, self.visit(target, ref))
+        body = self.visit(target, ref)
+        if body == name:
+            raise GrammarError(f"$ref {ref!r} (at {path}) refers only to itself")
+        self.rules.define(name, body)
         return name
 
-    # values ---------------------------------------------------------------------------------
-    def enum(self, schema: dict[str, Any], path: str) -> str:
-        values = [schema["const"]] if "const" in schema else list(schema["enum"])
-        check = self.validator.evolve(schema=schema)
-        kept = [v for v in values if check.is_valid(v)]
+    def check_keywords(self, schema: dict[str, Any], path: str) -> None:
+        for key in schema:
+            if key in spec.UNSUPPORTED:
+                raise GrammarError(f"unsupported JSON Schema keyword {key!r} at {path}")
+            nested_id = key == "$id" or (
+                key == "id" and self.draft4 and isinstance(schema[key], str)
+            )
+            if nested_id and path != "#":
+                raise GrammarError(f"{key!r} inside a subschema (at {path}) is not supported")
+            if key not in spec.KNOWN and key not in spec.QUIET and not key.startswith("x-"):
+                close = difflib.get_close_matches(key, spec.KNOWN, n=1, cutoff=0.85)
+                if close:
+                    warnings.warn(
+                        f"unknown JSON Schema keyword {key!r} at {path} is ignored (did you "
+                        f"mean {close[0]!r}?)",
+                        stacklevel=5,
+                    )
+
+    # not --------------------------------------------------------------------------------------
+    def negate(self, schema: Any, path: str) -> list[Conj]:
+        """Alternatives whose values all fail ``schema`` (perhaps not every such value: a
+        keyword whose negation lcgen cannot write is left out, which only narrows)."""
+        alts: list[Conj] = [[]]
+        for conj in self.flatten(schema, path):
+            negations = [n for member in conj for n in self.negate_plain(member, path)]
+            alts = self.join(alts, [[n] for n in negations])
+        return alts
+
+    def negate_plain(self, member: dict[str, Any], path: str) -> list[dict[str, Any]]:
+        """Plain schemas, each failing one keyword of ``member`` (so failing ``member``)."""
+        out: list[dict[str, Any]] = []
+        types = self.types_of(member)
+        if types is not None:  # (numbers that are not integers: left out)
+            others = [t for t in spec.NON_NUMERIC if t not in types]
+            others += [] if types & {"integer", "number"} else ["number"]
+            if others:
+                out.append({"type": others})
+        if "const" in member or "enum" in member:
+            values = [member["const"]] if "const" in member else member["enum"]
+            kinds = {spec.type_of(v) for v in values}
+            others = [t for t in spec.NON_NUMERIC if t not in kinds]
+            others += [] if kinds & {"integer", "number"} else ["number"]
+            if others:
+                out.append({"type": others})
+            if "boolean" in kinds:
+                out += [{"const": b} for b in (True, False) if not any(v is b for v in values)]
+            if "string" in kinds:
+                out.append({"type": "string", NOT_IN: [v for v in values if isinstance(v, str)]})
+        for key, flip in (("minimum", "maximum"), ("maximum", "minimum")):
+            b = spec.bound(member, key, "exclusive" + key.capitalize())
+            if b is not None:
+                out.append({"type": "number", **self.bound_schema(flip, b[0], not b[1])})
+        for low, high, kind in (
+            ("minLength", "maxLength", "string"),
+            ("minItems", "maxItems", "array"),
+            ("minProperties", "maxProperties", "object"),
+        ):
+            if member.get(low, 0) > 0:
+                out.append({"type": kind, high: _count(member, low) - 1})
+            if high in member:
+                out.append({"type": kind, low: _count(member, high) + 1})
+        for name in member.get("required", ()):
+            out.append({"type": "object", "properties": {name: FALSE}, SYNTHETIC: True})
+        for name, sub in member.get("properties", {}).items():
+            out.append(
+                {
+                    "type": "object",
+                    "required": [name],
+                    "properties": {name: {"not": sub}},
+                    SYNTHETIC: True,
+                }
+            )
+        if not out and set(member) & spec.CONSTRAINING:
+            keys = ", ".join(sorted(set(member) & spec.CONSTRAINING))
+            raise GrammarError(f"not of {keys} (at {path}) is not supported")
+        return out
+
+    def bound_schema(self, key: str, value: Any, exclusive: bool) -> dict[str, Any]:
+        if not exclusive:
+            return {key: value}
+        if self.draft4:
+            return {key: value, "exclusive" + key.capitalize(): True}
+        return {"exclusive" + key.capitalize(): value}
+
+    # one conjunction, per type ------------------------------------------------------------------
+    def conjunction(self, conj: Conj, path: str) -> str:
+        if any(member == FALSE for member in conj):
+            raise _Unsatisfiable(f"no value satisfies the schema at {path}")
+        if not any(set(m) & spec.CONSTRAINING for m in conj):
+            return self.prim("value")
+        consts = [m for m in conj if "const" in m or "enum" in m]
+        if consts:
+            return self.enum(conj, consts, path)
+        types = list(spec.TYPES)
+        for member in conj:
+            allowed = self.types_of(member)
+            if allowed is not None:
+                types = [t for t in types if t in allowed]
+        if "number" in types and "integer" in types:
+            types.remove("integer")
+        return _first_satisfiable(
+            [functools.partial(self.visit_type, kind, conj, path) for kind in types], path
+        )
+
+    @staticmethod
+    def types_of(member: dict[str, Any]) -> set[str] | None:
+        declared = member.get("type")
+        if declared is None:
+            return None
+        names = set(declared if isinstance(declared, list) else [declared])
+        return names | ({"integer"} if "number" in names else set())
+
+    def visit_type(self, kind: str, conj: Conj, path: str) -> str:
+        if kind == "null":
+            return '"null"'
+        if kind == "boolean":
+            return '("true" | "false")'
+        if kind in ("integer", "number"):
+            return self.number(conj, path, integer=kind == "integer")
+        return {"string": self.string, "array": self.array, "object": self.object}[kind](conj, path)
+
+    def all_of(self, schemas: list[Any]) -> Any:
+        """One schema for the conjunction of ``schemas`` (visited later)."""
+        kept = [s for s in schemas if s is not True and s != {}]
+        if any(s is False or s == FALSE for s in kept):
+            return False
+        unique = list({json.dumps(s, sort_keys=True, default=str): s for s in kept}.values())
+        return True if not unique else unique[0] if len(unique) == 1 else {"allOf": unique}
+
+    # values -----------------------------------------------------------------------------------
+    def enum(self, conj: Conj, consts: Conj, path: str) -> str:
+        first = consts[0]
+        values = [first["const"]] if "const" in first else list(first["enum"])
+        kept = [
+            value
+            for value in values
+            if all(self.validator.evolve(schema=m).is_valid(value) for m in conj)
+            and all(value not in m.get(NOT_IN, ()) for m in conj)
+        ]
         if not kept:
-            raise GrammarError(f"no value of enum/const at {path} satisfies the other keywords")
+            raise _Unsatisfiable(f"no value of enum/const at {path} satisfies the other keywords")
         return g.alternatives(self.const(v, path) for v in kept)
 
     def const(self, value: Any, path: str) -> str:
         if isinstance(value, dict):
-            members = [
-                f'{self.const(k, path)} ws ":" ws {self.const(v, path)} ws'
-                for k, v in value.items()
-            ]
             self.prim("ws")
-            return '"{" ws ' + ' "," ws '.join(members) + ' "}"' if members else '"{" ws "}"'
+            orders = itertools.permutations(value.items()) if len(value) <= 4 else [value.items()]
+            options = []
+            for order in orders:
+                members = [
+                    f'{self.const(k, path)} ws ":" ws {self.const(v, path)} ws' for k, v in order
+                ]
+                options.append(
+                    '"{" ws ' + ' "," ws '.join(members) + ' "}"' if members else '"{" ws "}"'
+                )
+            return g.alternatives(options)
         if isinstance(value, list):
             self.prim("ws")
             items = [f"{self.const(v, path)} ws" for v in value]
             return '"[" ws ' + ' "," ws '.join(items) + ' "]"' if items else '"[" ws "]"'
         if isinstance(value, float) and not math.isfinite(value):
             raise GrammarError(f"the constant {value!r} at {path} is not JSON")
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            # Equal numbers are equal values: 1, 1.0 and 1.00 all match the constant 1.
+            number = Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
+            whole = number == number.to_integral_value()
+            text = str(int(number)) if whole else format(number.normalize(), "f")
+            return f'{g.literal(text)} ("." "0"+)?' if whole else f'{g.literal(text)} "0"*'
         return g.literal(json.dumps(value, ensure_ascii=False))
 
-    def string(self, schema: dict[str, Any], path: str) -> str:
-        fmt, pattern = schema.get("format"), schema.get("pattern")
-        lengths = {"minLength", "maxLength"} & set(schema)
-        if (fmt is not None) + (pattern is not None) + bool(lengths) > 1:
-            used = [k for k in ("format", "pattern", *sorted(lengths)) if k in schema]
+    def string(self, conj: Conj, path: str) -> str:
+        low = max((_count(m, "minLength") for m in conj), default=0)
+        highs = [_count(m, "maxLength") for m in conj if "maxLength" in m]
+        high = min(highs) if highs else None
+        formats = {m["format"] for m in conj if m.get("format") in spec.FORMATS}
+        patterns = {m["pattern"] for m in conj if "pattern" in m}
+        excluded = [v for m in conj for v in m.get(NOT_IN, ())]
+        lengths = low > 0 or high is not None
+        if len(formats) + len(patterns) + lengths + bool(excluded) > 1:
+            used = [*sorted(formats), *sorted(patterns)]
+            used += ["minLength/maxLength"] * lengths + ["not enum"] * bool(excluded)
             raise GrammarError(f"{' with '.join(used)} on one string (at {path}) is not supported")
-        if fmt is not None:
-            if fmt not in spec.FORMATS:
-                supported = ", ".join(spec.FORMATS)
-                raise GrammarError(
-                    f"unsupported string format {fmt!r} at {path} (supported: {supported})"
-                )
-            return f'"\\"" {self.prim(fmt)} "\\""'
-        if pattern is not None:
+        if high is not None and low > high:
+            raise _Unsatisfiable(
+                f"no string satisfies minLength {low} / maxLength {high} at {path}"
+            )
+        if formats:
+            return f'"\\"" {self.prim(formats.pop())} "\\""'
+        if patterns:
             try:
-                body = regex_to_gbnf(pattern, json_string=True, search=True)
+                body = regex_to_gbnf(patterns.pop(), json_string=True, search=True)
             except GrammarError as exc:
                 raise GrammarError(f"pattern at {path}: {exc}") from None
             return f'"\\"" {body} "\\""'
-        low, high = schema.get("minLength", 0), schema.get("maxLength")
-        if (low, high) == (0, None):
+        if excluded:
+            return self.key_not_in(excluded)
+        if not lengths:
             return self.prim("string")
         try:
             chars = g.repeat(self.prim("char"), low, high)
@@ -232,17 +457,17 @@ class _Compiler:
             raise GrammarError(f"minLength/maxLength at {path}: {exc}") from None
         return f'"\\"" {chars} "\\""'
 
-    def number(self, schema: dict[str, Any], path: str, integer: bool) -> str:
-        lo, hi = (
-            spec.bound(schema, "minimum", "exclusiveMinimum"),
-            spec.bound(schema, "maximum", "exclusiveMaximum"),
-        )
-        step = schema.get("multipleOf")
-        if step is not None and not (integer and (1 / Decimal(str(step))) % 1 == 0):
-            raise GrammarError(f"multipleOf {step} at {path} is not supported")
-        options = []
+    def number(self, conj: Conj, path: str, integer: bool) -> str:
+        lows = [b for m in conj if (b := spec.bound(m, "minimum", "exclusiveMinimum"))]
+        highs = [b for m in conj if (b := spec.bound(m, "maximum", "exclusiveMaximum"))]
+        lo = max(lows) if lows else None
+        hi = min(highs, key=lambda b: (b[0], not b[1])) if highs else None
+        steps = {Decimal(str(m["multipleOf"])) for m in conj if "multipleOf" in m}
         lo_int = None if lo is None else math.floor(lo[0]) + 1 if lo[1] or lo[0] % 1 else int(lo[0])
         hi_int = None if hi is None else math.ceil(hi[0]) - 1 if hi[1] or hi[0] % 1 else int(hi[0])
+        if steps:
+            return self.multiples(steps, lo_int, hi_int, integer, path)
+        options = []
         if lo_int is None or hi_int is None or lo_int <= hi_int:
             options.append(g.integer_range(lo_int, hi_int))
         if not integer:
@@ -258,34 +483,117 @@ class _Compiler:
                     )
                 )
         if not options:
-            raise GrammarError(
+            raise _Unsatisfiable(
                 f"no {'integer' if integer else 'number'} satisfies the bounds at {path}"
             )
         return g.alternatives(options)
 
-    # containers -----------------------------------------------------------------------------
-    def array(self, schema: dict[str, Any], path: str) -> str:
-        items, prefix = schema.get("items"), schema.get("prefixItems", [])
-        rest: Any = True if items is None else items
-        if isinstance(items, list):  # draft 2019 and before: tuple form
-            prefix, rest = items, schema.get("additionalItems", True)
-        low, high = schema.get("minItems", 0), schema.get("maxItems")
-        if rest is False:
-            high = len(prefix) if high is None else min(high, len(prefix))
-        if schema.get("uniqueItems") and (high is None or high > 1):
+    def multiples(
+        self, steps: set[Decimal], lo: int | None, hi: int | None, integer: bool, path: str
+    ) -> str:
+        """Numbers that are multiples of every step: integers only (fewer, never more), or for
+        steps of 10^-k (cents), decimals with at most k digits after the point."""
+        whole = [s for s in steps if s == s.to_integral_value()]
+        step = math.lcm(*(int(s) for s in whole)) if whole else 1
+        fractions = [s for s in steps if s not in whole]
+        if (whole and fractions) or any((1 / s) % 1 for s in fractions):
+            raise GrammarError(
+                f"multipleOf {', '.join(map(str, sorted(steps)))} at {path} is not supported"
+            )
+        if fractions and not integer and lo is None and hi is None:
+            digits = max(-s.normalize().as_tuple().exponent for s in fractions)  # type: ignore[operator]
+            return f'"-"? ("0" | [1-9] [0-9]*) ("." [0-9]{{1,{digits}}})?'
+        if step == 1:
+            return g.integer_range(lo, hi)
+        if lo is not None and hi is not None:
+            first, last = -(-lo // step) * step, hi // step * step
+            if first > last:
+                raise _Unsatisfiable(f"no multiple of {step} lies within the bounds at {path}")
+            if (last - first) // step < 256:
+                return g.alternatives(g.literal(str(v)) for v in range(first, last + 1, step))
+        if hi is not None or (lo is not None and lo > 0) or step > 100:
+            raise GrammarError(f"multipleOf {step} with these bounds (at {path}) is not supported")
+        # Divisibility by step, digit by digit: state r is "the digits so far are r mod step".
+        states = [self.rules.reserve(f"mod{step}-{r}") for r in range(step)]
+        for r, name in enumerate(states):
+            moves = [f"[{d}] {states[(10 * r + d) % step]}" for d in range(10)]
+            self.rules.define(name, " | ".join(moves + (['""'] if r == 0 else [])))
+        starts = " | ".join(f"[{d}] {states[d % step]}" for d in range(1, 10))
+        sign = '"-"? ' if lo is None else ""
+        return f'("0" | {sign}({starts}))'
+
+    # arrays -----------------------------------------------------------------------------------
+    def array(self, conj: Conj, path: str) -> str:
+        if not any(set(m) & spec.BY_TYPE["array"] for m in conj):
+            return self.prim("array")
+        prefixes, rests = [], []
+        for m in conj:
+            items, prefix = m.get("items"), m.get("prefixItems", [])
+            rest: Any = True if items is None else items
+            if isinstance(items, list):  # draft 2019 and before: tuple form
+                prefix, rest = items, m.get("additionalItems", True)
+            prefixes.append(prefix)
+            rests.append(rest)
+        length = max((len(p) for p in prefixes), default=0)
+        elems = [
+            self.all_of([p[i] if i < len(p) else r for p, r in zip(prefixes, rests, strict=True)])
+            for i in range(length)
+        ]
+        rest_all = self.all_of(rests)
+        low = max((_count(m, "minItems") for m in conj), default=0)
+        highs = [_count(m, "maxItems") for m in conj if "maxItems" in m]
+        high = min(highs) if highs else None
+        for i, elem in enumerate(elems):
+            if elem is False:
+                high = i if high is None else min(high, i)
+                break
+        if rest_all is False:
+            high = length if high is None else min(high, length)
+        if any(m.get("uniqueItems") for m in conj) and (high is None or high > 1):
             raise GrammarError(f"uniqueItems at {path} is not supported (unless maxItems <= 1)")
         if max(low, high or 0) > g.MAX_REPEAT:
             raise GrammarError(f"minItems/maxItems at {path} are over {g.MAX_REPEAT}")
         if high is not None and low > high:
-            raise GrammarError(f"no array satisfies minItems {low} / maxItems {high} at {path}")
+            raise _Unsatisfiable(f"no array satisfies minItems {low} / maxItems {high} at {path}")
         self.prim("ws")
-        elems = [self.visit(s, f"{path}/prefixItems/{i}") for i, s in enumerate(prefix[:high])]
+        contains = [
+            m
+            for m in conj
+            if "contains" in m and (_count(m, "minContains", 1) > 0 or "maxContains" in m)
+        ]
+        if contains:
+            return self.contains(contains, elems, rest_all, low, high, path)
+        names = [self.visit(s, f"{path}/prefixItems/{i}") for i, s in enumerate(elems[:high])]
         rest_rule = None
-        if rest is not False:
+        if rest_all is not False:
             # A named rule: the chain below writes the item twice, and inlined in nested
             # arrays that would double the grammar at every level.
-            rest_rule = self.named("item", self.visit(rest, f"{path}/items"))
-        return '"[" ws ' + self.item_chain(elems, rest_rule, low, high, 0) + ' "]"'
+            rest_rule = self.named("item", self.visit(rest_all, f"{path}/items"))
+        return '"[" ws ' + self.item_chain(names, rest_rule, low, high, 0) + ' "]"'
+
+    def contains(
+        self, members: Conj, elems: list[Any], rest: Any, low: int, high: int | None, path: str
+    ) -> str:
+        """Arrays with at least ``minContains`` items matching ``contains`` (and no bound
+        on how many may match, nor on the length: else it raises)."""
+        if len(members) > 1 or elems or high is not None or "maxContains" in members[0]:
+            raise GrammarError(
+                f"contains with maxContains, prefixItems, maxItems or another contains (at "
+                f"{path}) is not supported"
+            )
+        need = _count(members[0], "minContains", 1)
+        if low > need or need > g.MAX_REPEAT:
+            raise GrammarError(
+                f"contains with minItems above minContains (at {path}) is not supported"
+            )
+        match = self.named(
+            "match", self.visit(self.all_of([rest, members[0]["contains"]]), f"{path}/contains")
+        )
+        other = None if rest is False else self.named("item", self.visit(rest, f"{path}/items"))
+        gap = f'("," ws {other} ws)*' if other else '""'
+        head = f'({other} ws "," ws)*' if other else '""'
+        body = f"{head} {match} ws {gap}" + f' ("," ws {match} ws {gap})' * (need - 1)
+        return f'"[" ws {body} "]"'
 
     def item_chain(
         self, elems: list[str], rest: str | None, low: int, high: int | None, i: int
@@ -296,6 +604,8 @@ class _Compiler:
             return '""'
         if i >= len(elems):
             if rest is None:
+                if i < low:
+                    raise _Unsatisfiable(f"minItems {low} needs more items than allowed")
                 return '""'
             need, more = max(low - i, 0), None if high is None else high - i
             item = f"({comma}{rest} ws)" if i else f"{rest} ws"
@@ -308,41 +618,98 @@ class _Compiler:
         head = f"{comma}{elems[i]} ws {self.item_chain(elems, rest, low, high, i + 1)}"
         return head if i < low else f"({head})?"
 
-    def object(self, schema: dict[str, Any], path: str) -> str:
-        props: dict[str, Any] = dict(schema.get("properties", {}))
-        required = list(dict.fromkeys(schema.get("required", [])))
-        extra = schema.get("additionalProperties", True)
-        for name in required:
-            if name not in props:
-                if extra is False:
-                    raise GrammarError(f"required property {name!r} at {path} is not allowed")
-                props[name] = extra
-        if not props and extra is True:
-            self.settle_counts(schema, 0, None, path)
+    # objects ----------------------------------------------------------------------------------
+    def object(self, conj: Conj, path: str) -> str:
+        required = list(dict.fromkeys(n for m in conj for n in m.get("required", ())))
+        names = list(
+            dict.fromkeys([*(n for m in conj for n in m.get("properties", {})), *required])
+        )
+        low = max((_count(m, "minProperties") for m in conj), default=0)
+        highs = [_count(m, "maxProperties") for m in conj if "maxProperties" in m]
+        high = min(highs) if highs else None
+        key_rules = [m["propertyNames"] for m in conj if "propertyNames" in m]
+        allowed: list[tuple[str, Any]] = []
+        for name in names:
+            schema = self.all_of([self.member_schema(m, name) for m in conj])
+            if any(not self.validator.evolve(schema=k).is_valid(name) for k in key_rules):
+                schema = False
+            if schema is False:
+                if name in required:
+                    raise _Unsatisfiable(f"required property {name!r} at {path} is not allowed")
+                continue
+            allowed.append((name, schema))
+        extras = self.extras(conj, names, allowed, key_rules, path)
+        if not names and extras == [(None, True)] and (low, high) == (0, None):
             return self.prim("object")
         self.prim("ws")
-        members = [(n, s) for n, s in props.items() if s is not False or n in required]
-        free = extra not in (False, True) and "additionalProperties" in schema
-        self.settle_counts(schema, len(required), None if free else len(members), path)
-        kvs = [(n in required, self.member(n, s, f"{path}/properties/{n}")) for n, s in members]
-        extra_kv = None
-        if free:
-            key = self.key_not_in(list(props))
-            extra_kv = f'{key} ws ":" ws {self.visit(extra, f"{path}/additionalProperties")} ws'
-        return '"{" ws ' + self.member_chain(kvs, extra_kv, 0, True, {}) + ' "}"'
+        kvs = [(n in required, self.member(n, s, f"{path}/properties/{n}")) for n, s in allowed]
+        extra_kvs = []
+        for key, value in extras:
+            key_expr = self.key_not_in(names) if key is None else key
+            extra_kvs.append(
+                f'{key_expr} ws ":" ws {self.visit(value, f"{path}/additionalProperties")} ws'
+            )
+        extra = self.named("extra", g.alternatives(extra_kvs)) if extra_kvs else None
+        if sum(r for r, _ in kvs) > (high if high is not None else math.inf):
+            raise _Unsatisfiable(f"more properties are required than maxProperties at {path}")
+        chain = self.member_chain(kvs, extra, 0, True, 0, (low, high), {})
+        return '"{" ws ' + chain + ' "}"'
 
-    def settle_counts(
-        self, schema: dict[str, Any], least: int, most: int | None, path: str
-    ) -> None:
-        low, high = schema.get("minProperties"), schema.get("maxProperties")
-        if low is not None and low > least:
-            raise GrammarError(
-                f"minProperties {low} at {path} is not supported (above the {least} required)"
-            )
-        if high is not None and (most is None or high < most):
-            raise GrammarError(
-                f"maxProperties {high} at {path} is not supported (below the properties allowed)"
-            )
+    def member_schema(self, member: dict[str, Any], name: str) -> Any:
+        """What ``member`` says about the value of property ``name``."""
+        declared = [member["properties"][name]] if name in member.get("properties", {}) else []
+        matching = [s for p, s in member.get("patternProperties", {}).items() if re.search(p, name)]
+        if declared or matching:
+            return self.all_of(declared + matching)
+        return self.additional(member)
+
+    def additional(self, member: dict[str, Any]) -> Any:
+        if "additionalProperties" in member:
+            return member["additionalProperties"]
+        declares = "properties" in member and SYNTHETIC not in member
+        return not (self.close_objects and declares and "patternProperties" not in member)
+
+    def extras(
+        self,
+        conj: Conj,
+        names: list[str],
+        allowed: list[tuple[str, Any]],
+        key_rules: list[Any],
+        path: str,
+    ) -> list[tuple[str | None, Any]]:
+        """(key expression, or None for "any key but the declared ones"; value schema) of the
+        properties beyond the declared ones."""
+        with_patterns = [m for m in conj if m.get("patternProperties")]
+        if not with_patterns and not key_rules:
+            value = self.all_of([self.additional(m) for m in conj])
+            return [] if value is False else [(None, value)]
+        if len(with_patterns) + len(key_rules) > 1:
+            return []  # keys that several rules judge: only the declared ones (fewer, never more)
+        if key_rules:  # keys spelled by propertyNames, their values as any extra's
+            keys, rule = [key_rules[0]], None
+        else:
+            rule = with_patterns[0]
+            keys = [{"type": "string", "pattern": p} for p in rule["patternProperties"]]
+            if self.additional(rule) is not False:  # other keys: any but the declared ones
+                keys.append({"type": "string", NOT_IN: names})
+        base = [self.additional(m) for m in conj if m is not rule]
+        if rule is not None:
+            base += list(rule["patternProperties"].values())
+        schemas = dict(allowed)
+        out: list[tuple[str | None, Any]] = []
+        for key in keys:
+            check = self.validator.evolve(schema=key)
+            spelled = [n for n in names if check.is_valid(n) and n not in key.get(NOT_IN, ())]
+            if any(n not in schemas for n in spelled):
+                continue  # it could spell a property that is not allowed
+            # A key may repeat a declared one (the last value wins): its value satisfies both.
+            own = [self.additional(rule)] if rule is not None and NOT_IN in key else []
+            value = self.all_of([*base, *own, *(schemas[n] for n in spelled)])
+            if value is not False:
+                with contextlib.suppress(_Unsatisfiable):
+                    key_expr = self.visit(self.all_of([key, {"type": "string"}]), path)
+                    out.append((key_expr, value))
+        return out
 
     def member(self, name: str, schema: Any, path: str) -> str:
         self.prim("ws")
@@ -354,26 +721,42 @@ class _Compiler:
         extra: str | None,
         i: int,
         first: bool,
-        memo: dict[tuple[int, bool], str],
+        count: int,
+        bounds: tuple[int, int | None],
+        memo: dict[tuple[int, bool, int], str],
     ) -> str:
-        """Members i.. of an object in order: required ones always, optional ones maybe."""
-        if (i, first) in memo:
-            return memo[(i, first)]
+        """Members i.. of an object in order (``count`` taken so far): required ones always,
+        optional ones maybe, then extra ones, within min/maxProperties. Extra keys may repeat
+        (a repeat counts once), so at most one extra counts toward minProperties."""
+        low, high = bounds
+        if (i, first, count) in memo:
+            return memo[(i, first, count)]
         comma = "" if first else '"," ws '
         if i == len(kvs):
-            if extra is None:
+            need = max(low - count, 0)
+            room = None if high is None else high - count
+            if need > 1 or (need and extra is None) or (room is not None and room < 0):
+                raise _Unsatisfiable("minProperties/maxProperties cannot be met")
+            if extra is None or room == 0:
                 return '""'
-            tail = g.repeat(f'("," ws {extra})', 0, None)
-            body = f"({comma}{extra} {tail})?"
+            tail = g.repeat(f'("," ws {extra})', 0, None if room is None else room - 1)
+            body = f"{comma}{extra} {tail}"
+            body = body if need else f"({body})?"
         else:
-            taken = f"{comma}{kvs[i][1]} {self.member_chain(kvs, extra, i + 1, False, memo)}"
-            if kvs[i][0]:
-                body = taken
-            else:
-                skipped = self.member_chain(kvs, extra, i + 1, first, memo)
-                body = f"({taken} | {skipped})" if skipped != '""' else f"({taken})?"
-        memo[(i, first)] = self.rules.add("members", body)
-        return memo[(i, first)]
+            options = []
+            required = kvs[i][0]
+            with contextlib.suppress(_Unsatisfiable):
+                counted = count + (bounds != (0, None))
+                rest = self.member_chain(kvs, extra, i + 1, False, counted, bounds, memo)
+                options.append(f"{comma}{kvs[i][1]} {rest}")
+            if not required:
+                with contextlib.suppress(_Unsatisfiable):
+                    options.append(self.member_chain(kvs, extra, i + 1, first, count, bounds, memo))
+            if not options:
+                raise _Unsatisfiable("minProperties/maxProperties cannot be met")
+            body = g.alternatives(options)
+        memo[(i, first, count)] = self.rules.add("members", body)
+        return memo[(i, first, count)]
 
     def key_not_in(self, names: list[str]) -> str:
         """A JSON string of raw characters (no escapes) that is none of ``names``."""
@@ -413,31 +796,26 @@ class _Compiler:
 
     def resolve(self, schema: Any) -> Any:
         seen = 0
-        while isinstance(schema, dict) and "$ref" in schema and seen < 32:
-            ref = schema["$ref"]
-            self.ref(ref, "#")
-            target: Any = self.root
-            for part in filter(None, unquote(ref[1:]).split("/")):
-                key = part.replace("~1", "/").replace("~0", "~")
-                target = target[int(key)] if isinstance(target, list) else target[key]
-            schema, seen = target, seen + 1
+        while isinstance(schema, dict) and "$ref" in schema and self.only_ref(schema) and seen < 32:
+            schema, seen = self.resolve_ref(schema["$ref"], "#"), seen + 1
         return schema
 
     def json_types(self, schema: Any) -> set[str]:
         schema = self.resolve(schema)
         if not isinstance(schema, dict):
             return set() if schema is False else set(spec.TYPES)
+        found = set(spec.TYPES)
         if "const" in schema or "enum" in schema:
             values = [schema["const"]] if "const" in schema else schema["enum"]
-            return {spec.type_of(v) for v in values}
+            found = {spec.type_of(v) for v in values}
+            found |= {"number"} if "integer" in found else set()
         for key in ("anyOf", "oneOf"):
             if key in schema:
-                return set().union(*(self.json_types(s) for s in schema[key]))
-        declared = schema.get("type")
-        if declared is None:
-            return set(spec.TYPES)
-        names = set(declared if isinstance(declared, list) else [declared])
-        return names | ({"integer"} if "number" in names else set())
+                found &= set().union(*(self.json_types(s) for s in schema[key]))
+        for sub in schema.get("allOf", ()):
+            found &= self.json_types(sub)
+        declared = self.types_of(schema)
+        return found if declared is None else found & declared
 
     def disjoint(self, a: Any, b: Any) -> bool:
         if not self.json_types(a) & self.json_types(b):
