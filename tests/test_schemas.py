@@ -944,3 +944,30 @@ def test_unknown_keywords_are_ignored_and_misspellings_warn() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Grammar.from_json_schema({"type": "string", "javaType": "x", "example": "y"})
+
+
+def test_compact_whitespace(model: lcgen.Model) -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "array", "items": {}}}}
+    compact = Grammar.from_json_schema(schema, whitespace="compact")
+    assert compact.accepts(model, '{"a":[1,{"b":null}]}')
+    assert not compact.accepts(model, '{"a": [1]}')
+    assert Grammar.from_json_schema(schema).accepts(model, '{"a": [1]}')
+    small = {
+        "type": "object",
+        "required": ["a"],
+        "additionalProperties": False,
+        "properties": {
+            "a": {
+                "type": "array",
+                "maxItems": 3,
+                "items": {"type": "integer", "minimum": 0, "maximum": 99},
+            }
+        },
+    }
+    prompt = "A JSON object with a list of numbers:\n"
+    chunks = list(model.stream(prompt, schema=small, json_whitespace="compact", max_tokens=80))
+    assert chunks[-1].finish_reason == "stop"
+    text = "".join(c.text for c in chunks)
+    assert text == json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)
+    with pytest.raises(ValueError, match="json_whitespace"):
+        model.generate("x", schema=schema, json_whitespace="tight")  # type: ignore[typeddict-item]

@@ -14,7 +14,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -84,7 +84,11 @@ class Grammar:
 
     @classmethod
     def from_json_schema(
-        cls, schema: dict[str, Any] | bool | str, *, close_objects: bool = False
+        cls,
+        schema: dict[str, Any] | bool | str,
+        *,
+        close_objects: bool = False,
+        whitespace: Literal["flexible", "compact"] = "flexible",
     ) -> Grammar:
         """A grammar for JSON text that validates against ``schema``.
 
@@ -96,6 +100,8 @@ class Grammar:
             schema: a JSON Schema, as a dict or as JSON text.
             close_objects: objects that declare ``properties`` but do not say whether others
                 are allowed allow none (the specification allows any).
+            whitespace: ``"flexible"`` (up to 24 spaces, tabs or newlines between JSON tokens)
+                or ``"compact"`` (none: fewer tokens to generate).
 
         Raises:
             GrammarError: an unsupported keyword or combination (named, with its location
@@ -110,10 +116,12 @@ class Grammar:
                 raise GrammarError(f"the JSON Schema is not valid JSON: {exc}") from None
         if not isinstance(schema, dict | bool):
             raise TypeError(f"a JSON Schema is a dict or JSON text, got {type(schema).__name__}")
-        return cls(schema_to_gbnf(schema, close_objects=close_objects))
+        return cls(schema_to_gbnf(schema, close_objects=close_objects, whitespace=whitespace))
 
     @classmethod
-    def from_pydantic(cls, model_cls: type[Any]) -> Grammar:
+    def from_pydantic(
+        cls, model_cls: type[Any], *, whitespace: Literal["flexible", "compact"] = "flexible"
+    ) -> Grammar:
         """A grammar for the JSON of a pydantic model (through its JSON Schema).
 
         Models follow their ``extra`` setting: ``"allow"`` admits other properties, the
@@ -127,7 +135,7 @@ class Grammar:
         schema_fn = getattr(model_cls, "model_json_schema", None)
         if not isinstance(model_cls, type) or schema_fn is None:
             raise TypeError(f"expected a pydantic BaseModel subclass, got {model_cls!r}")
-        return cls.from_json_schema(schema_fn(), close_objects=True)
+        return cls.from_json_schema(schema_fn(), close_objects=True, whitespace=whitespace)
 
     @classmethod
     def choice(cls, options: list[str]) -> Grammar:

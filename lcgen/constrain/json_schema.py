@@ -29,7 +29,7 @@ import re
 import warnings
 from collections.abc import Callable
 from decimal import Decimal
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import unquote
 
 import jsonschema
@@ -47,18 +47,27 @@ NOT_IN, SYNTHETIC = "$lcgen-not-in", "$lcgen-synthetic"
 MAX_ALTERNATIVES = 256
 
 
-def schema_to_gbnf(schema: dict[str, Any] | bool, *, close_objects: bool = False) -> str:
+def schema_to_gbnf(
+    schema: dict[str, Any] | bool,
+    *,
+    close_objects: bool = False,
+    whitespace: Literal["flexible", "compact"] = "flexible",
+) -> str:
     """GBNF text whose root matches exactly JSON texts (a subset) valid against ``schema``.
 
     Args:
         schema: the JSON Schema.
         close_objects: objects that do not say whether they allow other properties allow
             none (the specification allows any).
+        whitespace: ``"flexible"``: up to 24 spaces, tabs or newlines between tokens of JSON;
+            ``"compact"``: none (fewer tokens to generate).
 
     Raises:
         GrammarError: an unsupported keyword or combination, an invalid schema, or one that no
             value satisfies.
     """
+    if whitespace not in ("flexible", "compact"):
+        raise ValueError(f"whitespace must be 'flexible' or 'compact', got {whitespace!r}")
     try:
         if isinstance(schema, dict):
             validator_cls = jsonschema.validators.validator_for(schema)
@@ -68,7 +77,7 @@ def schema_to_gbnf(schema: dict[str, Any] | bool, *, close_objects: bool = False
                 raise GrammarError(f"invalid JSON Schema: {exc.message}") from None
         with decimal.localcontext() as context:
             context.prec = 1000  # bounds such as 1e300 are whole numbers of 301 digits
-            return _Compiler(schema, close_objects).compile()
+            return _Compiler(schema, close_objects, whitespace == "compact").compile()
     except RecursionError:
         raise GrammarError(
             "the JSON Schema nests too deeply to compile (or has too many properties in one "
@@ -107,10 +116,12 @@ _OLD_DRAFTS = ("Draft3Validator", "Draft4Validator", "Draft6Validator", "Draft7V
 
 
 class _Compiler:
-    def __init__(self, root: dict[str, Any] | bool, close_objects: bool) -> None:
+    def __init__(self, root: dict[str, Any] | bool, close_objects: bool, compact: bool) -> None:
         self.root = root
         self.close_objects = close_objects
         self.rules = g.RuleSet(reserved=[*spec.PRIMITIVES, "root"])
+        if compact:
+            self.rules.define("ws", '""')
         self.refs: dict[str, str] = {}
         self.expanding: list[str] = []
         base = root if isinstance(root, dict) else {}

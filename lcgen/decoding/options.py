@@ -14,7 +14,7 @@ import difflib
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypedDict, Unpack
+from typing import Any, Literal, TypedDict, Unpack
 
 from lcgen.constrain import Grammar
 from lcgen.decoding.hooks import BannedPhrases, Hook, Validator
@@ -49,6 +49,7 @@ class GenerateOptions(TypedDict, total=False):
     grammar: Grammar | None
     choice: Sequence[str] | None
     regex: str | None
+    json_whitespace: Literal["flexible", "compact"]
     hooks: Sequence[Hook] | None
     validators: Sequence[Validator] | None
     banned: Sequence[str | re.Pattern[str]] | None
@@ -118,7 +119,8 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
         **options: max_tokens (256), stop, include_stop, stop_tokens, sampler, temperature
             (0: greedy), top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, logit_bias,
             logprobs, token_healing, grammar, choice, regex (at most one constraint, schema
-            included), hooks, validators, banned, banned_ignore_case, max_retries, lookback.
+            included), json_whitespace ("flexible" or "compact", for schema), hooks,
+            validators, banned, banned_ignore_case, max_retries, lookback.
 
     Raises:
         TypeError: an unknown option, or an option of the wrong type (named).
@@ -216,12 +218,15 @@ def _constraint(options: GenerateOptions, schema: SchemaLike | None) -> Grammar 
         return Grammar.choice(list(choice))
     if regex is not None:
         return Grammar.regex(regex)
+    whitespace = options.get("json_whitespace", "flexible")
+    if whitespace not in ("flexible", "compact"):
+        raise ValueError(f"json_whitespace must be 'flexible' or 'compact', got {whitespace!r}")
     if isinstance(schema, Mapping):
-        return Grammar.from_json_schema(dict(schema))
+        return Grammar.from_json_schema(dict(schema), whitespace=whitespace)
     if isinstance(schema, str | bool):  # JSON Schema text, or the schemas true / false
-        return Grammar.from_json_schema(schema)
+        return Grammar.from_json_schema(schema, whitespace=whitespace)
     if schema is not None:
-        return Grammar.from_pydantic(schema)
+        return Grammar.from_pydantic(schema, whitespace=whitespace)
     return None
 
 
