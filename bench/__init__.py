@@ -58,7 +58,7 @@ from pathlib import Path
 import llama_cpp as C
 
 import lcgen
-from bench import antislop, cache, checkpoints, constrained, continuous, rows
+from bench import antislop, cache, checkpoints, constrained, continuous, rows, server
 from bench.harness import (
     Bench,
     Row,
@@ -105,9 +105,11 @@ ROWS: dict[str, RowFactory] = {
     **antislop.FACTORIES,
     **continuous.FACTORIES,
     **cache.FACTORIES,
+    **server.FACTORIES,
 }
 PROG = "python bench/run.py"
-NOT_QUICK = ("constrained-gemma",)  # loads a second model: only when named under --quick
+# Load a second model or start servers: only when named under --quick.
+NOT_QUICK = ("constrained-gemma", *server.FACTORIES)
 DESCRIPTION = (
     "Benchmark lcgen against the raw llama.cpp loop and llama-cpp-python, its checkpoint "
     "operations (rewind, fork, save/load) and its grammar constraints against their targets."

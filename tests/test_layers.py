@@ -23,7 +23,7 @@ LAYERS = (
     ("lcgen.runtime",),
     ("lcgen.continuous",),
     ("lcgen.model",),
-    ("lcgen.cli", "lcgen"),
+    ("lcgen.cli", "lcgen", "lcgen.server"),
 )
 
 
@@ -104,6 +104,15 @@ def test_no_import_cycle() -> None:
     for module in sorted(MODULES):
         if module not in state:
             visit(module)
+
+
+def test_the_server_uses_only_the_public_api() -> None:
+    """lcgen.server is a client of the package: it imports ``lcgen`` and its own modules."""
+    server = {m for m in MODULES if m.startswith("lcgen.server")}
+    assert server, "lcgen.server has no modules"
+    for module in server:
+        other = GRAPH[module] - server - {"lcgen"}
+        assert not other, f"{module} imports lcgen's internals: {sorted(other)}"
 
 
 def test_only_the_native_layer_imports_llama_cpp() -> None:

@@ -97,6 +97,23 @@ class Scheduler:
             self._running = [job for job in self._running if not job[1].is_done]
         return events
 
+    def cancel(self, ticket: int) -> Run | None:
+        """Drop submitted work: waiting work is never started; a running run leaves the batch
+        (its owner closes its sequences, which frees their slots at once).
+
+        Returns:
+            The run when it was running; None when it was waiting, finished or unknown.
+        """
+        for i, (waiting, _, _) in enumerate(self._waiting):
+            if waiting == ticket:
+                del self._waiting[i]
+                return None
+        for i, (running, run, _) in enumerate(self._running):
+            if running == ticket:
+                del self._running[i]
+                return run
+        return None
+
     def _admit(self) -> list[Event]:
         """Start waiting work while its slots can be had (the first always: opening a
         sequence waits for other threads' slots, or raises when only this one holds them);

@@ -1,0 +1,321 @@
+"""The HTTP side: Starlette routes, the API key, the body limit, errors in OpenAI's shape, and
+streaming by server-sent events. Generation itself happens in the :class:`Engine` thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+import lcgen
+from lcgen.server.engine import Engine, Failed, Finished, Job, Piece, QueueFullError
+from lcgen.server.requests import (
+    APIError,
+    ChatRequest,
+    CompletionRequest,
+    max_tokens,
+    n_logprobs,
+    options,
+    parse,
+)
+from lcgen.server.responses import Kind, Output, Reply, usage
+
+DEFAULT_MAX_QUEUE = 64
+DEFAULT_MAX_BODY_BYTES = 1 << 20
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+AnyRequest = ChatRequest | CompletionRequest
+R = TypeVar("R", ChatRequest, CompletionRequest)
+
+
+class _Server:
+    def __init__(
+        self,
+        model: lcgen.Model,
+        name: str,
+        engine: Engine,
+        api_key: str | None,
+        max_body_bytes: int,
+    ) -> None:
+        self.model, self.name, self.engine = model, name, engine
+        self.api_key, self.max_body_bytes = api_key, max_body_bytes
+        self.names = {name, model.path.name, model.path.stem}
+        self.created = int(time.time())
+
+    # endpoints -------------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        req = await self._request(request, ChatRequest)
+        messages = [m.as_dict() for m in req.messages]
+        try:
+            prompt = await run_in_threadpool(self.model.chat_tokens, messages)
+        except ValueError as exc:
+            raise APIError(400, f"messages: {exc}", param="messages") from None
+        return await self._generate(request, req, [prompt], "chat")
+
+    async def completions(self, request: Request) -> Response:
+        req = await self._request(request, CompletionRequest)
+        texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        prompts = [await run_in_threadpool(self.model.tokenize, text) for text in texts]
+        if not all(prompts):
+            raise APIError(400, "prompt: a prompt is empty", param="prompt")
+        return await self._generate(request, req, prompts, "text")
+
+    async def models(self, request: Request) -> Response:
+        self._authorize(request)
+        entry = {"id": self.name, "object": "model", "created": self.created, "owned_by": "lcgen"}
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def health(self, request: Request) -> Response:
+        stats = self.model.cache.stats
+        return JSONResponse(
+            {
+                "status": "ok",
+                "model": self.name,
+                "slots": {
+                    "total": stats.live + stats.entries + stats.free_slots,
+                    "live": stats.live,
+                    "available": stats.free_slots + stats.entries - stats.pinned,
+                },
+                "queue": {
+                    "waiting": self.engine.n_waiting,
+                    "running": self.engine.n_running,
+                    "max": self.engine.max_queue,
+                },
+                "cache": dataclasses.asdict(stats),
+            }
+        )
+
+    # reading a request -----------------------------------------------------------------
+    async def _request(self, request: Request, cls: type[R]) -> R:
+        self._authorize(request)
+        req = parse(cls, await self._body(request))
+        if req.model not in self.names:
+            raise APIError(
+                404,
+                f"the model {req.model!r} does not exist: this server has {self.name!r}",
+                param="model",
+                code="model_not_found",
+            )
+        return req
+
+    def _authorize(self, request: Request) -> None:
+        if self.api_key is None:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(
+            key.strip().encode(), self.api_key.encode()
+        ):
+            raise APIError(
+                401,
+                "missing or wrong API key: send the header 'Authorization: Bearer KEY'",
+                code="invalid_api_key",
+            )
+
+    async def _body(self, request: Request) -> bytes:
+        too_big = APIError(
+            413,
+            f"the request body is larger than {self.max_body_bytes} bytes",
+            code="body_too_large",
+        )
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            raise too_big
+        body = bytearray()
+        async for part in request.stream():
+            body += part
+            if len(body) > self.max_body_bytes:
+                raise too_big
+        return bytes(body)
+
+    def _job(
+        self,
+        req: AnyRequest,
+        prompts: list[list[int]],
+        kind: Kind,
+        loop: asyncio.AbstractEventLoop,
+    ) -> Job:
+        """The request made into a job: its plan (the constraint compiled), one per choice,
+        the prompts checked against the context."""
+        n_ctx, longest = self.model.n_ctx, max(map(len, prompts))
+        limit = max_tokens(req)
+        if limit is None:  # chat: up to the end of the context
+            limit = n_ctx - longest if kind == "chat" else COMPLETION_MAX_TOKENS
+        if longest + max(limit, 1) > n_ctx:
+            raise APIError(
+                400,
+                f"this model's context is {n_ctx} tokens; the request needs {longest} prompt "
+                f"tokens + {limit} max_tokens = {longest + limit}: shorten the prompt or "
+                "lower max_tokens",
+                param="messages" if kind == "chat" else "prompt",
+                code="context_length_exceeded",
+            )
+        try:
+            plan = lcgen.make_plan(max_tokens=limit, **options(req, self.model.n_vocab))
+        except (TypeError, ValueError, lcgen.LcgenError) as exc:
+            raise APIError(400, str(exc)) from None
+        seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
+        return Job(
+            [p for p in prompts for _ in seeds],
+            [plan.with_seed(s) for _ in prompts for s in seeds],
+            loop,
+        )
+
+    # answering -----------------------------------------------------------------------------
+    async def _generate(
+        self, request: Request, req: AnyRequest, prompts: list[list[int]], kind: Kind
+    ) -> Response:
+        loop = asyncio.get_running_loop()
+        job = await run_in_threadpool(self._job, req, prompts, kind, loop)
+        try:
+            self.engine.submit(job)
+        except QueueFullError as exc:
+            raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
+        reply = Reply(kind, req.model, self.model, n_logprobs(req) is not None)
+        count = _Count(prompts, req.n)
+        if req.stream:
+            events = self._events(job, reply, count, req.include_usage)
+            return EventSourceResponse(events, background=BackgroundTask(self.engine.cancel, job))
+        watcher = asyncio.create_task(_cancel_on_disconnect(request, self.engine, job))
+        try:
+            outputs = [Output(i) for i in range(job.n)]
+            async for item in job.items():
+                if isinstance(item, Piece):
+                    reply.take(outputs[item.index], item.chunk)
+                elif isinstance(item, Finished):
+                    outputs[item.index].cached_tokens = item.cached_tokens
+                else:
+                    raise _failure(item)
+        finally:
+            watcher.cancel()
+            self.engine.cancel(job)
+        return JSONResponse(reply.whole(outputs, count.usage(outputs)))
+
+    async def _events(
+        self, job: Job, reply: Reply, count: _Count, include_usage: bool
+    ) -> AsyncIterator[str]:
+        """The server-sent events of a streamed reply, ``[DONE]`` last; leaving early (the
+        client went away) cancels the job."""
+        outputs = [Output(i) for i in range(job.n)]
+        try:
+            if reply.kind == "chat":
+                for i in range(job.n):
+                    yield json.dumps(reply.role_chunk(i))
+            async for item in job.items():
+                if isinstance(item, Piece):
+                    entries = reply.take(outputs[item.index], item.chunk)
+                    event = reply.piece_chunk(item.index, item.chunk, entries)
+                    if event is not None:
+                        yield json.dumps(event)
+                elif isinstance(item, Finished):
+                    outputs[item.index].cached_tokens = item.cached_tokens
+                    yield json.dumps(reply.end_chunk(outputs[item.index]))
+                else:
+                    yield json.dumps(_failure(item).body())
+            if include_usage:
+                yield json.dumps(reply.usage_chunk(count.usage(outputs)))
+            yield "[DONE]"
+        finally:
+            self.engine.cancel(job)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Count:
+    """What ``usage`` counts: each prompt once; the tokens its first choice found cached."""
+
+    prompts: list[list[int]]
+    n: int
+
+    def usage(self, outputs: list[Output]) -> dict[str, Any]:
+        cached = sum(outputs[k * self.n].cached_tokens for k in range(len(self.prompts)))
+        return usage(sum(map(len, self.prompts)), sum(o.n_tokens for o in outputs), cached)
+
+
+def _failure(item: Failed) -> APIError:
+    exc = item.error
+    if isinstance(exc, lcgen.ContextFullError):
+        return APIError(503, str(exc), type="server_error", code="context_full")
+    return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
+
+
+async def _cancel_on_disconnect(request: Request, engine: Engine, job: Job) -> None:
+    """Cancel the job when the client goes away (the body is read: the next message says so)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            engine.cancel(job)
+            return
+
+
+# the application ---------------------------------------------------------------------------
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    error = APIError(exc.status_code, exc.detail, code=str(exc.status_code))
+    return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
+
+async def _server_error(request: Request, exc: Exception) -> Response:
+    error = APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
+    return JSONResponse(error.body(), status_code=500)
+
+
+def create_app(
+    model: lcgen.Model,
+    *,
+    model_name: str | None = None,
+    api_key: str | None = None,
+    max_queue: int = DEFAULT_MAX_QUEUE,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> Starlette:
+    """The ASGI application serving ``model`` (run it with uvicorn; see :func:`serve`).
+
+    Args:
+        model: the loaded model; the caller closes it after the application stops.
+        model_name: the name clients use (default: the file name).
+        api_key: when set, every endpoint but ``/health`` needs ``Authorization: Bearer KEY``.
+        max_queue: the most choices that may wait for a slot; more get 429.
+        max_body_bytes: the largest request body; larger ones get 413.
+    """
+    engine = Engine(model, max_queue=max_queue)
+    server = _Server(model, model_name or model.path.name, engine, api_key, max_body_bytes)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            yield
+        finally:
+            await run_in_threadpool(engine.close)
+
+    handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        APIError: _api_error,
+        HTTPException: _http_error,
+        Exception: _server_error,
+    }
+    return Starlette(
+        routes=[
+            Route("/v1/chat/completions", server.chat, methods=["POST"]),
+            Route("/v1/completions", server.completions, methods=["POST"]),
+            Route("/v1/models", server.models, methods=["GET"]),
+            Route("/health", server.health, methods=["GET"]),
+        ],
+        exception_handlers=handlers,
+        lifespan=lifespan,
+    )

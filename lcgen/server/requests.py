@@ -1,0 +1,271 @@
+"""Request bodies, parsed with pydantic (strict types, unknown fields refused), and made into
+lcgen's generation options once, at the edge.
+
+The OpenAI fields are named as OpenAI names them; lcgen's own controls are extra top-level
+fields (``extra_body`` in the official client): ``banned``, ``banned_ignore_case``,
+``max_retries``, ``grammar`` (GBNF text), ``regex``, ``choice``, ``token_healing``, ``top_k``,
+``min_p``, ``repeat_penalty``. Nothing in a request names a file on the server.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+import lcgen
+
+MAX_STOPS = 16
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+MAX_LIST = 1024  # banned phrases, choice options, prompts in one request
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape: ``{"error": {message, type, param, code}}``."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        type: str = "invalid_request_error",
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = (
+            status,
+            message,
+            param,
+            code,
+            type,
+        )
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.type,
+                "param": self.param,
+                "code": self.code,
+            }
+        }
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class Message(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_dict(self) -> dict[str, str]:
+        text = self.content
+        if not isinstance(text, str):
+            text = "".join(part.text for part in text)
+        # The chat templates know "system"; "developer" is OpenAI's newer name for it.
+        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+
+
+class JsonSchemaFormat(_Strict):
+    name: str = "output"
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+Probability = Annotated[float, Field(ge=0.0, le=1.0)]
+
+
+class _Common(_Strict):
+    """The fields both endpoints take."""
+
+    model: str
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
+    seed: int | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    top_p: Probability | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    user: str | None = None
+    # lcgen's controls
+    top_k: Annotated[int, Field(ge=0)] | None = None
+    min_p: Probability | None = None
+    repeat_penalty: Annotated[float, Field(gt=0.0)] | None = None
+    banned: Annotated[list[str], Field(max_length=MAX_LIST)] | None = None
+    banned_ignore_case: bool = False
+    max_retries: Annotated[int, Field(ge=0, le=10_000)] | None = None
+    grammar: str | None = None
+    regex: str | None = None
+    choice: Annotated[list[str], Field(min_length=1, max_length=MAX_LIST)] | None = None
+    token_healing: bool = False
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class ChatRequest(_Common):
+    messages: Annotated[list[Message], Field(min_length=1)]
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    response_format: ResponseFormat | None = None
+
+
+class CompletionRequest(_Common):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_N)]
+    logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+
+
+R = TypeVar("R", bound=_Strict)
+
+
+def parse(cls: type[R], body: bytes) -> R:
+    """The request in ``body`` (JSON), checked.
+
+    Raises:
+        APIError: 400, naming the first field that is wrong (or saying the JSON is malformed).
+    """
+    try:
+        return cls.model_validate_json(body)
+    except ValidationError as exc:
+        first = exc.errors(include_url=False)[0]
+        if first["type"] == "json_invalid":
+            raise APIError(400, f"the body is not valid JSON: {first['msg']}") from None
+        param = ".".join(str(part) for part in first["loc"]) or None
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise APIError(400, f"{param}: {first['msg']}{more}", param=param) from None
+
+
+# lcgen's options ---------------------------------------------------------------------------
+def options(req: ChatRequest | CompletionRequest, n_vocab: int) -> dict[str, Any]:
+    """The generation options of a request (max_tokens is set by the caller).
+
+    Raises:
+        APIError: 400 for a constraint that does not compile or a bad token id (named).
+    """
+    out: dict[str, Any] = {
+        "stop": req.stop,
+        "seed": req.seed,
+        # OpenAI's default temperature is 1; 0 is greedy.
+        "temperature": 1.0 if req.temperature is None else req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "repeat_penalty": req.repeat_penalty,
+        "token_healing": req.token_healing,
+        "logprobs": n_logprobs(req),
+        "logit_bias": _logit_bias(req.logit_bias, n_vocab),
+        **_constraint(req),
+    }
+    if req.banned:
+        out.update(banned=req.banned, banned_ignore_case=req.banned_ignore_case)
+        if req.max_retries is not None:
+            out["max_retries"] = req.max_retries
+    return out
+
+
+def max_tokens(req: ChatRequest | CompletionRequest) -> int | None:
+    if isinstance(req, ChatRequest) and req.max_completion_tokens is not None:
+        return req.max_completion_tokens
+    return req.max_tokens
+
+
+def n_logprobs(req: ChatRequest | CompletionRequest) -> int | None:
+    """How many alternatives to report per token; None: no log-probabilities."""
+    if isinstance(req, ChatRequest):
+        return (req.top_logprobs or 0) if req.logprobs else None
+    return req.logprobs
+
+
+def _logit_bias(bias: dict[str, float] | None, n_vocab: int) -> dict[int, float] | None:
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.isdigit() or int(key) >= n_vocab:
+            raise APIError(
+                400,
+                f"logit_bias: {key!r} is not a token id of this model (0 to {n_vocab - 1})",
+                param="logit_bias",
+            )
+        out[int(key)] = value
+    return out
+
+
+def _constraint(req: ChatRequest | CompletionRequest) -> dict[str, Any]:
+    """The one constraint given (response_format, grammar, regex or choice) as a grammar."""
+    given: list[tuple[str, Any]] = [
+        (name, value)
+        for name, value in (
+            ("response_format", _format_schema(req)),
+            ("grammar", req.grammar),
+            ("regex", req.regex),
+            ("choice", req.choice),
+        )
+        if value is not None
+    ]
+    if len(given) > 1:
+        names = [name for name, _ in given]
+        raise APIError(400, f"give at most one constraint; got {names}", param=names[1])
+    if not given:
+        return {}
+    name, value = given[0]
+    try:
+        return {"grammar": _compile(name, value)}
+    except (lcgen.GrammarError, ValueError, TypeError) as exc:
+        raise APIError(400, f"{name}: {exc}", param=name) from None
+
+
+def _compile(name: str, value: Any) -> lcgen.Grammar:
+    if name == "grammar":
+        return lcgen.Grammar(value)
+    if name == "regex":
+        return lcgen.Grammar.regex(value)
+    if name == "choice":
+        return lcgen.Grammar.choice(value)
+    schema, strict = value
+    try:
+        return lcgen.Grammar.from_json_schema(schema)
+    except lcgen.GrammarError:
+        if strict:
+            raise
+        # Not strict: best effort, a JSON object of any shape.
+        return lcgen.Grammar.from_json_schema({"type": "object"})
+
+
+def _format_schema(req: ChatRequest | CompletionRequest) -> tuple[Any, bool] | None:
+    """response_format as (JSON Schema, strict), or None for plain text."""
+    fmt = getattr(req, "response_format", None)
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}, True
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise APIError(
+            400,
+            "response_format: type json_schema needs json_schema.schema",
+            param="response_format.json_schema",
+        )
+    return fmt.json_schema.schema_, bool(fmt.json_schema.strict)

@@ -1,0 +1,180 @@
+"""OpenAI's response and chunk objects, built from lcgen's chunks.
+
+A :class:`Reply` knows one request's id, model name and kind (chat or text completion); each
+choice's output is gathered in an :class:`Output` as its pieces arrive, both for a streamed
+reply (an event per piece) and for a whole one.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import lcgen
+from lcgen import Chunk
+
+# lcgen's finish reasons as OpenAI's: "retries" (banned phrases or hooks rejected more than
+# max_retries candidates) is the closest OpenAI has to a refusal by a filter.
+FINISH_REASONS = {"stop": "stop", "length": "length", "retries": "content_filter"}
+
+Kind = Literal["chat", "text"]
+
+
+@dataclass(slots=True)
+class Output:
+    """One choice as it grows: text, tokens, log-probabilities, how it ended."""
+
+    index: int
+    parts: list[str] = field(default_factory=list)
+    n_chars: int = 0
+    n_tokens: int = 0
+    logprobs: list[dict[str, Any]] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+
+class Reply:
+    """The objects of one request's reply.
+
+    Args:
+        kind: ``"chat"`` (chat.completion) or ``"text"`` (text_completion).
+        model_name: the model name the reply gives.
+        model: for the text of tokens in log-probabilities.
+        logprobs: whether the request asked for log-probabilities.
+    """
+
+    def __init__(self, kind: Kind, model_name: str, model: lcgen.Model, logprobs: bool) -> None:
+        self.kind, self.model_name, self.model, self.with_logprobs = (
+            kind,
+            model_name,
+            model,
+            logprobs,
+        )
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    # gathering -------------------------------------------------------------------------
+    def take(self, out: Output, chunk: Chunk) -> list[dict[str, Any]]:
+        """Add a chunk to a choice; returns its log-probability entries (empty without)."""
+        entries = self._logprobs(chunk, out.n_chars) if self.with_logprobs else []
+        out.parts.append(chunk.text)
+        out.n_chars += len(chunk.text)
+        out.n_tokens += len(chunk.tokens)
+        out.logprobs += entries
+        if chunk.finish_reason is not None:
+            out.finish_reason = FINISH_REASONS[chunk.finish_reason]
+        return entries
+
+    def _logprobs(self, chunk: Chunk, offset: int) -> list[dict[str, Any]]:
+        """An entry per token; a backtracking run's chunk keeps only the summed
+        log-probability of the tokens it releases: one entry for them all."""
+        entries = []
+        for each in chunk.logprobs:
+            top = [{**self._token((t.token,)), "logprob": t.logprob} for t in each.top]
+            entry = {**self._token((each.token,)), "logprob": each.logprob, "top_logprobs": top}
+            entries.append({**entry, "text_offset": offset})
+            offset += len(each.text)
+        if not entries and chunk.logprob is not None and chunk.tokens:
+            entry = {**self._token(chunk.tokens), "logprob": chunk.logprob, "top_logprobs": []}
+            entries.append({**entry, "text_offset": offset})
+        return entries
+
+    def _token(self, tokens: tuple[int, ...]) -> dict[str, Any]:
+        piece = b"".join(self.model.token_piece(t) for t in tokens)
+        return {"token": piece.decode("utf-8", "replace"), "bytes": list(piece)}
+
+    # objects ---------------------------------------------------------------------------
+    def _object(self, choices: list[dict[str, Any]], chunk: bool) -> dict[str, Any]:
+        if self.kind == "chat":
+            kind = "chat.completion.chunk" if chunk else "chat.completion"
+        else:
+            kind = "text_completion"
+        return {
+            "id": self.id,
+            "object": kind,
+            "created": self.created,
+            "model": self.model_name,
+            "choices": choices,
+        }
+
+    def _logprobs_object(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+        if not self.with_logprobs:
+            return None
+        if self.kind == "chat":
+            return {"content": [_without(e, "text_offset") for e in entries]}
+        return {
+            "tokens": [e["token"] for e in entries],
+            "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [
+                {top["token"]: top["logprob"] for top in e["top_logprobs"]} for e in entries
+            ],
+            "text_offset": [e["text_offset"] for e in entries],
+        }
+
+    def _choice(
+        self, index: int, text: str, entries: list[dict[str, Any]], reason: str | None
+    ) -> dict[str, Any]:
+        choice: dict[str, Any] = {"index": index}
+        if self.kind == "text":
+            choice["text"] = text
+        choice["logprobs"] = self._logprobs_object(entries) if entries else None
+        choice["finish_reason"] = reason
+        return choice
+
+    def role_chunk(self, index: int) -> dict[str, Any]:
+        """A chat stream's first chunk of a choice: the assistant's role."""
+        choice = self._choice(index, "", [], None)
+        choice["delta"] = {"role": "assistant", "content": ""}
+        return self._object([choice], True)
+
+    def piece_chunk(
+        self, index: int, chunk: Chunk, entries: list[dict[str, Any]]
+    ) -> dict[str, Any] | None:
+        """A stream chunk with a piece's text (None when it has neither text nor entries)."""
+        if not chunk.text and not entries:
+            return None
+        choice = self._choice(index, chunk.text, entries, None)
+        if self.kind == "chat":
+            choice["delta"] = {"content": chunk.text}
+        return self._object([choice], True)
+
+    def end_chunk(self, out: Output) -> dict[str, Any]:
+        """A stream chunk that ends a choice (its finish reason)."""
+        choice = self._choice(out.index, "", [], out.finish_reason or "stop")
+        if self.kind == "chat":
+            choice["delta"] = {}
+        return self._object([choice], True)
+
+    def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The stream's last chunk with ``stream_options.include_usage``: no choices."""
+        return {**self._object([], True), "usage": usage}
+
+    def whole(self, outputs: list[Output], usage: dict[str, Any]) -> dict[str, Any]:
+        """The reply when it is not streamed."""
+        choices = []
+        for out in outputs:
+            choice = self._choice(out.index, out.text, [], out.finish_reason or "stop")
+            choice["logprobs"] = self._logprobs_object(out.logprobs)
+            if self.kind == "chat":
+                choice["message"] = {"role": "assistant", "content": out.text}
+            choices.append(choice)
+        return {**self._object(choices, False), "usage": usage}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
+
+
+def _without(entry: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in entry.items() if k != key}

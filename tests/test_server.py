@@ -1,0 +1,480 @@
+"""``lcgen serve``: the OpenAI-compatible server, driven with the official ``openai`` client.
+
+The server runs in a background thread of this process on a free port of 127.0.0.1, over the
+session's model (one subprocess test starts ``python -m lcgen.server`` itself).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.client
+import json
+import os
+import re
+import resource
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import openai
+import pytest
+import uvicorn
+
+import lcgen
+import lcgen.server
+from lcgen.server.app import create_app
+
+NAME = "smollm2-135m"
+KEY = "test-key"
+USER = [{"role": "user", "content": "Name three colors."}]
+
+
+# a server in a thread --------------------------------------------------------------------
+@contextlib.contextmanager
+def running(app: Any) -> Iterator[str]:
+    """Serve ``app`` on a free port of 127.0.0.1 until the block ends; yields its URL."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def url(model: lcgen.Model) -> Iterator[str]:
+    with running(create_app(model, model_name=NAME, api_key=KEY)) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def request(
+    url: str, path: str, body: bytes | None = None, key: str | None = KEY
+) -> tuple[int, dict[str, Any]]:
+    """A raw HTTP request: (status, JSON body)."""
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url + path, data=body, headers=headers)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.load(resp)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+
+
+def health(url: str) -> dict[str, Any]:
+    status, body = request(url, "/health", key=None)
+    assert status == 200
+    return body
+
+
+def chat(client: openai.OpenAI, **options: Any) -> Any:
+    options.setdefault("messages", USER)
+    options.setdefault("temperature", 0)
+    return client.chat.completions.create(model=NAME, **options)
+
+
+def streamed_texts(stream: Any, kind: str = "chat") -> tuple[dict[int, str], list[Any]]:
+    """Each choice's joined text, and the chunks."""
+    texts: dict[int, str] = {}
+    chunks = list(stream)
+    for chunk in chunks:
+        for choice in chunk.choices:
+            part = (choice.delta.content if kind == "chat" else choice.text) or ""
+            texts[choice.index] = texts.get(choice.index, "") + part
+    return texts, chunks
+
+
+# the scheduler's cancel ----------------------------------------------------------------------
+def test_scheduler_cancel_drops_waiting_and_running_work(model: lcgen.Model) -> None:
+    seqs = [model.sequence(p) for p in ("One", "Two", "Three")]
+    scheduler = lcgen.Scheduler(model.cache)
+    runs = [s.run(max_tokens=6) for s in seqs]
+    tickets = [scheduler.submit(lambda run=run: run) for run in runs]  # type: ignore[misc]
+    scheduler.step()  # all three admitted and stepped once
+    assert scheduler.cancel(tickets[1]) is runs[1]
+    assert scheduler.cancel(tickets[1]) is None  # no longer known
+    waiting = scheduler.submit(lambda: runs[0])
+    assert scheduler.cancel(waiting) is None  # never started
+    seen = {event.ticket for event in scheduler}
+    assert seen == {tickets[0], tickets[2]}
+    assert len(runs[1].generator.tokens) == 1 and not runs[1].is_done
+    for s in seqs:
+        s.close()
+
+
+# chat and completion ---------------------------------------------------------------------------
+def test_chat_stream_joins_to_the_whole_reply(client: openai.OpenAI, model: lcgen.Model) -> None:
+    whole = chat(client, max_tokens=24)
+    stream = chat(client, max_tokens=24, stream=True, stream_options={"include_usage": True})
+    texts, chunks = streamed_texts(stream)
+    assert texts == {0: whole.choices[0].message.content}
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-2].choices[0].finish_reason == whole.choices[0].finish_reason
+    usage = chunks[-1].usage
+    assert not chunks[-1].choices and usage.prompt_tokens == whole.usage.prompt_tokens
+    assert usage.completion_tokens == whole.usage.completion_tokens > 0
+    assert whole.usage.prompt_tokens == len(model.chat_tokens(USER))
+    # the second call found the prompt cached (all but its last token, which gives logits)
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+
+
+def test_completion_n3_seeded_stream_equals_whole(
+    client: openai.OpenAI, model: lcgen.Model
+) -> None:
+    options: dict[str, Any] = {
+        "model": NAME,
+        "prompt": "Once upon a time",
+        "max_tokens": 12,
+        "n": 3,
+        "temperature": 0.9,
+        "seed": 11,
+    }
+    whole = client.completions.create(**options)
+    assert sorted(c.index for c in whole.choices) == [0, 1, 2]
+    texts, _ = streamed_texts(client.completions.create(stream=True, **options), "text")
+    assert texts == {c.index: c.text for c in whole.choices}
+    assert whole.usage.prompt_tokens == len(model.tokenize("Once upon a time"))
+    greedy = client.completions.create(**{**options, "temperature": 0})
+    assert len({c.text for c in greedy.choices}) == 1
+
+
+def test_stop_cuts_the_greedy_text(client: openai.OpenAI) -> None:
+    free = chat(client, max_tokens=24).choices[0].message.content
+    assert "\n" in free
+    stopped = chat(client, max_tokens=24, stop=["\n"]).choices[0]
+    assert stopped.message.content == free.split("\n")[0]
+    assert stopped.finish_reason == "stop"
+
+
+def test_json_schema_response_format_validates(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},
+        "required": ["name", "age"],
+        "additionalProperties": False,
+    }
+    reply = chat(
+        client,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        max_tokens=60,
+        response_format={
+            "type": "json_schema",
+            "json_schema": {"name": "person", "schema": schema, "strict": True},
+        },
+    ).choices[0]
+    assert reply.finish_reason == "stop"
+    jsonschema.validate(json.loads(reply.message.content), schema)
+    ask = [{"role": "user", "content": 'Give {"color": ...} for the sky as JSON.'}]
+    obj = chat(client, messages=ask, max_tokens=100, response_format={"type": "json_object"})
+    assert obj.choices[0].finish_reason == "stop"
+    assert isinstance(json.loads(obj.choices[0].message.content), dict)
+
+
+def test_lcgen_extras(client: openai.OpenAI) -> None:
+    options = ["red", "green", "blue"]
+    picked = chat(client, max_tokens=8, extra_body={"choice": options})
+    assert picked.choices[0].message.content in options
+    digits = chat(client, max_tokens=8, extra_body={"regex": r"[0-9]{3}"})
+    assert re.fullmatch(r"[0-9]{3}", digits.choices[0].message.content)
+    gbnf = 'root ::= "yes" | "no"\n'
+    assert chat(client, max_tokens=4, extra_body={"grammar": gbnf}).choices[0].message.content in {
+        "yes",
+        "no",
+    }
+    free = chat(client, max_tokens=24).choices[0].message.content
+    word = max(re.findall(r"[A-Za-z]{3,}", free), key=len)
+    banned = chat(client, max_tokens=24, extra_body={"banned": [word]}).choices[0].message.content
+    assert word not in banned
+    healed = client.completions.create(
+        model=NAME,
+        prompt="The capital of France is P",
+        max_tokens=4,
+        temperature=0,
+        extra_body={"token_healing": True},
+    )
+    assert healed.choices[0].text.startswith("aris")
+
+
+def test_logit_bias_and_logprobs(client: openai.OpenAI, model: lcgen.Model) -> None:
+    reply = chat(client, max_tokens=6, logprobs=True, top_logprobs=3).choices[0]
+    entries = reply.logprobs.content
+    assert "".join(e.token for e in entries) == reply.message.content
+    for e in entries:  # greedy: the token is the most likely one
+        assert e.top_logprobs[0].token == e.token and len(e.top_logprobs) == 3
+        assert e.logprob == pytest.approx(e.top_logprobs[0].logprob)
+        assert e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob
+    first = model.tokenize(entries[0].token, add_bos=False)[0]
+    biased = chat(client, max_tokens=6, logprobs=True, logit_bias={str(first): -100})
+    assert model.tokenize(biased.choices[0].logprobs.content[0].token, add_bos=False)[0] != first
+    text = client.completions.create(
+        model=NAME, prompt="The sky is", max_tokens=4, temperature=0, logprobs=2
+    ).choices[0]
+    assert "".join(text.logprobs.tokens) == text.text
+    assert all(len(top) == 2 for top in text.logprobs.top_logprobs)
+
+
+# batching -----------------------------------------------------------------------------------
+TOPICS = ["the sea", "a fox", "winter", "a robot", "bread", "the moon", "a city", "music"]
+
+
+# Greedy replies are not bit-identical across runs: a token's logits depend on the batch it is
+# decoded in and on which prompt cells came from the prefix cache (measured here, serial runs
+# against each other and against 8 concurrent clients: log-probabilities of the same token at
+# the same position differ by up to 0.19, and replies diverge only where the two best tokens
+# are that close). The bound below is what the tests assert.
+MAX_TIE_MARGIN = 0.5
+
+
+def test_concurrent_clients_equal_serial_runs(client: openai.OpenAI, url: str) -> None:
+    """8 clients x 2 requests at once: every greedy reply equals the same request run alone,
+    up to the first token where the two best candidates are within MAX_TIE_MARGIN (swapped
+    by the numerical noise of batching); none is lost or mixed up with another."""
+    jobs = [(topic, n) for topic in TOPICS for n in (12, 16)]
+
+    def ask(job: tuple[str, int]) -> list[tuple[str, float, float]]:
+        messages = [{"role": "user", "content": f"Write one sentence about {job[0]}."}]
+        reply = chat(client, messages=messages, max_tokens=job[1], logprobs=True, top_logprobs=2)
+        assert reply.choices[0].finish_reason in {"stop", "length"}
+        return [
+            (e.token, e.logprob, e.top_logprobs[0].logprob - e.top_logprobs[1].logprob)
+            for e in reply.choices[0].logprobs.content
+        ]
+
+    serial = [ask(job) for job in jobs]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(pool.map(ask, jobs))
+    for job, alone, batched in zip(jobs, serial, together, strict=True):
+        same = 0
+        while same < min(len(alone), len(batched)) and alone[same][0] == batched[same][0]:
+            same += 1
+        if same < min(len(alone), len(batched)):  # swapped a near-tie
+            margin = min(alone[same][2], batched[same][2])
+            assert margin <= MAX_TIE_MARGIN, (job, same, alone, batched)
+        else:
+            assert len(alone) == len(batched), job
+    state = health(url)
+    assert state["queue"] == {"waiting": 0, "running": 0, "max": 64}
+    assert state["slots"]["live"] == 0
+
+
+def test_disconnect_mid_stream_frees_the_slot(url: str) -> None:
+    body = json.dumps(
+        {"model": NAME, "messages": USER, "max_tokens": 3000, "stream": True, "temperature": 1}
+    )
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/chat/completions", body, {"Authorization": f"Bearer {KEY}"})
+    resp = conn.getresponse()
+    assert resp.status == 200
+    data = [resp.readline() for _ in range(12)]
+    assert any(line.startswith(b"data: ") for line in data)
+    assert health(url)["queue"]["running"] == 1
+    conn.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 5
+    while (state := health(url))["queue"]["running"] or state["slots"]["live"]:
+        assert time.monotonic() < deadline, f"the slot was not freed: {state}"
+        time.sleep(0.02)
+
+
+def test_full_queue_answers_429(model_path: Path) -> None:
+    """Two slots, room for one waiting choice: a fourth request is refused, never hangs."""
+    with (
+        lcgen.Model(model_path, n_seq_max=2, n_ctx=1024) as small,
+        running(create_app(small, model_name=NAME, max_queue=1)) as base,
+    ):
+        tiny = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=60)
+        long = {"model": NAME, "messages": USER, "max_tokens": 900, "stream": True}
+        streams = []
+        for running_now in (1, 2, 2):  # two take the slots, the third waits for one
+            streams.append(tiny.chat.completions.create(temperature=1, **long))
+            wait_for(base, lambda q, n=running_now: q["running"] == n and q["waiting"] <= 1)
+        assert health(base)["queue"]["waiting"] == 1
+        with pytest.raises(openai.RateLimitError) as info:
+            tiny.chat.completions.create(messages=USER, model=NAME, max_tokens=2)
+        assert info.value.status_code == 429 and info.value.code == "queue_full"
+        for stream in streams:
+            stream.close()
+        wait_for(base, lambda q: q["running"] == q["waiting"] == 0)
+
+
+def wait_for(url: str, ok: Callable[[dict[str, int]], bool], timeout: float = 10) -> None:
+    """Wait until the server's /health queue satisfies ``ok``."""
+    deadline = time.monotonic() + timeout
+    while not ok(state := health(url)["queue"]):
+        assert time.monotonic() < deadline, f"the queue stays {state}"
+        time.sleep(0.01)
+
+
+# errors ---------------------------------------------------------------------------------------
+def _body(**fields: Any) -> bytes:
+    return json.dumps({"model": NAME, "messages": USER, "max_tokens": 4, **fields}).encode()
+
+
+BAD = [
+    (b"{not json", None),
+    (b"", None),
+    (b"[1, 2]", None),
+    (json.dumps({"model": NAME, "max_tokens": 4}).encode(), "messages"),
+    (_body(max_tokens="four"), "max_tokens"),
+    (_body(max_tokens=0), "max_tokens"),
+    (_body(temperature="hot"), "temperature"),
+    (_body(temperature=9), "temperature"),
+    (_body(n=0), "n"),
+    (_body(stop=[1, 2]), "stop.str"),
+    (_body(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role"),
+    (_body(messages="hello"), "messages"),
+    (_body(frequency_penalty=0.5), "frequency_penalty"),
+    (_body(logit_bias={"abc": 1}), "logit_bias"),
+    (_body(logit_bias={"99999999": 1}), "logit_bias"),
+    (_body(grammar="root ::= (("), "grammar"),
+    (_body(regex="(?<=a)b"), "regex"),
+    (_body(choice=[]), "choice"),
+    (_body(regex="a", choice=["b"]), "choice"),
+    (_body(response_format={"type": "json_schema"}), "response_format.json_schema"),
+    (_body(response_format={"type": "xml"}), "response_format.type"),
+    (_body(seed=-1), None),
+    (_body(top_logprobs=99, logprobs=True), "top_logprobs"),
+]
+
+
+@pytest.mark.parametrize(("body", "param"), BAD)
+def test_malformed_requests_get_400_naming_the_field(
+    url: str, body: bytes, param: str | None
+) -> None:
+    status, reply = request(url, "/v1/chat/completions", body)
+    assert status == 400, reply
+    error = reply["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == "invalid_request_error"
+    if param is not None:
+        assert error["param"] is not None and error["param"].startswith(param), error
+
+
+def test_request_errors_have_their_status(url: str, model: lcgen.Model) -> None:
+    long = "word " * (model.n_ctx + 10)
+    status, reply = request(
+        url,
+        "/v1/completions",
+        json.dumps({"model": NAME, "prompt": long, "max_tokens": 8}).encode(),
+    )
+    assert status == 400 and reply["error"]["code"] == "context_length_exceeded"
+    assert str(model.n_ctx) in reply["error"]["message"]
+    status, reply = request(url, "/v1/chat/completions", _body(model="gpt-4"))
+    assert status == 404 and reply["error"]["code"] == "model_not_found"
+    status, reply = request(url, "/v1/chat/completions", _body(), key=None)
+    assert status == 401 and reply["error"]["code"] == "invalid_api_key"
+    status, reply = request(url, "/v1/models", key="wrong")
+    assert status == 401
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.putrequest("POST", "/v1/chat/completions")  # a body over the limit is never read
+    for name, value in (("Authorization", f"Bearer {KEY}"), ("Content-Length", str(2 << 20))):
+        conn.putheader(name, value)
+    conn.endheaders()
+    too_big = conn.getresponse()
+    assert too_big.status == 413 and json.load(too_big)["error"]["code"] == "body_too_large"
+    conn.close()
+    status, reply = request(url, "/v1/nothing")
+    assert status == 404 and "error" in reply
+    status, reply = request(url, "/v1/models")
+    assert status == 200 and [m["id"] for m in reply["data"]] == [NAME]
+
+
+def test_a_bad_request_leaves_the_server_serving(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError):
+        chat(client, max_tokens=4, extra_body={"grammar": "root ::= (("})
+    assert chat(client, max_tokens=4).choices[0].message.content
+
+
+# memory ---------------------------------------------------------------------------------------
+RSS_BOUND_MB = 25
+N_TINY = 200
+
+
+def _rss_mb() -> float:
+    status = Path("/proc/self/status")
+    if status.exists():
+        line = next(x for x in status.read_text().splitlines() if x.startswith("VmRSS:"))
+        return int(line.split()[1]) / 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # macOS: bytes, peak
+
+
+def test_many_tiny_requests_do_not_grow_memory(client: openai.OpenAI, url: str) -> None:
+    def tiny(i: int) -> None:
+        client.completions.create(model=NAME, prompt=f"Number {i % 50}:", max_tokens=1)
+
+    for i in range(40):  # warm up: allocators, caches, the prompts' prefixes
+        tiny(i)
+    before = _rss_mb()
+    for i in range(N_TINY):
+        tiny(i)
+    grown = _rss_mb() - before
+    assert grown < RSS_BOUND_MB, f"RSS grew {grown:.1f} MB over {N_TINY} requests"
+    assert health(url)["queue"]["running"] == 0
+
+
+# entry points ---------------------------------------------------------------------------------
+def test_add_parser_and_missing_extra(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = argparse.ArgumentParser()
+    lcgen.server.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", NAME, "--port", "9", "--api-key", "k", "--n-seq-max", "4"])
+    assert args.func is lcgen.server.command
+    assert (args.host, args.port, args.api_key, args.n_seq_max) == ("127.0.0.1", 9, "k", 4)
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(lcgen.server.ServerExtraMissingError, match=r"lcgen\[server\]"):
+        lcgen.server.serve(NAME)
+
+
+def test_python_m_lcgen_server(model_path: Path) -> None:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    sock.close()
+    cmd = [sys.executable, "-m", "lcgen.server", str(model_path), "--port", str(port)]
+    cmd += ["--api-key", KEY, "--n-ctx", "512", "--n-seq-max", "2", "--threads", "1"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+            assert time.monotonic() < deadline, "the server did not start"
+            with contextlib.suppress(OSError):
+                if health(base)["slots"]["total"] == 2:
+                    break
+            time.sleep(0.1)
+        assert request(base, "/v1/models", key=None)[0] == 401
+        status, models = request(base, "/v1/models")
+        assert status == 200 and models["data"][0]["id"] == model_path.name
+        body = json.dumps({"model": model_path.stem, "prompt": "Hi", "max_tokens": 2})
+        assert request(base, "/v1/completions", body.encode())[0] == 200
+    finally:
+        proc.terminate()
+        assert proc.wait(timeout=30) in (0, -15)
