@@ -1,18 +1,23 @@
-"""The ``lcgen`` command: generate, chat, models, demo."""
+"""The ``lcgen`` command: generate, chat, models, info, demo."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
 import sys
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
+from collections.abc import Callable, Generator, Iterable, Iterator
+from pathlib import Path
+from typing import Any, cast
 
 import lcgen
+from lcgen import server
 from lcgen.decoding import Chunk
-from lcgen.errors import LcgenError
+from lcgen.errors import ContextFullError, GrammarError, LcgenError
+
+Message = dict[str, str]
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -52,7 +57,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
         "--stop",
         action="append",
         default=None,
-        help="stop string (repeatable); text stops before it",
+        help=r"stop string (repeatable); text stops before it; \n, \t and \\ are escapes",
     )
     p.add_argument(
         "--ban",
@@ -96,10 +101,19 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "min_p": args.min_p,
         "repeat_penalty": args.repeat_penalty,
         "seed": args.seed,
-        "stop": args.stop,
+        "stop": [unescape(stop) for stop in args.stop] if args.stop else None,
         "token_healing": args.token_healing,
         **_bans(args),
     }
+
+
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    r"""``\n``, ``\t``, ``\r`` and ``\\`` as the characters they name; other backslashes
+    stay as they are."""
+    return re.sub(r"\\(.)", lambda m: _ESCAPES.get(m.group(1), m.group(0)), text, flags=re.S)
 
 
 def _bans(args: argparse.Namespace) -> dict[str, Any]:
@@ -145,7 +159,7 @@ def _constraint(args: argparse.Namespace) -> dict[str, Any]:
             f"give at most one of --grammar, --json-schema, --choice, --regex; got {given}"
         )
     if args.grammar:
-        return {"grammar": lcgen.Grammar.from_file(args.grammar)}
+        return {"grammar": _grammar(args.grammar)}
     if args.json_schema:
         with open(args.json_schema, encoding="utf-8") as f:
             return {"schema": json.load(f)}
@@ -156,42 +170,332 @@ def _constraint(args: argparse.Namespace) -> dict[str, Any]:
     return {}
 
 
+def _grammar(text: str) -> lcgen.Grammar:
+    """--grammar: inline GBNF (text with a ``::=`` rule), else a bundled name or a file."""
+    return lcgen.Grammar(text) if "::=" in text else lcgen.Grammar.from_file(text)
+
+
+def _prompt_tokens(model: lcgen.Model, args: argparse.Namespace) -> list[int]:
+    """The prompt (``-`` reads stdin, without its final newline), through the chat template
+    with ``--chat``."""
+    prompt = args.prompt
+    if prompt == "-":
+        prompt = sys.stdin.read()
+        prompt = prompt[:-1] if prompt.endswith("\n") else prompt
+    if args.system is not None and not args.chat:
+        raise ValueError("--system needs --chat (it is the chat's system message)")
+    if not args.chat:
+        return model.tokenize(prompt) if prompt else []
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    return model.chat_tokens([*messages, {"role": "user", "content": prompt}])
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     model = _load(args)
-    last = _print_stream(model.stream(args.prompt, **_options(args), **_constraint(args)))
+    constraint = _constraint(args)
+    tokens = _prompt_tokens(model, args)
+    n_prompt = len(tokens) - model.cache.cached(tokens)  # the tokens the prompt decodes
+    timer = _Timer()
+    with model.sequence(tokens) as seq:
+        chunks = list(timer.each(_tee(seq.stream(**_options(args), **constraint))))
     sys.stdout.write("\n")
+    sys.stdout.flush()
+    last = chunks[-1] if chunks else None
     if args.verbose and last is not None:
         print(f"[finish_reason={last.finish_reason} {last.stats}]", file=sys.stderr)
+    if not args.quiet:
+        n_generated = sum(len(chunk.tokens) for chunk in chunks)
+        print(timer.summary(n_prompt, n_generated), file=sys.stderr)
+    problem = _incomplete(model, args, constraint, "".join(c.text for c in chunks), last)
+    if problem:
+        print(f"lcgen: error: {problem}", file=sys.stderr)
+        return 1
     return 0
 
 
-def cmd_chat(args: argparse.Namespace) -> int:
-    model = _load(args)
-    messages: list[dict[str, str]] = []
-    if args.system:
-        messages.append({"role": "system", "content": args.system})
-    interactive = sys.stdin.isatty()
-    while True:
-        if interactive:
-            sys.stdout.write("> ")
-            sys.stdout.flush()
-        line = sys.stdin.readline()
-        if not line or line.strip() in {"/exit", "/quit"}:
-            return 0
-        if not line.strip():
-            continue
-        messages.append({"role": "user", "content": line.rstrip("\n")})
-        # The model's KV store holds the history: only the new turn's tokens are decoded.
-        reply = "".join(c.text for c in _tee(model.chat_stream(messages, **_options(args))))
-        sys.stdout.write("\n")
-        messages.append({"role": "assistant", "content": reply})
+class _Timer:
+    """When a generation's first and last steps ended: prompt and generation speed."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first = self.last = self.start
+
+    def each(self, chunks: Iterable[Chunk]) -> Iterator[Chunk]:
+        for i, chunk in enumerate(chunks):
+            self.last = time.perf_counter()
+            if i == 0:
+                self.first = self.last
+            yield chunk
+
+    def summary(self, n_prompt: int, n_generated: int) -> str:
+        """One line: the prompt's tokens and speed (the first step: the prompt is decoded and
+        the first token sampled), the generated tokens and the speed of those after it."""
+        prompt = _rate(n_prompt, self.first - self.start)
+        after_first = _rate(n_generated - 1, self.last - self.first)
+        return (
+            f"lcgen: prompt {n_prompt} tokens, {prompt} | "
+            f"generated {n_generated} tokens, {after_first}"
+        )
 
 
-def _tee(chunks: Iterable[Chunk]) -> Iterable[Chunk]:
+def _rate(n_tokens: int, seconds: float) -> str:
+    return f"{n_tokens / seconds:.1f} tokens/s" if n_tokens > 0 and seconds > 0 else "- tokens/s"
+
+
+def _incomplete(
+    model: lcgen.Model,
+    args: argparse.Namespace,
+    constraint: dict[str, Any],
+    text: str,
+    last: Chunk | None,
+) -> str | None:
+    """Why a constrained output is not a complete match of its constraint; None when it is
+    (or nothing constrains it)."""
+    if not constraint or (last is not None and last.finish_reason == "stop" and not last.stop):
+        return None  # the end token is allowed only where the constraint is complete
+    grammar = lcgen.make_plan(**constraint).constraint
+    try:
+        if grammar is not None and grammar.accepts(model, text):
+            return None
+    except GrammarError:
+        pass
+    if last is None:
+        reason = "nothing was generated"
+    elif last.finish_reason == "length":
+        reason = f"generation reached --max-tokens {args.max_tokens} (raise it)"
+    elif last.stop:
+        reason = f"the stop string {last.stop!r} cut it"
+    else:
+        reason = "the banned phrases used up the retries (--max-retries)"
+    flag = "--json-schema" if "schema" in constraint else f"--{next(iter(constraint))}"
+    return f"the output is incomplete: {reason} before it matched {flag}"
+
+
+def _tee(chunks: Iterable[Chunk]) -> Iterator[Chunk]:
     for chunk in chunks:
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         yield chunk
+
+
+CHAT_HELP = """\
+commands:
+  /help          this help
+  /clear         forget the conversation (the system prompt stays)
+  /system TEXT   set the system prompt (/system alone removes it)
+  /save FILE     save the conversation to FILE (the messages, as JSON) and FILE.kv (its KV
+                 cache, so a resumed chat does not decode the history again)
+  /load FILE     resume a conversation saved with /save
+  /exit, /quit   end the chat (or Ctrl-D)
+Ctrl-C stops a reply; when the conversation outgrows the context, the oldest turns are dropped."""
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    model = _load(args)
+    chat = ChatSession(model, _options(args), args.system)
+    interactive = sys.stdin.isatty()
+    if interactive:
+        _enable_line_editing()
+        print("lcgen chat: /help lists the commands, Ctrl-D ends the chat", file=sys.stderr)
+    while True:
+        try:
+            line = _read_line(interactive)
+        except KeyboardInterrupt:  # at the prompt: drop the line, keep the chat
+            print("\nlcgen: /exit or Ctrl-D ends the chat", file=sys.stderr)
+            continue
+        if line is None or not chat.handle(line):
+            return 0
+
+
+def _read_line(interactive: bool) -> str | None:
+    """The next line of input without its newline; None at the end of input (Ctrl-D)."""
+    if not interactive:
+        line = sys.stdin.readline()
+        return line.removesuffix("\n") if line else None
+    try:
+        return input("> ")
+    except EOFError:
+        sys.stdout.write("\n")  # leave the terminal on a fresh line
+        return None
+
+
+def _enable_line_editing() -> None:
+    with contextlib.suppress(ImportError):  # not on every platform
+        import readline  # noqa: F401 -- gives input() editing and history
+
+
+class ChatSession:
+    """One ``lcgen chat`` conversation: its messages, the commands, the replies.
+
+    Args:
+        model: the model that replies.
+        options: generation options for every reply.
+        system: the system prompt, if any.
+    """
+
+    def __init__(self, model: lcgen.Model, options: dict[str, Any], system: str | None) -> None:
+        self.model = model
+        self.options = options
+        self.messages: list[Message] = []
+        self._commands: dict[str, Callable[[str], None]] = {
+            "/help": lambda _: print(CHAT_HELP, file=sys.stderr),
+            "/clear": self.clear,
+            "/system": self.set_system,
+            "/save": self.save,
+            "/load": self.load,
+        }
+        self.set_system(system or "")
+
+    def handle(self, line: str) -> bool:
+        """Run a command or answer a message; False when the chat should end."""
+        text = line.strip()
+        if not text:
+            return True
+        name, _, rest = text.partition(" ")
+        if name in {"/exit", "/quit"}:
+            return False
+        command = self._commands.get(name)
+        if command is None and name.startswith("/"):
+            print(f"lcgen: unknown command {name}; /help lists them", file=sys.stderr)
+        elif command is not None:
+            try:
+                command(rest.strip())
+            except (LcgenError, ValueError, TypeError, OSError) as exc:
+                print(f"lcgen: error: {exc}", file=sys.stderr)
+        else:
+            self.say(line)
+        return True
+
+    def say(self, text: str) -> None:
+        """Add a user message and stream the reply to stdout."""
+        self.messages.append({"role": "user", "content": text})
+        try:
+            self._fit()
+            reply, stopped = self._reply()
+        except (LcgenError, ValueError) as exc:  # this turn failed; the chat goes on
+            self.messages.pop()
+            print(f"lcgen: error: {exc}", file=sys.stderr)
+            return
+        if stopped and not reply:
+            self.messages.pop()  # stopped before a word: as if it was never asked
+        else:
+            self.messages.append({"role": "assistant", "content": reply})
+
+    def _reply(self) -> tuple[str, bool]:
+        """The reply, streamed as it comes; Ctrl-C stops it: ``(text so far, True)``."""
+        parts: list[str] = []
+        stopped = False
+        chunks = cast(
+            Generator[Chunk, None, None], self.model.chat_stream(self.messages, **self.options)
+        )
+        try:
+            for chunk in chunks:
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                parts.append(chunk.text)
+        except KeyboardInterrupt:
+            chunks.close()  # the sequence closes and keeps its cells in the cache
+            stopped = True
+        finally:
+            sys.stdout.write("\n")  # the reply's line ends, whatever ended it
+            sys.stdout.flush()
+        if stopped:
+            print("lcgen: reply stopped (Ctrl-C); /exit or Ctrl-D ends the chat", file=sys.stderr)
+        return "".join(parts), stopped
+
+    def _fit(self) -> None:
+        """Drop the oldest turns until the prompt and the reply fit the context."""
+        budget = self.model.n_ctx - int(self.options.get("max_tokens") or 0)
+        self.messages, dropped = fit_history(
+            self.messages, lambda m: len(self.model.chat_tokens(m)), budget
+        )
+        if dropped:
+            print(
+                f"lcgen: the conversation outgrew the context ({self.model.n_ctx} tokens with "
+                f"{self.options.get('max_tokens')} for the reply): dropped the oldest "
+                f"{dropped} messages",
+                file=sys.stderr,
+            )
+
+    # commands -------------------------------------------------------------------------
+    def clear(self, _: str = "") -> None:
+        self.messages = [m for m in self.messages if m["role"] == "system"]
+
+    def set_system(self, text: str) -> None:
+        rest = [m for m in self.messages if m["role"] != "system"]
+        self.messages = [{"role": "system", "content": text}, *rest] if text else rest
+
+    def save(self, path: str) -> None:
+        """The messages as JSON in ``path``, the model's KV cache in ``path.kv``."""
+        if not path:
+            raise ValueError("/save needs a file name")
+        data = {"lcgen_chat": 1, "model": self.model.path.name, "messages": self.messages}
+        Path(path).write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")
+        self.model.cache.save(path + ".kv")
+        print(f"lcgen: saved {len(self.messages)} messages to {path}", file=sys.stderr)
+
+    def load(self, path: str) -> None:
+        """Resume a conversation from :meth:`save`'s files (the KV cache when it matches)."""
+        if not path:
+            raise ValueError("/load needs a file name")
+        self.messages = load_messages(Path(path))
+        note = "no KV cache file: the history is decoded at the next turn"
+        if Path(path + ".kv").exists():
+            try:
+                self.model.cache.load(path + ".kv")
+                tokens = self.model.chat_tokens(self.messages) if self.messages else []
+                note = f"{self.model.cache.cached(tokens)} of its {len(tokens)} tokens cached"
+            except LcgenError as exc:
+                note = f"its KV cache was not restored ({exc})"
+        print(f"lcgen: loaded {len(self.messages)} messages from {path}; {note}", file=sys.stderr)
+
+
+def fit_history(
+    messages: list[Message], n_tokens: Callable[[list[Message]], int], budget: int
+) -> tuple[list[Message], int]:
+    """Drop the oldest turns (a user message and what follows it up to the next one) until
+    ``n_tokens(messages) <= budget``; the system prompt and the last message stay.
+
+    Returns:
+        ``(messages, how many were dropped)``.
+
+    Raises:
+        ContextFullError: the system prompt and the last message alone are over the budget.
+    """
+    kept = list(messages)
+    dropped = 0
+    while (n := n_tokens(kept)) > budget:
+        first = 1 if kept and kept[0]["role"] == "system" else 0
+        if len(kept) - first <= 1:
+            raise ContextFullError(
+                f"the message takes {n} tokens with the system prompt, over the {budget} the "
+                "context leaves beside the reply: shorten it, lower --max-tokens or raise --n-ctx"
+            )
+        end = first + 1
+        while end < len(kept) - 1 and kept[end]["role"] != "user":
+            end += 1
+        dropped += end - first
+        del kept[first:end]
+    return kept, dropped
+
+
+def load_messages(path: Path) -> list[Message]:
+    """The messages of a conversation saved by ``/save``.
+
+    Raises:
+        ValueError: the file is not a saved conversation (what is wrong is named).
+    """
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not a saved lcgen chat (not JSON: {exc})") from None
+    messages = data.get("messages") if isinstance(data, dict) else None
+    if not isinstance(messages, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in messages
+    ):
+        raise ValueError(f"{path} is not a saved lcgen chat (no list of role/content messages)")
+    return [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
 def cmd_models(args: argparse.Namespace) -> int:
@@ -207,6 +511,41 @@ def cmd_models(args: argparse.Namespace) -> int:
         print("\nTo get a model that is not local:")
         for entry in missing:
             print(f"  {entry.name}: {entry.sources[0].install_hint()}")
+    print(f"\nllama.cpp backend: {_build_backend()}")
+    return 0
+
+
+def _build_backend() -> str:
+    """What llama.cpp's build runs models on, and where layers go by default."""
+    from lcgen._native.model import gpu_devices
+
+    devices = gpu_devices()
+    if not devices:
+        return "CPU (no GPU backend built in; see README, GPU and Metal)"
+    names = ", ".join(f"{backend} ({description})" for backend, description in devices)
+    return f"{names}; models offload every layer unless --gpu-layers says otherwise"
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    model = _load(args)
+    arch = model.metadata("general.architecture") or "?"
+    trained = model.metadata(f"{arch}.context_length") or "?"
+    size_mb = model.path.stat().st_size / 1e6
+    rows = [
+        ("file", f"{model.path} ({size_mb:.1f} MB)"),
+        ("name", model.metadata("general.name") or "?"),
+        ("model", model.description),
+        ("parameters", f"{model.n_params:,}"),
+        ("layers", model.metadata(f"{arch}.block_count") or "?"),
+        ("vocabulary", f"{model.n_vocab:,} tokens"),
+        ("context", f"{model.n_ctx:,} tokens (trained on {trained})"),
+        ("chat template", "yes" if model.metadata("tokenizer.chat_template") else "no"),
+        ("backend", model.backend),
+        ("threads", str(model.n_threads)),
+    ]
+    for key, value in rows:
+        print(f"{key:<14} {value}")
+    model.close()
     return 0
 
 
@@ -269,6 +608,23 @@ def _demo_backtracking(model: lcgen.Model) -> None:
             print(f"  {answer!r} (log-probability {weight:.1f})")
 
 
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("prompt", help="the prompt text; - reads it from stdin")
+    p.add_argument("--chat", action="store_true", help="apply the model's chat template")
+    p.add_argument("--system", default=None, help="a system message (with --chat)")
+    p.add_argument(
+        "--quiet", action="store_true", help="no speed summary on stderr after the output"
+    )
+    p.add_argument(
+        "--grammar",
+        help="GBNF text (containing ::=), a bundled grammar name (json, iso_date, ...) or a "
+        ".gbnf file",
+    )
+    p.add_argument("--json-schema", help="a JSON Schema file: the output is JSON valid for it")
+    p.add_argument("--choice", help="comma-separated options: the output is one of them")
+    p.add_argument("--regex", help="a regular expression the whole output matches")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="lcgen", description="Controllable, reversible generation with GGUF models."
@@ -279,30 +635,25 @@ def build_parser() -> argparse.ArgumentParser:
         ("generate", "stream a completion of PROMPT to stdout", cmd_generate),
         ("chat", "chat on stdin/stdout with the model's own chat template", cmd_chat),
         ("models", "list the model registry and what is available locally", cmd_models),
+        ("info", "load MODEL and show its size, parameters and backend", cmd_info),
         ("demo", "run the demo on the bundled model", cmd_demo),
     ]
     for name, help_text, func in commands:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(func=func)
-        if name in {"generate", "chat"}:
+        if name in {"generate", "chat", "info"}:
             _add_model_args(p)
+        if name in {"generate", "chat"}:
             _add_sampling_args(p, 256 if name == "generate" else 512)
         if name == "generate":
-            p.add_argument("prompt", help="the prompt text")
-            p.add_argument(
-                "--grammar", help="a bundled grammar name (json, iso_date, ...) or a .gbnf file"
-            )
-            p.add_argument(
-                "--json-schema", help="a JSON Schema file: the output is JSON valid for it"
-            )
-            p.add_argument("--choice", help="comma-separated options: the output is one of them")
-            p.add_argument("--regex", help="a regular expression the whole output matches")
+            _add_generate_args(p)
         if name == "chat":
             p.add_argument("--system", default=None, help="a system message")
         if name == "demo":
             p.set_defaults(
                 model=lcgen.DEFAULT_MODEL, n_ctx=4096, threads=None, gpu_layers=None, verbose=False
             )
+    server.add_parser(sub)  # `lcgen serve` (its web parts load only when it runs)
     return parser
 
 

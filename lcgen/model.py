@@ -19,7 +19,7 @@ import numpy as np
 from lcgen._native.log import init, supports_gpu_offload
 from lcgen._native.model import ModelHandle, render_chat_template
 from lcgen.decoding import Chunk, GenerateOptions, Plan, Text, make_plan
-from lcgen.decoding.results import SchemaLike, parse_structured
+from lcgen.decoding.results import SchemaLike, check_complete, parse_structured
 from lcgen.runtime import Context, Run, Scheduler, Sequence
 from lcgen.runtime.kvstore import KVStore
 from lcgen.vocab import Vocab
@@ -111,6 +111,34 @@ def _cgroup_quota() -> int | None:
     return max(1, -(-int(quota) // int(period)))
 
 
+def params_label(n_params: int) -> str:
+    """A parameter count to three significant digits: ``135M``, ``1.54B``."""
+    rounded = float(f"{n_params:.3g}")
+    for scale, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if rounded >= scale:
+            return f"{rounded / scale:.3g}{unit}"
+    return str(n_params)
+
+
+def describe(llama_description: str, n_params: int) -> str:
+    """llama.cpp's "architecture size-class file-type" with the real parameter count."""
+    parts = llama_description.split(" ", 2)
+    if len(parts) < 3:
+        return f"{llama_description}, {params_label(n_params)} parameters"
+    return f"{parts[0]} {params_label(n_params)} {parts[2]}"
+
+
+def backend_summary(devices: Seq[tuple[str, str]], n_offloaded: int, n_layers: int) -> str:
+    """``"CPU"``, ``"CUDA: 31/31 layers offloaded"``, or ``"CPU (Metal built in, 0/31 layers
+    offloaded)"``: where a model's layers run."""
+    backends = ", ".join(dict.fromkeys(backend for backend, _ in devices))
+    if not devices:
+        return "CPU"
+    if not n_offloaded:
+        return f"CPU ({backends} built in, 0/{n_layers} layers offloaded)"
+    return f"{backends}: {n_offloaded}/{n_layers} layers offloaded"
+
+
 class Model:
     """A GGUF model loaded through llama.cpp, ready to generate.
 
@@ -173,7 +201,15 @@ class Model:
             self.vocab.eot,
             self.vocab.add_bos,
         )
-        self.description = self._handle.description()
+        # llama.cpp's description names a size class ("256M" for 135M parameters): the real
+        # count replaces it.
+        self.n_params = self._handle.n_params
+        self.description = describe(self._handle.description(), self.n_params)
+        # Where the layers run: "CPU", or the GPU backend and how many layers it holds.
+        self.n_gpu_layers = self._handle.n_offloaded
+        self.backend = backend_summary(
+            self._handle.devices, self.n_gpu_layers, self._handle.n_offloadable
+        )
         # Whether llama.cpp's extra CPU buffers (AMX, repacked weights) are used: off where
         # the CPU reports AMX that crashes (see lcgen._native.cpu).
         self.extra_cpu_buffers = self._handle.extra_cpu_buffers
@@ -207,7 +243,10 @@ class Model:
 
     def __repr__(self) -> str:
         state = ", closed" if self.is_closed else ""
-        return f"<lcgen.Model {self.path.name} ({self.description}), n_ctx={self.n_ctx}{state}>"
+        return (
+            f"<lcgen.Model {self.path.name} ({self.description}), {self.backend}, "
+            f"n_ctx={self.n_ctx}{state}>"
+        )
 
     # vocabulary (see :class:`~lcgen.vocab.Vocab`) -------------------------------------
     def tokenize(
@@ -265,9 +304,17 @@ class Model:
         """The prompt tokens for ``messages``, ending where the assistant's reply starts."""
         return self.tokenize(self.format_chat(messages), special=True)
 
-    def chat(self, messages: Seq[Message], **options: Unpack[GenerateOptions]) -> Text:
-        """The assistant's reply to ``messages`` (see :meth:`generate` for the options)."""
-        return Text.of(self.chat_stream(messages, **options))
+    def chat(
+        self,
+        messages: Seq[Message],
+        *,
+        schema: SchemaLike | None = None,
+        **options: Unpack[GenerateOptions],
+    ) -> Any:
+        """The assistant's reply to ``messages``: its text, or with ``schema`` the parsed
+        value (see :meth:`generate` for the options and errors)."""
+        with Sequence(self, self.chat_tokens(messages)) as seq:
+            return seq.generate(schema=schema, **options)
 
     def chat_stream(
         self, messages: Seq[Message], **options: Unpack[GenerateOptions]
@@ -351,8 +398,9 @@ class Model:
             prompts).
 
         Raises:
-            IncompleteOutputError: with ``schema``, generation stopped before the value was
-                complete (raise ``max_tokens``); the partial text is on the exception.
+            IncompleteOutputError: with a constraint (schema, grammar, choice, regex),
+                generation stopped before the output matched it (raise ``max_tokens``); the
+                partial text is on the exception.
         """
         if isinstance(prompt, str):
             with self.sequence(prompt) as seq:
@@ -361,6 +409,8 @@ class Model:
             raise TypeError(f"a prompt is a str or a list of str, got {prompt!r}")
         plan = make_plan(schema=schema, **options)
         texts = self._generate_batch([self.tokenize(p) for p in prompt], plan)
+        for text in texts:
+            check_complete(text, plan.constraint, self.vocab)
         return texts if schema is None else [parse_structured(t, schema) for t in texts]
 
     def _generate_batch(self, prompts: list[list[int]], plan: Plan) -> list[Text]:

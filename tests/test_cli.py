@@ -3,21 +3,34 @@
 from __future__ import annotations
 
 import json
+import os
+import pty
 import re
+import select
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 import lcgen
+from lcgen import cli
 
 ARGS = ["--max-tokens", "12"]
 
 
+# One thread: where other processes keep the cores busy, more threads than free cores slow
+# llama.cpp many times over (measured here: 3 s against 72 s for one chat test).
+THREADS = ["--threads", "1"]
+
+
 def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    threads = THREADS if args[0] in {"generate", "chat", "info"} else []
     return subprocess.run(
-        [sys.executable, "-m", "lcgen.cli", *args],
+        [sys.executable, "-m", "lcgen.cli", *args, *threads],
         input=stdin,
         capture_output=True,
         text=True,
@@ -80,7 +93,7 @@ def test_demo_runs() -> None:
     assert out.stdout.count("Is it a mammal? Answer:") == 3
 
 
-@pytest.mark.parametrize("command", ["generate", "chat", "models", "demo"])
+@pytest.mark.parametrize("command", ["generate", "chat", "models", "info", "demo"])
 def test_help(command: str) -> None:
     out = run(command, "--help")
     assert out.returncode == 0, out.stderr
@@ -131,3 +144,260 @@ def test_generate_with_constraints(model: lcgen.Model, tmp_path: Path) -> None:
 def test_an_empty_constraint_is_an_error_not_unconstrained(flag: str) -> None:
     out = run("generate", "smollm2-135m", "x", flag, "", "--max-tokens", "2")
     assert out.returncode == 1 and f"{flag} is empty" in out.stderr, out.stderr
+
+
+# generate: --chat, stdin, escapes, the speed summary, inline grammars ----------------------
+SUMMARY = re.compile(
+    r"^lcgen: prompt (\d+) tokens, [\d.]+ tokens/s \| generated (\d+) tokens, ([\d.]+|-) tokens/s$",
+    re.M,
+)
+
+
+def test_generate_chat_reads_the_prompt_from_stdin(model: lcgen.Model) -> None:
+    question = "Name three colors."
+    out = run("generate", "smollm2-135m", "-", "--chat", *ARGS, stdin=question + "\n")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == model.chat([{"role": "user", "content": question}], max_tokens=12) + "\n"
+    system = "You answer in French."
+    out = run("generate", "smollm2-135m", question, "--chat", "--system", system, *ARGS)
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    assert out.returncode == 0 and out.stdout == model.chat(messages, max_tokens=12) + "\n"
+    out = run("generate", "smollm2-135m", question, "--system", system, *ARGS)
+    assert out.returncode == 1 and "--system needs --chat" in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("given", "meant"),
+    [(r"\n", "\n"), (r"a\tb", "a\tb"), (r"\\n", "\\n"), (r"C:\path", "C:\\path"), ("\n", "\n")],
+)
+def test_stop_escapes(given: str, meant: str) -> None:
+    assert cli.unescape(given) == meant
+
+
+def test_generate_stop_escape_and_speed_summary(model: lcgen.Model) -> None:
+    prompt = "Write a haiku:"
+    out = run("generate", "smollm2-135m", prompt, "--max-tokens", "40", "--stop", r"\n")
+    assert out.returncode == 0, out.stderr
+    expected = model.generate(prompt, max_tokens=40, stop="\n")
+    assert expected.stop == "\n" and out.stdout == expected + "\n"
+    (summary,) = SUMMARY.findall(out.stderr)
+    assert (int(summary[0]), int(summary[1])) == (len(model.tokenize(prompt)), len(expected.tokens))
+    # With llama.cpp's log on stderr the summary is still a line of its own; --quiet drops it.
+    loud = run("generate", "smollm2-135m", prompt, "--max-tokens", "2", "--verbose")
+    assert loud.returncode == 0 and len(SUMMARY.findall(loud.stderr)) == 1
+    assert len(loud.stderr.splitlines()) > 10  # llama.cpp's log is there too
+    quiet = run("generate", "smollm2-135m", prompt, "--max-tokens", "2", "--quiet")
+    assert quiet.returncode == 0 and quiet.stderr == ""
+
+
+def test_generate_with_inline_grammar(model: lcgen.Model) -> None:
+    gbnf = 'root ::= "yes" | "no" | "maybe"'
+    out = run("generate", "smollm2-135m", "Is the sky green? Answer:", "--grammar", gbnf)
+    assert out.returncode == 0, out.stderr
+    expected = model.generate("Is the sky green? Answer:", grammar=lcgen.Grammar(gbnf))
+    assert out.stdout == expected + "\n" and expected in {"yes", "no", "maybe"}
+    bad = run("generate", "smollm2-135m", "x", "--grammar", "root ::= (")
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+
+
+# constrained output cut short: a non-zero exit (issue 13) ----------------------------------
+CHOICES = ["absolutely not at all", "certainly yes indeed"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "grammar"),
+    [
+        (["--grammar", "json"], lambda: lcgen.Grammar.from_file("json")),
+        (["--regex", r"\d{3}-\d{4}"], lambda: lcgen.Grammar.regex(r"\d{3}-\d{4}")),
+        (["--choice", ",".join(CHOICES)], lambda: lcgen.Grammar.choice(CHOICES)),
+        (["--grammar", 'root ::= [a-z]+ "!"'], lambda: lcgen.Grammar('root ::= [a-z]+ "!"')),
+    ],
+)
+def test_incomplete_constrained_output_exits_non_zero(
+    model: lcgen.Model, flags: list[str], grammar: Callable[[], lcgen.Grammar]
+) -> None:
+    prompt = "Answer:"
+    out = run("generate", "smollm2-135m", prompt, "--max-tokens", "2", *flags)
+    assert out.returncode == 1, out.stdout
+    assert "the output is incomplete" in out.stderr and flags[0] in out.stderr
+    assert "--max-tokens 2" in out.stderr and "Traceback" not in out.stderr
+    partial = "".join(c.text for c in model.stream(prompt, max_tokens=2, grammar=grammar()))
+    assert out.stdout == partial + "\n"  # the partial text is still printed
+    assert not grammar().accepts(model, partial)
+
+
+def test_incomplete_json_schema_and_a_complete_cut(model: lcgen.Model, tmp_path: Path) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    prompt = "A cat as JSON:"
+    out = run("generate", "smollm2-135m", prompt, "--json-schema", str(tmp_path / "s.json"),
+              "--max-tokens", "3")  # fmt: skip
+    assert out.returncode == 1 and "incomplete" in out.stderr and "--json-schema" in out.stderr
+    with pytest.raises(lcgen.IncompleteOutputError):
+        model.generate(prompt, max_tokens=3, schema=schema)
+    # Cut by max_tokens, yet a complete match: success.
+    digits = run("generate", "smollm2-135m", "Numbers: 1, 2,", "--grammar", "root ::= [0-9]+",
+                 "--max-tokens", "1")  # fmt: skip
+    assert digits.returncode == 0, digits.stderr
+    assert re.fullmatch(r"[0-9]+\n", digits.stdout)
+
+
+# chat ----------------------------------------------------------------------------------------
+def _chat(*args: str) -> subprocess.Popen[bytes]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "lcgen.cli", "chat", "smollm2-135m", *args, *THREADS],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        bufsize=0,
+    )
+
+
+def test_ctrl_c_stops_the_reply_not_the_chat() -> None:
+    proc = _chat("--max-tokens", "400")
+    assert proc.stdin is not None and proc.stdout is not None
+    proc.stdin.write(b"Write a long story about a dragon and a knight.\n")
+    first = proc.stdout.read(1)  # the reply has started
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(b"Name three colors.\n/exit\n", timeout=300)
+    stderr = err.decode()
+    assert proc.returncode == 0, stderr
+    assert first and stderr.count("reply stopped (Ctrl-C)") == 1
+    assert "error" not in stderr and "Traceback" not in stderr
+    # the interrupted reply, its newline, then the whole next reply
+    stdout = (first + out).decode()
+    assert stdout.count("\n") >= 2 and stdout.strip()
+
+
+def test_ctrl_d_leaves_the_terminal_on_a_new_line() -> None:
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: lcgen chat on a terminal
+        os.execv(
+            sys.executable, [sys.executable, "-m", "lcgen.cli", "chat", "smollm2-135m", *THREADS]
+        )
+    output = _read_until(fd, b"> ")
+    os.write(fd, b"\x04")  # Ctrl-D
+    output += _read_until(fd, None)
+    _, status = os.waitpid(pid, 0)
+    os.close(fd)
+    assert os.waitstatus_to_exitcode(status) == 0, output
+    assert b"/help" in output  # the greeting names the commands
+    assert b"\n" in output[output.rindex(b"> ") :]
+
+
+def _read_until(fd: int, marker: bytes | None, timeout: float = 120) -> bytes:
+    """Read a terminal until ``marker`` shows up (None: until the child closes it)."""
+    data = b""
+    deadline = time.monotonic() + timeout
+    while marker is None or marker not in data:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        assert ready, f"timed out waiting for {marker!r}; got {data!r}"
+        try:
+            piece = os.read(fd, 4096)
+        except OSError:  # the child closed the terminal
+            break
+        if not piece:
+            break
+        data += piece
+    return data
+
+
+def test_chat_commands(
+    cold_model: lcgen.Model, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    chat = cli.ChatSession(cold_model, {"max_tokens": 8}, "You are terse.")
+    system = {"role": "system", "content": "You are terse."}
+    assert chat.messages == [system]
+    assert chat.handle("Hi!") is True
+    expected = cold_model.chat([system, {"role": "user", "content": "Hi!"}], max_tokens=8)
+    assert capsys.readouterr().out == expected + "\n"
+    assert chat.messages[1:] == [
+        {"role": "user", "content": "Hi!"},
+        {"role": "assistant", "content": expected},
+    ]
+    chat.handle("/system Be kind.")
+    assert chat.messages[0] == {"role": "system", "content": "Be kind."} and len(chat.messages) == 3
+    chat.handle("/save " + str(tmp_path / "c.json"))
+    assert (tmp_path / "c.json.kv").exists()
+    saved = list(chat.messages)
+    chat.handle("/system")
+    assert [m["role"] for m in chat.messages] == ["user", "assistant"]
+    chat.handle("/clear")
+    assert chat.messages == []
+    chat.handle("/load " + str(tmp_path / "c.json"))
+    assert chat.messages == saved
+    (tmp_path / "bad.json").write_text('{"messages": [{"role": "user"}]}')
+    for line in ["/load " + str(tmp_path / "bad.json"), "/load " + str(tmp_path / "none"),
+                 "/load", "/save", "/nope", "/help"]:  # fmt: skip
+        assert chat.handle(line) is True
+    assert chat.messages == saved
+    err = capsys.readouterr().err
+    assert "not a saved lcgen chat" in err and "No such file" in err and "/load needs" in err
+    assert "unknown command /nope" in err and "/system TEXT" in err
+    assert chat.handle("/exit") is False and chat.handle("/quit") is False
+    failing = cli.ChatSession(cold_model, {"max_tokens": 4, "temperature": -1.0}, None)
+    assert failing.handle("Hi!") is True and failing.messages == []  # the turn failed, not the chat
+    assert "temperature must be >= 0" in capsys.readouterr().err
+
+
+def test_a_saved_chat_resumes_in_another_process(tmp_path: Path) -> None:
+    path = str(tmp_path / "chat.json")
+    first = run("chat", "smollm2-135m", *ARGS, stdin=f"Name three colors.\n/save {path}\n/exit\n")
+    assert first.returncode == 0 and "saved 2 messages" in first.stderr, first.stderr
+    second = run("chat", "smollm2-135m", *ARGS, stdin=f"/load {path}\nAnd three animals?\n")
+    assert second.returncode == 0, second.stderr
+    found = re.search(r"loaded 2 messages from .*; (\d+) of its (\d+) tokens cached", second.stderr)
+    assert found and 0 < int(found[1]) <= int(found[2]), second.stderr
+    assert second.stdout.strip()
+
+
+def test_fit_history_drops_the_oldest_turns(model: lcgen.Model) -> None:
+    def n_tokens(messages: list[dict[str, str]]) -> int:
+        return len(model.chat_tokens(messages))
+
+    system = {"role": "system", "content": "You are terse."}
+    turns = [
+        {"role": role, "content": f"{role} message number {i}"}
+        for i in range(6)
+        for role in ("user", "assistant")
+    ]
+    messages = [system, *turns, {"role": "user", "content": "last question"}]
+    everything = n_tokens(messages)
+    assert cli.fit_history(messages, n_tokens, everything) == (messages, 0)
+    for budget in range(everything - 60, everything, 7):
+        kept, dropped = cli.fit_history(messages, n_tokens, budget)
+        assert n_tokens(kept) <= budget and dropped > 0 and len(kept) == len(messages) - dropped
+        assert kept[0] == system and kept[-1] == messages[-1] and kept[1]["role"] == "user"
+        assert kept[1:] == messages[1 + dropped :]  # the oldest went first, whole turns
+        assert n_tokens([system, *messages[dropped - 1 :]]) > budget  # none dropped needlessly
+    with pytest.raises(lcgen.ContextFullError, match="shorten it"):
+        cli.fit_history(messages, n_tokens, n_tokens([system, messages[-1]]) - 1)
+
+
+def test_a_full_context_does_not_end_the_chat() -> None:
+    long_turn = "Repeat these words: " + "alpha beta gamma delta " * 20 + "\n"
+    out = run("chat", "smollm2-135m", "--max-tokens", "8", "--n-ctx", "256", stdin=long_turn * 4)
+    assert out.returncode == 0, out.stderr
+    assert "dropped the oldest 2 messages" in out.stderr and "error" not in out.stderr
+    assert out.stdout.count("\n") >= 4  # every turn was answered
+
+
+# models, info ----------------------------------------------------------------------------------
+def test_info_shows_the_real_size_and_the_backend(model: lcgen.Model) -> None:
+    out = run("info", "smollm2-135m")
+    assert out.returncode == 0, out.stderr
+    rows = dict(line.split(None, 1) for line in out.stdout.splitlines() if " " in line)
+    assert rows["parameters"] == f"{model.n_params:,}"
+    assert rows["model"] == model.description and "135M" in model.description
+    assert rows["backend"] == model.backend
+    models = run("models")
+    assert models.returncode == 0 and "llama.cpp backend: " in models.stdout
+
+
+def test_serve_is_a_command(capsys: pytest.CaptureFixture[str]) -> None:
+    from lcgen.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--help"])
+    assert exit_info.value.code == 0
+    assert "OpenAI-compatible" in capsys.readouterr().out

@@ -157,6 +157,7 @@ def test_mixing_generators_on_one_sequence(model: lcgen.Model) -> None:
         "type": "object",
         "properties": {"name": {"type": "string", "maxLength": 6}, "age": {"type": "integer"}},
         "required": ["name", "age"],
+        "additionalProperties": False,
     }
     as_json = continuous(generate.json(model, schema, max_tokens=30))
     s = text("Write a story about a cat:")

@@ -451,7 +451,13 @@ CASES = [
         [10, 30],
         [5, 35, 12],
     ),
-    Case("multipleOf-cents", {"type": "number", "multipleOf": 0.01}, [1, 2.5, 0.99], [0.001]),
+    Case(
+        "multipleOf-cents",  # integers only: float division calls 1.11 no multiple of 0.01
+        {"type": "number", "multipleOf": 0.01},
+        [1, -20, 300],
+        [0.001],
+        bad_texts=["1.11", "2.5"],
+    ),
     Case("not-string", {"not": {"type": "string"}}, [1, None, [], {}], ["x"]),
     Case(
         "if-then-else",

@@ -122,10 +122,10 @@ def test_logprobs(model: lcgen.Model) -> None:
         log_softmax = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
         (token,) = chunk.tokens
         assert chunk.logprob == pytest.approx(log_softmax[token], abs=1e-5)
-        assert [t for t, _ in chunk.top_logprobs] == list(np.argsort(-log_softmax)[:3])
+        assert [t for t, _, _ in chunk.top_logprobs] == list(np.argsort(-log_softmax)[:3])
         assert chunk.top_logprobs[0][0] == token  # greedy
-        assert [lp for _, lp in chunk.top_logprobs] == sorted(
-            (lp for _, lp in chunk.top_logprobs), reverse=True
+        assert [lp for _, _, lp in chunk.top_logprobs] == sorted(
+            (lp for _, _, lp in chunk.top_logprobs), reverse=True
         )
     only = next(iter(model.stream("The sky is", max_tokens=1, logprobs=0)))
     assert only.logprob is not None and only.top_logprobs == ()

@@ -95,6 +95,12 @@ class ModelHandle:
         self.n_layer = int(C.llama_model_n_layer(ptr))
         self.n_swa = int(C.llama_model_n_swa(ptr))
         self.is_recurrent = bool(C.llama_model_is_recurrent(ptr) or C.llama_model_is_hybrid(ptr))
+        self.n_params = int(C.llama_model_n_params(ptr))
+        self.size_bytes = int(C.llama_model_size(ptr))
+        self.devices = gpu_devices()
+        self.n_offloadable, self.n_offloaded = _offloaded_layers(
+            n_gpu_layers, self.n_layer + int(C.llama_model_n_layer_nextn(ptr)), self.devices
+        )
 
     @property
     def is_open(self) -> bool:
@@ -223,6 +229,60 @@ class ModelHandle:
             if n >= 0:
                 return buf.raw[:n]
             size = -n
+
+
+# ggml's device types (ggml-backend.h) that llama.cpp offloads layers to.
+_DEVICE_GPU, _DEVICE_IGPU = 1, 2
+
+
+@functools.cache
+def gpu_devices() -> tuple[tuple[str, str], ...]:
+    """The GPU devices llama.cpp would offload layers to, as ``(backend, description)`` pairs
+    such as ``("CUDA", "NVIDIA H100 80GB HBM3")`` or ``("Metal", "Apple M2")``; empty on a
+    CPU-only build. Dedicated GPUs are used when there are any, else integrated ones."""
+    init()
+    try:
+        by_type = _devices_by_type()
+    except (ImportError, AttributeError, OSError):  # a build without ggml's device registry
+        return (("GPU", "unknown device"),) if C.llama_supports_gpu_offload() else ()
+    return tuple(by_type.get(_DEVICE_GPU) or by_type.get(_DEVICE_IGPU) or ())
+
+
+def _devices_by_type() -> dict[int, list[tuple[str, str]]]:
+    """ggml's registered devices, grouped by device type."""
+    from llama_cpp._ggml import libggml as G
+
+    G.ggml_backend_dev_count.restype = ctypes.c_size_t
+    G.ggml_backend_dev_get.argtypes = [ctypes.c_size_t]
+    G.ggml_backend_dev_get.restype = ctypes.c_void_p
+    for name in ("ggml_backend_dev_type", "ggml_backend_dev_description"):
+        getattr(G, name).argtypes = [ctypes.c_void_p]
+    G.ggml_backend_dev_type.restype = ctypes.c_int
+    G.ggml_backend_dev_description.restype = ctypes.c_char_p
+    G.ggml_backend_dev_backend_reg.argtypes = [ctypes.c_void_p]
+    G.ggml_backend_dev_backend_reg.restype = ctypes.c_void_p
+    G.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
+    G.ggml_backend_reg_name.restype = ctypes.c_char_p
+    found: dict[int, list[tuple[str, str]]] = {}
+    for i in range(int(G.ggml_backend_dev_count())):
+        dev = G.ggml_backend_dev_get(i)
+        backend = G.ggml_backend_reg_name(G.ggml_backend_dev_backend_reg(dev)) or b"?"
+        description = G.ggml_backend_dev_description(dev) or b""
+        found.setdefault(int(G.ggml_backend_dev_type(dev)), []).append(
+            (backend.decode("utf-8", "replace"), description.decode("utf-8", "replace"))
+        )
+    return found
+
+
+def _offloaded_layers(
+    n_gpu_layers: int, n_layers: int, devices: tuple[tuple[str, str], ...]
+) -> tuple[int, int]:
+    """``(offloadable, offloaded)`` layers as llama.cpp counts them when it loads a model: the
+    repeating layers plus the output layer; a negative request means all of them."""
+    n_total = n_layers + 1
+    if not devices:
+        return n_total, 0
+    return n_total, min(n_total if n_gpu_layers < 0 else n_gpu_layers, n_total)
 
 
 def render_chat_template(

@@ -502,8 +502,9 @@ class _Compiler:
     def multiples(
         self, steps: set[Decimal], lo: int | None, hi: int | None, integer: bool, path: str
     ) -> str:
-        """Numbers that are multiples of every step: integers only (fewer, never more), or for
-        steps of 10^-k (cents), decimals with at most k digits after the point."""
+        """Numbers that are multiples of every step: integers only (fewer, never more: for a
+        step of 0.01, 1.11 is a multiple, but validators that divide in floating point say it
+        is not, so only integers are written)."""
         whole = [s for s in steps if s == s.to_integral_value()]
         step = math.lcm(*(int(s) for s in whole)) if whole else 1
         fractions = [s for s in steps if s not in whole]
@@ -511,9 +512,6 @@ class _Compiler:
             raise GrammarError(
                 f"multipleOf {', '.join(map(str, sorted(steps)))} at {path} is not supported"
             )
-        if fractions and not integer and lo is None and hi is None:
-            digits = max(-s.normalize().as_tuple().exponent for s in fractions)  # type: ignore[operator]
-            return f'"-"? ("0" | [1-9] [0-9]*) ("." [0-9]{{1,{digits}}})?'
         if step == 1:
             return g.integer_range(lo, hi)
         if lo is not None and hi is not None:

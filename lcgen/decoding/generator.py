@@ -20,9 +20,9 @@ import numpy as np
 
 from lcgen.constrain import GrammarState
 from lcgen.decoding.options import GenerateOptions, Plan, make_plan
-from lcgen.decoding.results import Chunk, FinishReason
+from lcgen.decoding.results import Chunk, FinishReason, TokenLogprob, TopLogprob
 from lcgen.decoding.sampling import SamplerConfig, log_normalizer, new_rng, sample, top_ids
-from lcgen.decoding.text import TextState, text_flush, text_step
+from lcgen.decoding.text import TextState, decode_flush, decode_step, text_flush, text_step
 from lcgen.errors import NoCandidatesError
 from lcgen.vocab import HasVocab, Vocab, vocab_of
 
@@ -207,10 +207,9 @@ class Generator:
         token = sample(allowed, sampler, self.rng, self.recent)
         if self.grammar is not None and not self.grammar.try_accept(token):
             token = self._sample_allowed(allowed, token, sampler)
-        chunk = self._accept(token)
         if self.logprobs is None:
-            return chunk
-        return dataclasses.replace(chunk, **logprobs_of(logits, token, self.logprobs))
+            return self._accept(token)
+        return self._accept_with_logprobs(token, logits, self.logprobs)
 
     def accept(self, token: int) -> Chunk:
         """Take ``token`` as the next token (sampled here or chosen elsewhere).
@@ -230,7 +229,9 @@ class Generator:
         return self._accept(token)
 
     def _accept(self, token: int) -> Chunk:
-        piece = self._healed_piece(token)
+        return self._take(token, self._healed_piece(token))
+
+    def _take(self, token: int, piece: bytes) -> Chunk:
         self.tokens.append(token)
         self.recent.append(token)
         if token in self.plan.stop_tokens or self.vocab.is_eog(token):
@@ -244,6 +245,26 @@ class Generator:
         if len(self.tokens) >= self.plan.max_tokens:
             return self._finish((token,), "length", None, text)
         return Chunk(text, (token,))
+
+    def _accept_with_logprobs(self, token: int, logits: np.ndarray, n_top: int) -> Chunk:
+        """:meth:`_accept`, with the token's :class:`TokenLogprob` on the chunk."""
+        held = self.text_state.held_bytes
+        piece = self._healed_piece(token)
+        chunk = self._take(token, piece)
+        fields = logprobs_of(logits, token, n_top, self.vocab)
+        text = self._own_text(chunk, held, piece)
+        entry = TokenLogprob(token, text, fields["logprob"], fields["top_logprobs"])
+        return dataclasses.replace(chunk, logprobs=(entry,), **fields)
+
+    def _own_text(self, chunk: Chunk, held: bytes, piece: bytes) -> str:
+        """The characters the chunk's token completes, given the bytes held before it (an
+        end or stop token adds none); the last token also releases what is still held."""
+        token = chunk.tokens[0]
+        if token in self.plan.stop_tokens or self.vocab.is_eog(token):
+            held_after, text = held, ""
+        else:
+            held_after, text = decode_step(held, piece)
+        return text + decode_flush(held_after) if chunk.finish_reason is not None else text
 
     def _check_not_done(self) -> None:
         if self.is_done:
@@ -316,10 +337,24 @@ class Generator:
         return Chunk(text, tokens, reason, hit)
 
 
-def logprobs_of(logits: np.ndarray, token: int, n_top: int) -> dict[str, Any]:
-    """The sampled token's log-probability and the ``n_top`` best, under the raw logits."""
+def logprobs_of(
+    logits: np.ndarray, token: int, n_top: int, vocab: Vocab | None = None
+) -> dict[str, Any]:
+    """The sampled token's log-probability and the ``n_top`` best, under the raw logits, as
+    :class:`Chunk` fields (``logprob``, ``top_logprobs``); ``vocab`` gives the best tokens'
+    texts."""
     log_norm = log_normalizer(logits)
-    best: tuple[tuple[int, float], ...] = ()
+    best: tuple[TopLogprob, ...] = ()
     if n_top:
-        best = tuple((int(i), float(logits[i]) - log_norm) for i in top_ids(logits, n_top))
+        if vocab is None:
+            raise ValueError("the texts of the top tokens need the vocabulary")
+        best = tuple(
+            TopLogprob(int(i), _token_text(vocab, int(i)), float(logits[i]) - log_norm)
+            for i in top_ids(logits, n_top)
+        )
     return {"logprob": float(logits[token]) - log_norm, "top_logprobs": best}
+
+
+def _token_text(vocab: Vocab, token: int) -> str:
+    """A token's text on its own: control tokens shown, a partial character as U+FFFD."""
+    return vocab.special_piece(token).decode("utf-8", "replace")

@@ -6,7 +6,11 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+
+if TYPE_CHECKING:
+    from lcgen.constrain import Grammar
+    from lcgen.vocab import Vocab
 
 FinishReason = Literal["stop", "length", "retries"]
 # A JSON Schema (a dict, JSON text, or true / false) or a pydantic model class.
@@ -33,6 +37,42 @@ class GenerationStats:
     resamples: int = 0
 
 
+class TopLogprob(NamedTuple):
+    """One of the most likely tokens at a position: ``(token, text, logprob)``.
+
+    Attributes:
+        token: the token id.
+        text: the token's own text (control tokens shown, e.g. ``"<|im_end|>"``; a piece that
+            holds only part of a UTF-8 character reads U+FFFD).
+        logprob: its log-probability under the model (log-softmax of the raw logits).
+    """
+
+    token: int
+    text: str
+    logprob: float
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A generated token with its log-probability and the most likely tokens at its position.
+
+    Attributes:
+        token: the token id.
+        text: the text the token adds to the output: the characters its bytes complete (``""``
+            for an end-of-generation or stop token, and for a token that only starts a
+            character). The texts of a generation's tokens join to its text as decoded before
+            a stop string cut it.
+        logprob: its log-probability under the model (log-softmax of the raw logits, before
+            temperature and filters).
+        top: with ``logprobs=n``, the n most likely tokens at its position, best first.
+    """
+
+    token: int
+    text: str
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """What one generation step produced.
@@ -48,7 +88,11 @@ class Chunk:
         stop: the stop string that ended generation, if one did.
         logprob: with ``logprobs`` set, the sampled token's log-probability under the model
             (log-softmax of the raw logits, before temperature and filters).
-        top_logprobs: with ``logprobs=n``, the n most likely tokens and their log-probabilities.
+        top_logprobs: with ``logprobs=n``, the n most likely tokens at this step's position,
+            best first, as :class:`TopLogprob` ``(token, text, logprob)``.
+        logprobs: with ``logprobs`` set, one :class:`TokenLogprob` per token of this chunk
+            (empty where a chunk of released text spans several tokens: with hooks,
+            validators or banned phrases only the sum is kept, on ``logprob``).
         stats: on the last chunk of a sequence's generation, what it cost (tokens decoded,
             rewinds, resamples).
     """
@@ -58,8 +102,9 @@ class Chunk:
     finish_reason: FinishReason | None = None
     stop: str | None = None
     logprob: float | None = None
-    top_logprobs: tuple[tuple[int, float], ...] = ()
+    top_logprobs: tuple[TopLogprob, ...] = ()
     stats: GenerationStats | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class Text(str):
@@ -70,28 +115,67 @@ class Text(str):
         stop: the stop string that ended it, if one did.
         tokens: the generated token ids.
         stats: what the generation cost (:class:`GenerationStats`).
+        logprobs: with ``logprobs`` set, one :class:`TokenLogprob` per generated token (its
+            id, text, log-probability and the most likely alternatives); None without
+            ``logprobs``, and with hooks, validators or banned phrases (their chunks carry only
+            the summed log-probability of the tokens they release).
     """
 
     finish_reason: FinishReason | None
     stop: str | None
     tokens: tuple[int, ...]
     stats: GenerationStats
+    logprobs: tuple[TokenLogprob, ...] | None
 
     @classmethod
     def of(cls, chunks: Iterable[Chunk]) -> Text:
         """Join a generation's chunks."""
         parts: list[str] = []
         tokens: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        each_token_has_one = True
         last: Chunk | None = None
         for last in chunks:
             parts.append(last.text)
             tokens.extend(last.tokens)
+            logprobs.extend(last.logprobs)
+            each_token_has_one &= len(last.logprobs) == len(last.tokens)
         text = cls("".join(parts))
         text.finish_reason = last.finish_reason if last else "length"
         text.stop = last.stop if last else None
         text.tokens = tuple(tokens)
         text.stats = (last.stats if last else None) or GenerationStats()
+        text.logprobs = tuple(logprobs) if logprobs and each_token_has_one else None
         return text
+
+
+def check_complete(text: Text, constraint: Grammar | None, vocab: Vocab) -> None:
+    """Raise when a constrained generation stopped before its output matched the constraint
+    (a cut choice, a half-written JSON value): it never comes back as if it were complete.
+
+    Raises:
+        IncompleteOutputError: with the partial text.
+    """
+    from lcgen.errors import GrammarError, IncompleteOutputError
+
+    if constraint is None or (text.finish_reason == "stop" and not text.stop):
+        return  # the end token is allowed only where the grammar is complete
+    try:
+        if constraint.accepts(vocab, str(text)):
+            return  # cut by max_tokens exactly where it could end
+    except GrammarError:
+        pass
+    if text.stop:
+        reason = f"the stop string {text.stop!r} cut it"
+    elif text.finish_reason == "length":
+        reason = "generation reached max_tokens"
+    else:
+        reason = "the retries ran out"
+    raise IncompleteOutputError(
+        f"the output is incomplete: {reason} before it matched its constraint "
+        f"({len(str(text))} characters){': raise max_tokens' * (text.finish_reason == 'length')}",
+        str(text),
+    )
 
 
 def parse_structured(text: str, schema: SchemaLike) -> Any:

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar, Unpack, overload
 
 from lcgen.decoding import Chunk, GenerateOptions, Generator, Plan, Text, make_plan
-from lcgen.decoding.results import SchemaLike, parse_structured
+from lcgen.decoding.results import SchemaLike, check_complete, parse_structured
 from lcgen.errors import ContextFullError, StateFileError
 from lcgen.runtime import statefile
 from lcgen.runtime.backtrack import Backtracker
@@ -214,10 +214,13 @@ class Sequence(TokenSequence):
         with ``schema``, the parsed value (a dict, or an instance of the pydantic model).
 
         Raises:
-            IncompleteOutputError: with ``schema``, generation stopped before the value was
-                complete (the partial text is on the exception).
+            IncompleteOutputError: with a constraint (schema, grammar, choice, regex),
+                generation stopped before the output matched it (the partial text is on the
+                exception).
         """
-        text = Text.of(self.stream(schema=schema, **options))
+        plan = make_plan(schema=schema, **options)
+        text = Text.of(_chunks(self.run_plan(plan)))
+        check_complete(text, plan.constraint, self.vocab)
         return text if schema is None else parse_structured(text, schema)
 
 

@@ -1,0 +1,119 @@
+"""Log-probabilities on what generation returns: per token on ``Text.logprobs`` and on each
+``Chunk``, with the texts of the token and of the most likely alternatives."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import lcgen
+from lcgen.decoding.results import TokenLogprob, TopLogprob
+
+PROMPT = "The capital of France is"
+JAPANESE = [{"role": "user", "content": "Say hello in Japanese."}]
+
+
+def _joined(entries: tuple[TokenLogprob, ...] | None) -> str:
+    assert entries is not None
+    return "".join(e.text for e in entries)
+
+
+def test_text_carries_the_logprobs_the_stream_carries(cold_model: lcgen.Model) -> None:
+    text = cold_model.generate(PROMPT, max_tokens=16, logprobs=3)
+    chunks = list(cold_model.stream(PROMPT, max_tokens=16, logprobs=3))
+    from_chunks = tuple(e for c in chunks for e in c.logprobs)
+    assert text.logprobs == from_chunks
+    assert text.logprobs is not None and len(text.logprobs) == len(text.tokens) == 16
+    assert tuple(e.token for e in text.logprobs) == text.tokens
+    for chunk in chunks:  # the chunk's own fields agree with its one entry
+        (entry,) = chunk.logprobs
+        assert (chunk.logprob, chunk.top_logprobs) == (entry.logprob, entry.top)
+
+
+def test_greedy_picks_the_best_of_the_top_n(model: lcgen.Model) -> None:
+    text = model.generate(PROMPT, max_tokens=12, logprobs=4)
+    assert text.logprobs is not None
+    for entry in text.logprobs:
+        assert len(entry.top) == 4 and entry.logprob <= 0
+        assert entry.logprob == max(top.logprob for top in entry.top)
+        assert entry.top[0].token == entry.token
+        assert [t.logprob for t in entry.top] == sorted(
+            (t.logprob for t in entry.top), reverse=True
+        )
+        assert sum(math.exp(t.logprob) for t in entry.top) <= 1 + 1e-9
+        # a whole-character piece reads the same as the chosen token's text
+        assert entry.top[0].text == entry.text
+        token, text_, logprob = entry.top[1]  # a plain (token, text, logprob) tuple
+        assert isinstance(token, int) and isinstance(text_, str) and logprob <= entry.logprob
+
+
+def test_texts_join_to_the_output_text(model: lcgen.Model) -> None:
+    text = model.generate(PROMPT, max_tokens=20, logprobs=1)
+    assert _joined(text.logprobs) == text
+    reply = model.chat(JAPANESE, max_tokens=16, logprobs=2)  # characters split across tokens
+    assert _joined(reply.logprobs) == reply
+    assert any(ord(ch) > 0x3000 for ch in reply), reply  # measured: the reply is Japanese
+    assert any(e.text == "" for e in reply.logprobs or ())
+
+
+def test_a_stop_string_cuts_the_text_not_the_tokens(model: lcgen.Model) -> None:
+    full = model.generate(PROMPT, max_tokens=20)
+    stop = full.split()[1]  # a word inside the output
+    text = model.generate(PROMPT, max_tokens=20, logprobs=2, stop=stop)
+    assert text.stop == stop and text.logprobs is not None
+    assert len(text.logprobs) == len(text.tokens)
+    assert _joined(text.logprobs).startswith(text + stop)
+
+
+def test_an_end_token_adds_no_text(model: lcgen.Model) -> None:
+    plain = model.generate(PROMPT, max_tokens=2, logprobs=0)
+    assert plain.logprobs is not None
+    end = plain.logprobs[1].token  # treat the second token as a stop token
+    text = model.generate(PROMPT, max_tokens=8, logprobs=3, stop_tokens=[end])
+    assert text.logprobs is not None and text.logprobs[-1].token == end
+    assert text.logprobs[-1].text == "" and text.logprobs[-1].top[0].text != ""
+    assert _joined(text.logprobs) == text
+    assert all(e.top == () for e in plain.logprobs)  # logprobs=0: no alternatives
+
+
+def test_chat_stream_and_batch_carry_them(model: lcgen.Model) -> None:
+    for out in model.generate(["The sky is", "Water boils at"], max_tokens=6, logprobs=2):
+        assert out.logprobs is not None and len(out.logprobs) == len(out.tokens)
+        assert _joined(out.logprobs) == out
+    chunks = list(model.chat_stream(JAPANESE, max_tokens=6, logprobs=2))
+    assert all(len(c.logprobs) == len(c.tokens) for c in chunks)
+    assert all(len(t) == 3 for c in chunks for t in c.top_logprobs)
+
+
+def test_without_logprobs_there_are_none(model: lcgen.Model) -> None:
+    assert model.generate(PROMPT, max_tokens=3).logprobs is None
+    assert all(c.logprobs == () for c in model.stream(PROMPT, max_tokens=3))
+    # Backtracking releases text spanning several tokens with the sum only: no misaligned list.
+    banned = model.generate(PROMPT, max_tokens=6, logprobs=2, banned=["Paris"])
+    assert banned.logprobs is None and "Paris" not in banned
+
+
+def _one_hot(model: lcgen.Model, token: int) -> np.ndarray:
+    logits = np.zeros(model.n_vocab, dtype=np.float32)
+    logits[token] = 30.0
+    return logits
+
+
+@pytest.mark.parametrize(
+    ("n_bytes", "texts"),
+    [(3, ["", "", "日"]), (2, ["", "\ufffd"])],  # the whole character; cut by max_tokens
+)
+def test_a_split_character_belongs_to_its_last_token(
+    model: lcgen.Model, n_bytes: int, texts: list[str]
+) -> None:
+    tokens = [model.vocab.byte_tokens[b] for b in "日".encode()[:n_bytes]]
+    gen = lcgen.Generator(model, max_tokens=n_bytes, logprobs=2)
+    chunks = [gen.step(_one_hot(model, token)) for token in tokens]
+    assert [c.logprobs[0].text for c in chunks] == texts
+    assert "".join(c.text for c in chunks) == "".join(texts)
+    for chunk, token in zip(chunks, tokens, strict=True):
+        top = chunk.logprobs[0].top
+        assert isinstance(top[0], TopLogprob) and top[0].token == token
+        assert top[0].text == "\ufffd"  # one byte of a character, read alone

@@ -1,0 +1,54 @@
+"""The truncation contract: a constrained output cut before it matched its constraint never
+comes back as if it were complete. Calls that return a value raise ``IncompleteOutputError``
+with the partial text; streams end with ``finish_reason="length"``."""
+
+from __future__ import annotations
+
+import pydantic
+import pytest
+
+import lcgen
+
+OPTIONS = ["a very long first option about the weather", "another long option about the sea"]
+
+
+class Cat(pydantic.BaseModel):
+    name: str
+    age: int
+
+
+def test_a_cut_choice_raises_with_the_partial_text(model: lcgen.Model) -> None:
+    with pytest.raises(lcgen.IncompleteOutputError) as info:
+        model.generate("Pick one:", choice=OPTIONS, max_tokens=2)
+    assert info.value.text not in OPTIONS
+    assert any(option.startswith(info.value.text) for option in OPTIONS)
+
+
+def test_cut_regex_and_grammar_raise(model: lcgen.Model) -> None:
+    with pytest.raises(lcgen.IncompleteOutputError, match="max_tokens"):
+        model.generate("Call us at", regex=r" \(\d{3}\) \d{3}-\d{4}", max_tokens=2)
+    grammar = lcgen.Grammar('root ::= "[" [a-z]+ ("," [a-z]+)* "]"')
+    with pytest.raises(lcgen.IncompleteOutputError):
+        model.generate("A list:", grammar=grammar, max_tokens=2)
+
+
+def test_an_output_complete_at_the_limit_is_returned(model: lcgen.Model) -> None:
+    text = model.generate("Answer a or b:", choice=["a", "b"], max_tokens=1)
+    assert str(text) in ("a", "b")
+
+
+def test_batches_and_chat_keep_the_contract(model: lcgen.Model) -> None:
+    with pytest.raises(lcgen.IncompleteOutputError):
+        model.generate(["Pick:", "Choose:"], choice=OPTIONS, max_tokens=2)
+    messages = [{"role": "user", "content": "Describe a cat as JSON with a name and an age."}]
+    cat = model.chat(messages, schema=Cat, max_tokens=60)
+    assert isinstance(cat, Cat)
+    with pytest.raises(lcgen.IncompleteOutputError):
+        model.chat(messages, schema=Cat, max_tokens=3)
+
+
+def test_a_cut_stream_ends_with_length(model: lcgen.Model) -> None:
+    chunks = list(model.stream("Describe a cat as JSON:", schema=Cat, max_tokens=3))
+    assert chunks[-1].finish_reason == "length"
+    text = "".join(c.text for c in chunks)
+    assert lcgen.Grammar.from_pydantic(Cat).state(model).accepts_text(text, complete=False)
