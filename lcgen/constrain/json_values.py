@@ -1,0 +1,536 @@
+"""GBNF for the values of one conjunction of plain JSON Schemas, type by type (the second half
+of :mod:`lcgen.constrain.json_schema`): what the members say about strings, numbers, arrays and
+objects is gathered, and keywords of one type constrain only values of that type.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import json
+import math
+import re
+from collections.abc import Callable
+from decimal import Decimal
+from typing import Any
+
+import jsonschema
+
+from lcgen.constrain import gbnf as g
+from lcgen.constrain import json_rules as spec
+from lcgen.constrain.regex import regex_to_gbnf
+from lcgen.errors import GrammarError
+
+Conj = list[dict[str, Any]]  # a conjunction of plain (applicator-free) schemas
+FALSE: dict[str, Any] = {"not": {}}  # "no value", in every draft
+# Keys of the plain schemas lcgen writes itself (validators ignore unknown keys): strings
+# that are none of a list; properties named only to constrain them (they close no object).
+NOT_IN, SYNTHETIC = "$lcgen-not-in", "$lcgen-synthetic"
+_RULE_NAME = re.compile(r"[a-zA-Z0-9-]+")
+
+
+def count(schema: dict[str, Any], key: str, default: int = 0) -> int:
+    """A count keyword (``minItems``...), which may be written as a float such as 2.0."""
+    return int(schema.get(key, default))
+
+
+class Unsatisfiable(GrammarError):
+    """No value of one alternative validates (other alternatives may)."""
+
+
+def first_satisfiable(options: list[Callable[[], str]], path: str) -> str:
+    """The alternatives of the options that some value satisfies (raising when none is)."""
+    found, reasons = [], []
+    for option in options:
+        try:
+            found.append(option())
+        except Unsatisfiable as exc:
+            reasons.append(str(exc))
+    if found:
+        return g.alternatives(found)
+    if len(set(reasons)) == 1:
+        raise Unsatisfiable(reasons[0])
+    raise Unsatisfiable(f"no value satisfies the schema at {path}")
+
+
+_RULE_NAME = re.compile(r"[a-zA-Z0-9-]+")
+_OLD_DRAFTS = ("Draft3Validator", "Draft4Validator", "Draft6Validator", "Draft7Validator")
+
+
+class ValueCompiler:
+    """The GBNF of values, per JSON type, of conjunctions of plain schemas; subschemas (items,
+    properties) go back through :meth:`visit`, which the schema compiler defines.
+
+    Args:
+        root: the whole schema (enum values are checked against its validator, whose
+            references resolve within it).
+        close_objects: objects that declare properties allow no others unless they say so.
+        compact: no whitespace between JSON tokens.
+    """
+
+    def __init__(self, root: dict[str, Any] | bool, close_objects: bool, compact: bool) -> None:
+        self.root = root
+        self.close_objects = close_objects
+        self.rules = g.RuleSet(reserved=[*spec.PRIMITIVES, "root"])
+        if compact:
+            self.rules.define("ws", '""')
+        base = root if isinstance(root, dict) else {}
+        cls = jsonschema.validators.validator_for(base)
+        self.validator = cls(base, format_checker=cls.FORMAT_CHECKER)
+
+    def visit(self, schema: Any, path: str) -> str:
+        """The GBNF expression of the values ``schema`` allows."""
+        raise NotImplementedError
+
+    def named(self, name: str, expr: str) -> str:
+        """``expr`` as a rule name (itself when it is one already)."""
+        return expr if _RULE_NAME.fullmatch(expr) else self.rules.add(name, expr)
+
+    def prim(self, name: str) -> str:
+        if name not in self.rules.rules:
+            self.rules.define(name, spec.PRIMITIVES[name])
+            for dep in spec.DEPENDS.get(name, ()):
+                self.prim(dep)
+        return name
+
+    # one conjunction, per type ------------------------------------------------------------------
+    def conjunction(self, conj: Conj, path: str) -> str:
+        if any(member == FALSE for member in conj):
+            raise Unsatisfiable(f"no value satisfies the schema at {path}")
+        if not any(set(m) & spec.CONSTRAINING for m in conj):
+            return self.prim("value")
+        consts = [m for m in conj if "const" in m or "enum" in m]
+        if consts:
+            return self.enum(conj, consts, path)
+        types = list(spec.TYPES)
+        for member in conj:
+            allowed = self.types_of(member)
+            if allowed is not None:
+                types = [t for t in types if t in allowed]
+        if "number" in types and "integer" in types:
+            types.remove("integer")
+        return first_satisfiable(
+            [functools.partial(self.visit_type, kind, conj, path) for kind in types], path
+        )
+
+    @staticmethod
+    def types_of(member: dict[str, Any]) -> set[str] | None:
+        declared = member.get("type")
+        if declared is None:
+            return None
+        names = set(declared if isinstance(declared, list) else [declared])
+        return names | ({"integer"} if "number" in names else set())
+
+    def visit_type(self, kind: str, conj: Conj, path: str) -> str:
+        if kind == "null":
+            return '"null"'
+        if kind == "boolean":
+            return '("true" | "false")'
+        if kind in ("integer", "number"):
+            return self.number(conj, path, integer=kind == "integer")
+        return {"string": self.string, "array": self.array, "object": self.object}[kind](conj, path)
+
+    def all_of(self, schemas: list[Any]) -> Any:
+        """One schema for the conjunction of ``schemas`` (visited later)."""
+        kept = [s for s in schemas if s is not True and s != {}]
+        if any(s is False or s == FALSE for s in kept):
+            return False
+        unique = list({json.dumps(s, sort_keys=True, default=str): s for s in kept}.values())
+        return True if not unique else unique[0] if len(unique) == 1 else {"allOf": unique}
+
+    # values -----------------------------------------------------------------------------------
+    def enum(self, conj: Conj, consts: Conj, path: str) -> str:
+        first = consts[0]
+        values = [first["const"]] if "const" in first else list(first["enum"])
+        kept = [
+            value
+            for value in values
+            if all(self.validator.evolve(schema=m).is_valid(value) for m in conj)
+            and all(value not in m.get(NOT_IN, ()) for m in conj)
+        ]
+        if not kept:
+            raise Unsatisfiable(f"no value of enum/const at {path} satisfies the other keywords")
+        return g.alternatives(self.const(v, path) for v in kept)
+
+    def const(self, value: Any, path: str) -> str:
+        if isinstance(value, dict):
+            self.prim("ws")
+            orders = itertools.permutations(value.items()) if len(value) <= 4 else [value.items()]
+            options = []
+            for order in orders:
+                members = [
+                    f'{self.const(k, path)} ws ":" ws {self.const(v, path)} ws' for k, v in order
+                ]
+                options.append(
+                    '"{" ws ' + ' "," ws '.join(members) + ' "}"' if members else '"{" ws "}"'
+                )
+            return g.alternatives(options)
+        if isinstance(value, list):
+            self.prim("ws")
+            items = [f"{self.const(v, path)} ws" for v in value]
+            return '"[" ws ' + ' "," ws '.join(items) + ' "]"' if items else '"[" ws "]"'
+        if isinstance(value, float) and not math.isfinite(value):
+            raise GrammarError(f"the constant {value!r} at {path} is not JSON")
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            # Equal numbers are equal values: 1, 1.0 and 1.00 all match the constant 1.
+            number = Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
+            whole = number == number.to_integral_value()
+            text = str(int(number)) if whole else format(number.normalize(), "f")
+            return f'{g.literal(text)} ("." "0"+)?' if whole else f'{g.literal(text)} "0"*'
+        return g.literal(json.dumps(value, ensure_ascii=False))
+
+    def string(self, conj: Conj, path: str) -> str:
+        low = max((count(m, "minLength") for m in conj), default=0)
+        highs = [count(m, "maxLength") for m in conj if "maxLength" in m]
+        high = min(highs) if highs else None
+        formats = {m["format"] for m in conj if m.get("format") in spec.FORMATS}
+        patterns = {m["pattern"] for m in conj if "pattern" in m}
+        excluded = [v for m in conj for v in m.get(NOT_IN, ())]
+        lengths = low > 0 or high is not None
+        if len(formats) + len(patterns) + lengths + bool(excluded) > 1:
+            used = [*sorted(formats), *sorted(patterns)]
+            used += ["minLength/maxLength"] * lengths + ["not enum"] * bool(excluded)
+            raise GrammarError(f"{' with '.join(used)} on one string (at {path}) is not supported")
+        if high is not None and low > high:
+            raise Unsatisfiable(f"no string satisfies minLength {low} / maxLength {high} at {path}")
+        if formats:
+            return f'"\\"" {self.prim(formats.pop())} "\\""'
+        if patterns:
+            try:
+                body = regex_to_gbnf(patterns.pop(), json_string=True, search=True)
+            except GrammarError as exc:
+                raise GrammarError(f"pattern at {path}: {exc}") from None
+            return f'"\\"" {body} "\\""'
+        if excluded:
+            return self.key_not_in(excluded)
+        if not lengths:
+            return self.prim("string")
+        try:
+            chars = g.repeat(self.prim("char"), low, high)
+        except GrammarError as exc:
+            raise GrammarError(f"minLength/maxLength at {path}: {exc}") from None
+        return f'"\\"" {chars} "\\""'
+
+    def number(self, conj: Conj, path: str, integer: bool) -> str:
+        lows = [b for m in conj if (b := spec.bound(m, "minimum", "exclusiveMinimum"))]
+        highs = [b for m in conj if (b := spec.bound(m, "maximum", "exclusiveMaximum"))]
+        lo = max(lows) if lows else None
+        hi = min(highs, key=lambda b: (b[0], not b[1])) if highs else None
+        steps = {Decimal(str(m["multipleOf"])) for m in conj if "multipleOf" in m}
+        lo_int = None if lo is None else math.floor(lo[0]) + 1 if lo[1] or lo[0] % 1 else int(lo[0])
+        hi_int = None if hi is None else math.ceil(hi[0]) - 1 if hi[1] or hi[0] % 1 else int(hi[0])
+        if steps:
+            return self.multiples(steps, lo_int, hi_int, integer, path)
+        options = []
+        if lo_int is None or hi_int is None or lo_int <= hi_int:
+            options.append(g.integer_range(lo_int, hi_int))
+        if not integer:
+            if lo is None and hi is None:
+                return self.prim("number")
+            with contextlib.suppress(GrammarError):  # no fraction fits: integers only
+                options.append(
+                    g.decimal_range(
+                        self.rules,
+                        spec.as_float(lo, False),
+                        spec.as_float(hi, True),
+                        need_fraction=True,
+                    )
+                )
+        if not options:
+            raise Unsatisfiable(
+                f"no {'integer' if integer else 'number'} satisfies the bounds at {path}"
+            )
+        return g.alternatives(options)
+
+    def multiples(
+        self, steps: set[Decimal], lo: int | None, hi: int | None, integer: bool, path: str
+    ) -> str:
+        """Numbers that are multiples of every step: integers only (fewer, never more: for a
+        step of 0.01, 1.11 is a multiple, but validators that divide in floating point say it
+        is not, so only integers are written)."""
+        whole = [s for s in steps if s == s.to_integral_value()]
+        step = math.lcm(*(int(s) for s in whole)) if whole else 1
+        fractions = [s for s in steps if s not in whole]
+        if (whole and fractions) or any((1 / s) % 1 for s in fractions):
+            raise GrammarError(
+                f"multipleOf {', '.join(map(str, sorted(steps)))} at {path} is not supported"
+            )
+        if step == 1:
+            return g.integer_range(lo, hi)
+        if lo is not None and hi is not None:
+            first, last = -(-lo // step) * step, hi // step * step
+            if first > last:
+                raise Unsatisfiable(f"no multiple of {step} lies within the bounds at {path}")
+            if (last - first) // step < 256:
+                return g.alternatives(g.literal(str(v)) for v in range(first, last + 1, step))
+        if hi is not None or (lo is not None and lo > 0) or step > 100:
+            raise GrammarError(f"multipleOf {step} with these bounds (at {path}) is not supported")
+        # Divisibility by step, digit by digit: state r is "the digits so far are r mod step".
+        states = [self.rules.reserve(f"mod{step}-{r}") for r in range(step)]
+        for r, name in enumerate(states):
+            moves = [f"[{d}] {states[(10 * r + d) % step]}" for d in range(10)]
+            self.rules.define(name, " | ".join(moves + (['""'] if r == 0 else [])))
+        starts = " | ".join(f"[{d}] {states[d % step]}" for d in range(1, 10))
+        sign = '"-"? ' if lo is None else ""
+        return f'("0" | {sign}({starts}))'
+
+    # arrays -----------------------------------------------------------------------------------
+    def array(self, conj: Conj, path: str) -> str:
+        if not any(set(m) & spec.BY_TYPE["array"] for m in conj):
+            return self.prim("array")
+        prefixes, rests = [], []
+        for m in conj:
+            items, prefix = m.get("items"), m.get("prefixItems", [])
+            rest: Any = True if items is None else items
+            if isinstance(items, list):  # draft 2019 and before: tuple form
+                prefix, rest = items, m.get("additionalItems", True)
+            prefixes.append(prefix)
+            rests.append(rest)
+        length = max((len(p) for p in prefixes), default=0)
+        elems = [
+            self.all_of([p[i] if i < len(p) else r for p, r in zip(prefixes, rests, strict=True)])
+            for i in range(length)
+        ]
+        rest_all = self.all_of(rests)
+        low = max((count(m, "minItems") for m in conj), default=0)
+        highs = [count(m, "maxItems") for m in conj if "maxItems" in m]
+        high = min(highs) if highs else None
+        for i, elem in enumerate(elems):
+            if elem is False:
+                high = i if high is None else min(high, i)
+                break
+        if rest_all is False:
+            high = length if high is None else min(high, length)
+        if any(m.get("uniqueItems") for m in conj) and (high is None or high > 1):
+            raise GrammarError(f"uniqueItems at {path} is not supported (unless maxItems <= 1)")
+        if max(low, high or 0) > g.MAX_REPEAT:
+            raise GrammarError(f"minItems/maxItems at {path} are over {g.MAX_REPEAT}")
+        if high is not None and low > high:
+            raise Unsatisfiable(f"no array satisfies minItems {low} / maxItems {high} at {path}")
+        self.prim("ws")
+        contains = [
+            m
+            for m in conj
+            if "contains" in m and (count(m, "minContains", 1) > 0 or "maxContains" in m)
+        ]
+        if contains:
+            return self.contains(contains, elems, rest_all, low, high, path)
+        names = [self.visit(s, f"{path}/prefixItems/{i}") for i, s in enumerate(elems[:high])]
+        rest_rule = None
+        if rest_all is not False:
+            # A named rule: the chain below writes the item twice, and inlined in nested
+            # arrays that would double the grammar at every level.
+            rest_rule = self.named("item", self.visit(rest_all, f"{path}/items"))
+        return '"[" ws ' + self.item_chain(names, rest_rule, low, high, 0) + ' "]"'
+
+    def contains(
+        self, members: Conj, elems: list[Any], rest: Any, low: int, high: int | None, path: str
+    ) -> str:
+        """Arrays with at least ``minContains`` items matching ``contains`` (and no bound
+        on how many may match, nor on the length: else it raises)."""
+        if len(members) > 1 or elems or high is not None or "maxContains" in members[0]:
+            raise GrammarError(
+                f"contains with maxContains, prefixItems, maxItems or another contains (at "
+                f"{path}) is not supported"
+            )
+        need = count(members[0], "minContains", 1)
+        if low > need or need > g.MAX_REPEAT:
+            raise GrammarError(
+                f"contains with minItems above minContains (at {path}) is not supported"
+            )
+        match = self.named(
+            "match", self.visit(self.all_of([rest, members[0]["contains"]]), f"{path}/contains")
+        )
+        other = None if rest is False else self.named("item", self.visit(rest, f"{path}/items"))
+        gap = f'("," ws {other} ws)*' if other else '""'
+        head = f'({other} ws "," ws)*' if other else '""'
+        body = f"{head} {match} ws {gap}" + f' ("," ws {match} ws {gap})' * (need - 1)
+        return f'"[" ws {body} "]"'
+
+    def item_chain(
+        self, elems: list[str], rest: str | None, low: int, high: int | None, i: int
+    ) -> str:
+        """Items i.. of an array (each followed by ws; commas between)."""
+        comma = '"," ws ' if i else ""
+        if high is not None and i >= high:
+            return '""'
+        if i >= len(elems):
+            if rest is None:
+                if i < low:
+                    raise Unsatisfiable(f"minItems {low} needs more items than allowed")
+                return '""'
+            need, more = max(low - i, 0), None if high is None else high - i
+            item = f"({comma}{rest} ws)" if i else f"{rest} ws"
+            if i == 0:  # the first has no comma: split it off
+                tail = f'("," ws {rest} ws)'
+                head_need = max(need - 1, 0)
+                body = f"{item} {g.repeat(tail, head_need, None if more is None else more - 1)}"
+                return body if need else f"({body})?"
+            return g.repeat(f'("," ws {rest} ws)', need, more)
+        head = f"{comma}{elems[i]} ws {self.item_chain(elems, rest, low, high, i + 1)}"
+        return head if i < low else f"({head})?"
+
+    # objects ----------------------------------------------------------------------------------
+    def object(self, conj: Conj, path: str) -> str:
+        required = list(dict.fromkeys(n for m in conj for n in m.get("required", ())))
+        names = list(
+            dict.fromkeys([*(n for m in conj for n in m.get("properties", {})), *required])
+        )
+        low = max((count(m, "minProperties") for m in conj), default=0)
+        highs = [count(m, "maxProperties") for m in conj if "maxProperties" in m]
+        high = min(highs) if highs else None
+        key_rules = [m["propertyNames"] for m in conj if "propertyNames" in m]
+        allowed: list[tuple[str, Any]] = []
+        for name in names:
+            schema = self.all_of([self.member_schema(m, name) for m in conj])
+            if any(not self.validator.evolve(schema=k).is_valid(name) for k in key_rules):
+                schema = False
+            if schema is False:
+                if name in required:
+                    raise Unsatisfiable(f"required property {name!r} at {path} is not allowed")
+                continue
+            allowed.append((name, schema))
+        extras = self.extras(conj, names, allowed, key_rules, path)
+        if not names and extras == [(None, True)] and (low, high) == (0, None):
+            return self.prim("object")
+        self.prim("ws")
+        kvs = [(n in required, self.member(n, s, f"{path}/properties/{n}")) for n, s in allowed]
+        extra_kvs = []
+        for key, value in extras:
+            key_expr = self.key_not_in(names) if key is None else key
+            extra_kvs.append(
+                f'{key_expr} ws ":" ws {self.visit(value, f"{path}/additionalProperties")} ws'
+            )
+        extra = self.named("extra", g.alternatives(extra_kvs)) if extra_kvs else None
+        if sum(r for r, _ in kvs) > (high if high is not None else math.inf):
+            raise Unsatisfiable(f"more properties are required than maxProperties at {path}")
+        chain = self.member_chain(kvs, extra, 0, True, 0, (low, high), {})
+        return '"{" ws ' + chain + ' "}"'
+
+    def member_schema(self, member: dict[str, Any], name: str) -> Any:
+        """What ``member`` says about the value of property ``name``."""
+        declared = [member["properties"][name]] if name in member.get("properties", {}) else []
+        matching = [s for p, s in member.get("patternProperties", {}).items() if re.search(p, name)]
+        if declared or matching:
+            return self.all_of(declared + matching)
+        return self.additional(member)
+
+    def additional(self, member: dict[str, Any]) -> Any:
+        if "additionalProperties" in member:
+            return member["additionalProperties"]
+        declares = "properties" in member and SYNTHETIC not in member
+        return not (self.close_objects and declares and "patternProperties" not in member)
+
+    def extras(
+        self,
+        conj: Conj,
+        names: list[str],
+        allowed: list[tuple[str, Any]],
+        key_rules: list[Any],
+        path: str,
+    ) -> list[tuple[str | None, Any]]:
+        """(key expression, or None for "any key but the declared ones"; value schema) of the
+        properties beyond the declared ones."""
+        with_patterns = [m for m in conj if m.get("patternProperties")]
+        if not with_patterns and not key_rules:
+            value = self.all_of([self.additional(m) for m in conj])
+            return [] if value is False else [(None, value)]
+        if len(with_patterns) + len(key_rules) > 1:
+            return []  # keys that several rules judge: only the declared ones (fewer, never more)
+        if key_rules:  # keys spelled by propertyNames, their values as any extra's
+            keys, rule = [key_rules[0]], None
+        else:
+            rule = with_patterns[0]
+            keys = [{"type": "string", "pattern": p} for p in rule["patternProperties"]]
+            if self.additional(rule) is not False:  # other keys: any but the declared ones
+                keys.append({"type": "string", NOT_IN: names})
+        base = [self.additional(m) for m in conj if m is not rule]
+        if rule is not None:
+            base += list(rule["patternProperties"].values())
+        schemas = dict(allowed)
+        out: list[tuple[str | None, Any]] = []
+        for key in keys:
+            check = self.validator.evolve(schema=key)
+            spelled = [n for n in names if check.is_valid(n) and n not in key.get(NOT_IN, ())]
+            if any(n not in schemas for n in spelled):
+                continue  # it could spell a property that is not allowed
+            # A key may repeat a declared one (the last value wins): its value satisfies both.
+            own = [self.additional(rule)] if rule is not None and NOT_IN in key else []
+            value = self.all_of([*base, *own, *(schemas[n] for n in spelled)])
+            if value is not False:
+                with contextlib.suppress(Unsatisfiable):
+                    key_expr = self.visit(self.all_of([key, {"type": "string"}]), path)
+                    out.append((key_expr, value))
+        return out
+
+    def member(self, name: str, schema: Any, path: str) -> str:
+        self.prim("ws")
+        return f'{self.const(name, path)} ws ":" ws {self.visit(schema, path)} ws'
+
+    def member_chain(
+        self,
+        kvs: list[tuple[bool, str]],
+        extra: str | None,
+        i: int,
+        first: bool,
+        count: int,
+        bounds: tuple[int, int | None],
+        memo: dict[tuple[int, bool, int], str],
+    ) -> str:
+        """Members i.. of an object in order (``count`` taken so far): required ones always,
+        optional ones maybe, then extra ones, within min/maxProperties. Extra keys may repeat
+        (a repeat counts once), so at most one extra counts toward minProperties."""
+        low, high = bounds
+        if (i, first, count) in memo:
+            return memo[(i, first, count)]
+        comma = "" if first else '"," ws '
+        if i == len(kvs):
+            need = max(low - count, 0)
+            room = None if high is None else high - count
+            if need > 1 or (need and extra is None) or (room is not None and room < 0):
+                raise Unsatisfiable("minProperties/maxProperties cannot be met")
+            if extra is None or room == 0:
+                return '""'
+            tail = g.repeat(f'("," ws {extra})', 0, None if room is None else room - 1)
+            body = f"{comma}{extra} {tail}"
+            body = body if need else f"({body})?"
+        else:
+            options = []
+            required = kvs[i][0]
+            with contextlib.suppress(Unsatisfiable):
+                counted = count + (bounds != (0, None))
+                rest = self.member_chain(kvs, extra, i + 1, False, counted, bounds, memo)
+                options.append(f"{comma}{kvs[i][1]} {rest}")
+            if not required:
+                with contextlib.suppress(Unsatisfiable):
+                    options.append(self.member_chain(kvs, extra, i + 1, first, count, bounds, memo))
+            if not options:
+                raise Unsatisfiable("minProperties/maxProperties cannot be met")
+            body = g.alternatives(options)
+        memo[(i, first, count)] = self.rules.add("members", body)
+        return memo[(i, first, count)]
+
+    def key_not_in(self, names: list[str]) -> str:
+        """A JSON string of raw characters (no escapes) that is none of ``names``."""
+        raw = spec.RAW_CHAR
+        trie: dict[str, Any] = {}
+        for name in names:
+            node = trie
+            for ch in name:
+                node = node.setdefault(ch, {})
+            node[""] = {}
+        return f'"\\"" {self.trie_rule(trie, raw)} "\\""'
+
+    def trie_rule(self, node: dict[str, Any], raw: str) -> str:
+        children = {c: n for c, n in node.items() if c}
+        options = [] if "" in node else ['""']
+        for ch, child in children.items():
+            options.append(f"{g.literal(ch)} {self.trie_rule(child, raw)}")
+        others = g.subtract(
+            ((0x20, g.MAX_CODEPOINT),),
+            g.ranges_of((ord(c), ord(c)) for c in [*children, '"', "\\"]),
+        )
+        others = g.subtract(others, g.SURROGATES)
+        options.append(f"{g.char_class(others)} ({raw})*")
+        return self.rules.add("key", " | ".join(options))
