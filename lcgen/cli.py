@@ -14,8 +14,9 @@ from typing import Any, cast
 
 import lcgen
 from lcgen import server
-from lcgen.decoding import Chunk
-from lcgen.errors import ContextFullError, GrammarError, LcgenError
+from lcgen.decoding import Chunk, Text
+from lcgen.decoding.results import check_complete
+from lcgen.errors import ContextFullError, IncompleteOutputError, LcgenError
 
 Message = dict[str, str]
 
@@ -206,7 +207,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.quiet:
         n_generated = sum(len(chunk.tokens) for chunk in chunks)
         print(timer.summary(n_prompt, n_generated), file=sys.stderr)
-    problem = _incomplete(model, args, constraint, "".join(c.text for c in chunks), last)
+    problem = _incomplete(model, args, constraint, chunks)
     if problem:
         print(f"lcgen: error: {problem}", file=sys.stderr)
         return 1
@@ -246,19 +247,18 @@ def _incomplete(
     model: lcgen.Model,
     args: argparse.Namespace,
     constraint: dict[str, Any],
-    text: str,
-    last: Chunk | None,
+    chunks: list[Chunk],
 ) -> str | None:
-    """Why a constrained output is not a complete match of its constraint; None when it is
-    (or nothing constrains it)."""
-    if not constraint or (last is not None and last.finish_reason == "stop" and not last.stop):
-        return None  # the end token is allowed only where the constraint is complete
-    grammar = lcgen.make_plan(**constraint).constraint
+    """Why a constrained output is not a complete match of its constraint (the library's
+    truncation check), in the command's words; None when it is (or nothing constrains it)."""
+    if not constraint:
+        return None
     try:
-        if grammar is not None and grammar.accepts(model, text):
-            return None
-    except GrammarError:
+        check_complete(Text.of(chunks), lcgen.make_plan(**constraint).constraint, model.vocab)
+        return None
+    except IncompleteOutputError:
         pass
+    last = chunks[-1] if chunks else None
     if last is None:
         reason = "nothing was generated"
     elif last.finish_reason == "length":
