@@ -8,6 +8,7 @@ wherever the top-2 margin is clear, bit-identical logits when the same chunking 
 from __future__ import annotations
 
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -210,6 +211,62 @@ def test_threads_wait_for_slots_and_share_the_prefix(
             cold, rows = steps_of(cold_model, prompt, 6)
             assert_same_where_clear(list(outs[i].tokens), cold, rows, prompt[-12:])
         assert small.cache.stats.live == 0
+
+
+def test_a_waiting_thread_chooses_its_source_again_when_it_wakes(
+    model_path: Path, cold_model: lcgen.Model
+) -> None:
+    """A thread waits for a slot; the sequence it would copy its prefix from closes and is
+    evicted before a slot comes free. When one does, it copies the prefix from another
+    sequence that holds it, rather than decoding its whole prompt again."""
+    prompt = FEW_SHOT + "Q: What is 8 plus 1?\nA:"
+    with lcgen.Model(model_path, n_ctx=2048, n_seq_max=3) as small:
+        ready = [threading.Event(), threading.Event()]
+        release = [threading.Event(), threading.Event()]
+
+        def hold(i: int, text: str) -> None:
+            with small.sequence(text) as seq:
+                seq.generate(max_tokens=1)
+                ready[i].set()
+                release[i].wait(60)
+
+        holders = [
+            threading.Thread(target=hold, args=(0, FEW_SHOT + "Q: What is 5 plus 5?\nA:")),
+            threading.Thread(target=hold, args=(1, "An unrelated text about rivers.")),
+        ]
+        for i, holder in enumerate(holders):
+            holder.start()
+            assert ready[i].wait(60)
+        first = small.sequence(FEW_SHOT + "Q: What is 3 plus 3?\nA:")  # the waiter's choice
+        first.generate(max_tokens=1)
+        rows: list[np.ndarray] = []
+        result: list[lcgen.Text] = []
+
+        def wait_and_generate() -> None:
+            hook = lambda step: rows.append(step.logits)  # noqa: E731
+            result.append(small.generate(prompt, max_tokens=6, hooks=[hook]))
+
+        waiter = threading.Thread(target=wait_and_generate)
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while small.cache.stats.waiting == 0 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert small.cache.stats.waiting == 1
+        first.close()  # parked; then evicted for a sequence that shares nothing with it
+        takeover = small.sequence("Rivers flow to the sea.")
+        takeover.generate(max_tokens=1)
+        release[1].set()  # the waiter gets the unrelated sequence's slot
+        holders[1].join(60)
+        waiter.join(120)
+        release[0].set()
+        holders[0].join(60)
+        takeover.close()
+        assert len(result) == 1
+        n_prompt, n_shared = len(small.tokenize(prompt)), len(small.tokenize(FEW_SHOT))
+        assert result[0].stats.decoded <= n_prompt - n_shared + 6  # not the few-shot prefix
+        _, cold_rows = steps_of(cold_model, prompt, 6)
+        assert len(rows) == 6
+        assert float(np.max(np.abs(rows[0] - cold_rows[0]))) < NOISE
 
 
 def test_a_thread_that_holds_every_slot_gets_an_error_not_a_hang(model_path: Path) -> None:

@@ -69,6 +69,7 @@ class CacheStats:
         pinned: pinned entries.
         live: slots used by live sequences.
         free_slots: slots holding nothing.
+        waiting: threads waiting for another thread to give a slot back.
     """
 
     hits: int
@@ -82,6 +83,7 @@ class CacheStats:
     pinned: int
     live: int
     free_slots: int
+    waiting: int
 
 
 def common_prefix(a: Seq[int], b: Seq[int]) -> int:
@@ -137,7 +139,7 @@ class KVStore:
         self._entries: dict[int, Entry] = {}
         self._clock = itertools.count(1)
         self._cond = threading.Condition(context.lock)
-        self._hits = self._misses = self._reused = self._evictions = 0
+        self._hits = self._misses = self._reused = self._evictions = self._waiting = 0
         context.on_full = self._evict_for_cells
 
     # opening and closing sequences ------------------------------------------------------
@@ -160,21 +162,27 @@ class KVStore:
         """
         limit = max(0, len(tokens) - 1) if limit is None else limit
         with self._cond:
-            src, n_reused = self._best(tokens, limit)
-            if src is not None and self._takes_over(src, n_reused):
-                entry = src
-                if n_reused < self._ctx.ledger.held(entry.slot):
-                    self._evictions += 1  # its tail is lost
-                if not self._ctx.truncate(entry.slot, n_reused):
-                    self._ctx.clear_slot(entry.slot)  # the window lost what it needs
-                    n_reused = 0
-            else:
-                entry = Entry(self._take_slot(keep=src), [])
-                if src is not None and n_reused:
-                    self._ctx.copy_slot(src.slot, entry.slot, n_reused)
-                    if not self._ctx.holds_window(entry.slot, n_reused):
-                        self._ctx.clear_slot(entry.slot)
+            deadline = self._deadline()
+            while True:  # the best source is chosen again after every wait: it may have changed
+                src, n_reused = self._best(tokens, limit)
+                if src is not None and self._takes_over(src, n_reused):
+                    entry = src
+                    if n_reused < self._ctx.ledger.held(entry.slot):
+                        self._evictions += 1  # its tail is lost
+                    if not self._ctx.truncate(entry.slot, n_reused):
+                        self._ctx.clear_slot(entry.slot)  # the window lost what it needs
                         n_reused = 0
+                    break
+                slot = self._try_slot(keep=src)
+                if slot is not None:
+                    entry = Entry(slot, [])
+                    if src is not None and n_reused:
+                        self._ctx.copy_slot(src.slot, entry.slot, n_reused)
+                        if not self._ctx.holds_window(entry.slot, n_reused):
+                            self._ctx.clear_slot(entry.slot)
+                            n_reused = 0
+                    break
+                self._wait(deadline)
             entry.tokens, entry.state, entry.owner = list(tokens), "live", threading.get_ident()
             entry.last_used = next(self._clock)
             self._entries[entry.slot] = entry
@@ -243,27 +251,42 @@ class KVStore:
             return True
         return not self._free and self._lru_parked() is src
 
-    def _take_slot(self, keep: Entry | None) -> int:
-        """A free slot; else the least recently used parked entry's; else wait for another
-        thread to give one back."""
-        deadline = None if self.slot_timeout is None else time.monotonic() + self.slot_timeout
-        while True:
-            if self._free:
-                return self._free.pop()
+    def _try_slot(self, keep: Entry | None) -> int | None:
+        """A free slot; else the least recently used parked entry's (never ``keep``'s);
+        else None."""
+        if not self._free:
             victim = self._lru_parked(keep)
-            if victim is not None:
-                self._evict(victim)
-                continue
-            me = threading.get_ident()
-            if not any(e.state == "live" and e.owner != me for e in self._entries.values()):
-                raise SlotsExhaustedError(self._exhausted_message())
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise SlotsExhaustedError(
-                    f"no sequence slot came free within slot_timeout={self.slot_timeout} s: "
-                    + self._exhausted_message()
-                )
+            if victim is None:
+                return None
+            self._evict(victim)
+        return self._free.pop()
+
+    def _take_slot(self, keep: Entry | None) -> int:
+        """A slot as :meth:`_try_slot` finds one, waiting for other threads when none is."""
+        deadline = self._deadline()
+        while (slot := self._try_slot(keep)) is None:
+            self._wait(deadline)
+        return slot
+
+    def _deadline(self) -> float | None:
+        return None if self.slot_timeout is None else time.monotonic() + self.slot_timeout
+
+    def _wait(self, deadline: float | None) -> None:
+        """Wait for another thread to give a slot back (the caller then chooses again)."""
+        me = threading.get_ident()
+        if not any(e.state == "live" and e.owner != me for e in self._entries.values()):
+            raise SlotsExhaustedError(self._exhausted_message())
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise SlotsExhaustedError(
+                f"no sequence slot came free within slot_timeout={self.slot_timeout} s: "
+                + self._exhausted_message()
+            )
+        self._waiting += 1
+        try:
             self._cond.wait(left)
+        finally:
+            self._waiting -= 1
 
     def _exhausted_message(self) -> str:
         live = sum(e.state == "live" for e in self._entries.values())
@@ -399,6 +422,7 @@ class KVStore:
                 pinned=states.count("pinned"),
                 live=states.count("live"),
                 free_slots=len(self._free),
+                waiting=self._waiting,
             )
 
     def clear(self, *, pinned: bool = False) -> None:
