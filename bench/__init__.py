@@ -40,6 +40,9 @@ Rows (:data:`ROWS`: name -> factory building the row from the workload; they run
   itself, is left out (with a message) when it is not installed, and is not in ``--quick``'s
   default rows. ``grammar-rollback``: the grammar's checkpoint costs against a decoded token
   (see :mod:`bench.constrained`).
+- ``speculate-copy``, ``speculate-free``, ``speculate-json``: speculative decoding with drafts
+  looked up in the sequence's own tokens, against the same generation without and against
+  llama-cpp-python's prompt lookup (see :mod:`bench.speculation`).
 
 Modules: ``runners`` (the workload and the three implementations), ``harness`` (rows, targets,
 rounds), ``rows``, ``checkpoints``, ``constrained``, ``antislop`` and ``continuous`` (the row
@@ -58,7 +61,16 @@ from pathlib import Path
 import llama_cpp as C
 
 import lcgen
-from bench import antislop, cache, checkpoints, constrained, continuous, rows, server
+from bench import (
+    antislop,
+    cache,
+    checkpoints,
+    constrained,
+    continuous,
+    rows,
+    server,
+    speculation,
+)
 from bench.harness import (
     Bench,
     Row,
@@ -105,6 +117,7 @@ ROWS: dict[str, RowFactory] = {
     **antislop.FACTORIES,
     **continuous.FACTORIES,
     **cache.FACTORIES,
+    **speculation.FACTORIES,
     **server.FACTORIES,
 }
 PROG = "python bench/run.py"

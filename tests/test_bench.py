@@ -43,6 +43,14 @@ CHECKPOINT_SERIES = {
     "prefix-chat": {"lcgen", "llama-cpp-python"},
     "prefix-interleaved": {"lcgen", "llama-cpp-python", "llama-cpp-python + RAM cache"},
     "prefix-ttft": {"cold", "cached"},
+    "speculate-copy": {
+        "lcgen, ngram",
+        "lcgen",
+        "llama-cpp-python, prompt lookup",
+        "llama-cpp-python",
+    },
+    "speculate-free": {"lcgen, ngram", "lcgen"},
+    "speculate-json": {"lcgen, ngram", "lcgen"},
 }
 QUICK_ROWS = [name for name in ROWS if name not in NOT_QUICK]
 
@@ -91,6 +99,10 @@ def test_quick_bench_writes_every_row(tmp_path: Path, model_path: Path) -> None:
         ("prefix-interleaved", "llama-cpp-python", "lcgen"),
         ("prefix-interleaved", "llama-cpp-python + RAM cache", "lcgen"),
         ("prefix-ttft", "cold", "cached"),
+        ("speculate-copy", "lcgen, ngram", "lcgen"),
+        ("speculate-copy", "lcgen, ngram", "llama-cpp-python, prompt lookup"),
+        ("speculate-free", "lcgen, ngram", "lcgen"),
+        ("speculate-json", "lcgen, ngram", "lcgen"),
     }
     assert all(c["value"] > 0 for c in results["checks"])
     assert all(c["result"] in {"PASS", "MISS"} for c in results["checks"] if c["target"])

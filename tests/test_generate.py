@@ -182,7 +182,7 @@ def test_generator_steps_on_logits_from_elsewhere(model: lcgen.Model) -> None:
     gen = lcgen.Generator(model, max_tokens=8)
     chunks = [gen.step(step.logits) for step in rows]  # type: ignore[attr-defined]
     # The sequence's stream also reports the cost on its last chunk: 3 prompt tokens + 7.
-    assert expected[-1].stats == lcgen.GenerationStats(tokens=8, decoded=3 + 7, redecoded=0)
+    assert expected[-1].stats == lcgen.GenerationStats(tokens=8, decoded=3 + 7, steps=8)
     assert chunks == [*expected[:-1], dataclasses.replace(expected[-1], stats=None)]
 
 

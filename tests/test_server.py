@@ -219,6 +219,11 @@ def test_lcgen_extras(client: openai.OpenAI) -> None:
         extra_body={"token_healing": True},
     )
     assert healed.choices[0].text.startswith("aris")
+    copy = "Repeat exactly: the quick brown fox jumps over the lazy dog, twice over."
+    ask = [{"role": "user", "content": copy}]
+    plain = chat(client, messages=ask, max_tokens=24).choices[0].message.content
+    fast = chat(client, messages=ask, max_tokens=24, extra_body={"speculate": "ngram"})
+    assert fast.choices[0].message.content == plain
 
 
 def test_logit_bias_and_logprobs(client: openai.OpenAI, model: lcgen.Model) -> None:

@@ -20,6 +20,7 @@ from lcgen.constrain import Grammar
 from lcgen.decoding.hooks import BannedPhrases, Hook, Validator
 from lcgen.decoding.results import SchemaLike
 from lcgen.decoding.sampling import SamplerConfig
+from lcgen.decoding.speculation import MAX_DRAFT, Speculation
 from lcgen.decoding.text import NO_STOPS, Stops
 
 DEFAULT_MAX_TOKENS = 256
@@ -56,6 +57,8 @@ class GenerateOptions(TypedDict, total=False):
     banned_ignore_case: bool
     max_retries: int
     lookback: int
+    speculate: Literal["ngram"] | None
+    num_draft: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +94,7 @@ class Plan:
         constraint: the grammar the output must match (from grammar, choice, regex or schema).
         schema: the JSON Schema / pydantic model the output is parsed with, when given.
         backtracking: hooks, validators and banned phrases, or None when there are none.
+        speculation: how drafts are made (``speculate``), or None: one token per step.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -102,6 +106,7 @@ class Plan:
     constraint: Grammar | None = None
     schema: SchemaLike | None = None
     backtracking: Backtracking | None = None
+    speculation: Speculation | None = None
 
     def with_seed(self, seed: int | None) -> Plan:
         """The same plan sampling with ``seed``."""
@@ -120,7 +125,10 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
             (0: greedy), top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, logit_bias,
             logprobs, token_healing, grammar, choice, regex (at most one constraint, schema
             included), json_whitespace ("flexible" or "compact", for schema), hooks,
-            validators, banned, banned_ignore_case, max_retries, lookback.
+            validators, banned, banned_ignore_case, max_retries, lookback, speculate
+            (``"ngram"``: verify drafts looked up in the sequence's own tokens, several
+            tokens per step; the output is what it would be without), num_draft (8: the most
+            tokens in one draft).
 
     Raises:
         TypeError: an unknown option, or an option of the wrong type (named).
@@ -172,6 +180,7 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
         constraint=_constraint(options, schema),
         schema=schema,
         backtracking=_backtracking(options),
+        speculation=_speculation(options),
     )
 
 
@@ -256,3 +265,13 @@ def _backtracking(options: GenerateOptions) -> Backtracking | None:
     if not (hooks or validators or banned):
         return None
     return Backtracking(hooks, validators, banned, max_retries, lookback)
+
+
+def _speculation(options: GenerateOptions) -> Speculation | None:
+    method = options.get("speculate")
+    num_draft = _int("num_draft", options.get("num_draft", 8), low=1, high=MAX_DRAFT)
+    if method is None:
+        return None
+    if method != "ngram":
+        raise ValueError(f"speculate must be 'ngram' or None, got {method!r}")
+    return Speculation(method, num_draft)

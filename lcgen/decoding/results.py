@@ -23,11 +23,16 @@ class GenerationStats:
 
     Attributes:
         tokens: tokens generated (kept in the result).
-        decoded: tokens passed to ``llama_decode`` for it, pending prompt tokens included.
+        decoded: tokens passed to ``llama_decode`` for it, pending prompt tokens and draft
+            tokens included.
         redecoded: of those, the ones decoded again because a rewind dropped them (a rewind
             also re-decodes the last kept token, whose logits the next step needs).
         rewinds: rewinds done in it: by hooks, validators, banned phrases or the caller.
         resamples: candidates redrawn because a hook returned ``Resample``.
+        steps: decode steps it took (one batch each); without speculation, one per token.
+        drafted: draft tokens verified (with ``speculate``).
+        accepted: of those, the ones that equalled the token sampled there (each saved a
+            step).
     """
 
     tokens: int = 0
@@ -35,6 +40,14 @@ class GenerationStats:
     redecoded: int = 0
     rewinds: int = 0
     resamples: int = 0
+    steps: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Tokens generated per decode step (above 1 where drafts were accepted)."""
+        return self.tokens / self.steps if self.steps else 0.0
 
 
 class TopLogprob(NamedTuple):

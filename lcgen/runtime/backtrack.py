@@ -15,7 +15,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
-from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 import numpy as np
@@ -83,10 +82,9 @@ class Backtracker(SequenceRun):
         return self.finish_reason is not None
 
     # one step ----------------------------------------------------------------------------
-    def advance(self, rows: Seq[np.ndarray]) -> Chunk:
+    def _advance_one(self, row: np.ndarray) -> Chunk:
         """Sample, check and append the next token from the logits after the sequence's last
         token; rewind when asked. Returns the text that became final."""
-        (row,) = rows
         seq, gen = self.sequence, self.generator
         index = len(gen.tokens)
         if len(self._marks) == index:

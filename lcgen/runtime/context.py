@@ -31,12 +31,15 @@ class DecodeRequest:
         tokens: the tokens, in order.
         pos: the position of the first token.
         want_logits: whether the logits after the last token are needed.
+        n_outputs: how many of the last tokens the logits are needed after (a speculative
+            step verifies a draft with the logits after each of its tokens).
     """
 
     seq_id: int
     tokens: Sequence[int]
     pos: int
     want_logits: bool = True
+    n_outputs: int = 1
 
 
 class Context:
@@ -172,31 +175,44 @@ class Context:
         again.
 
         Returns:
-            For each request, the logits after its last token (shape (n_vocab,)) or None when
-            not wanted. A row is a view valid until the next decode when every request fit in
-            one batch, else a copy.
+            For each request, the logits after its last token (shape (n_vocab,)), or after
+            each of its last ``n_outputs`` tokens (shape (n_outputs, n_vocab)), or None when
+            not wanted. Rows are views valid until the next decode when every request fit in
+            one batch, else copies.
 
         Raises:
             ContextFullError: the memory has no room, and nothing could be freed.
         """
         flat = _flatten(requests)
         n = len(flat[0])
-        rows: list[np.ndarray | None] = [None] * len(requests)
         if n == 0:
-            return rows
+            return [None] * len(requests)
         owner = flat[4]
         begins = [0, *itertools.accumulate(len(r.tokens) for r in requests)]
+        outputs: list[list[np.ndarray]] = [[] for _ in requests]
         with self.lock:
             for start in range(0, n, self.n_batch):
                 end = min(start + self.n_batch, n)
-                out = flat[3][start:end]
+                out = flat[3][start:end].astype(bool)
                 logits = self._decode_chunk(flat, start, end)
                 self.n_decoded += end - start
                 self._record(requests, begins, start, end)
-                single = start == 0 and end == n
-                for row, i in enumerate(owner[start:end][out.astype(bool)]):
-                    rows[i] = logits[row] if single else logits[row].copy()
-        return rows
+                if start == 0 and end == n:  # one batch: views, a request's rows adjacent
+                    first = np.searchsorted(owner[out], np.arange(len(requests)))
+                    return [
+                        None
+                        if not req.want_logits or not req.tokens
+                        else logits[at]
+                        if req.n_outputs == 1
+                        else logits[at : at + min(req.n_outputs, len(req.tokens))]
+                        for req, at in zip(requests, first.tolist(), strict=True)
+                    ]
+                for row, i in enumerate(owner[start:end][out]):
+                    outputs[i].append(logits[row].copy())
+        return [
+            None if not rows else rows[0] if req.n_outputs == 1 else np.stack(rows)
+            for req, rows in zip(requests, outputs, strict=True)
+        ]
 
     def _decode_chunk(self, flat: _Flat, start: int, end: int) -> np.ndarray:
         while True:
@@ -275,6 +291,7 @@ def _flatten(requests: Sequence[DecodeRequest]) -> _Flat:
         pos[at : at + size] = np.arange(req.pos, req.pos + size, dtype=np.int32)
         seq[at : at + size] = req.seq_id
         owner[at : at + size] = i
-        out[at + size - 1] = 1 if req.want_logits else 0
+        if req.want_logits:
+            out[at + max(0, size - req.n_outputs) : at + size] = 1
         at += size
     return tokens, pos, seq, out, owner

@@ -10,12 +10,15 @@ search forks. The scheduler knows nothing else about them.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
 import numpy as np
 
 from lcgen.decoding import Chunk, GenerationStats, Generator
+from lcgen.decoding.speculation import NgramDrafter
 from lcgen.runtime.checkpoint import Checkpoint
 from lcgen.runtime.tokens import TokenSequence
 
@@ -34,7 +37,8 @@ class Run(Protocol):
 
     def advance(self, rows: Seq[np.ndarray]) -> Chunk | None:
         """Take the logits after each sequence's last token (one row per sequence, in order,
-        valid until the next decode) and move on; the text that became final, if any."""
+        valid until the next decode; for a sequence that drafted, one row per draft token
+        more) and move on; the text that became final, if any."""
         ...
 
 
@@ -109,6 +113,9 @@ class SequenceRun:
         self._start = (seq.stats.tokens_decoded, seq.n_decoded)
         # With ``logprobs``: each generated token's log-probability.
         self.token_logprobs: list[float] = []
+        spec = gen.plan.speculation
+        self.drafter = spec.drafter() if spec is not None else None
+        self._steps = self._drafted = self._accepted = 0
 
     @property
     def is_done(self) -> bool:
@@ -117,8 +124,62 @@ class SequenceRun:
     def sequences(self) -> tuple[TokenSequence]:
         return (self.sequence,)
 
-    def advance(self, rows: Seq[np.ndarray]) -> Chunk | None:
+    def advance(self, rows: Seq[np.ndarray]) -> Chunk:
+        """Sample from the logits after the sequence's last token; after a draft, walk its
+        rows: each position is sampled as without a draft, and the walk goes on while the
+        sampled token equals the draft token decoded there. Then draft for the next step."""
+        (row,) = rows
+        self._steps += 1
+        chunk = self._advance_one(row) if row.ndim == 1 else self._verify(row)
+        if self.drafter is not None and not self.is_done:
+            self._draft(self.drafter)
+        if chunk.finish_reason is not None:
+            chunk = dataclasses.replace(chunk, stats=self.stats())
+        return chunk
+
+    def _advance_one(self, row: np.ndarray) -> Chunk:
+        """Sample one token from ``row`` and take it (each kind of run its own way)."""
         raise NotImplementedError
+
+    def _verify(self, rows: np.ndarray) -> Chunk:
+        seq = self.sequence
+        chunks: list[Chunk] = []
+        accepted = 0
+        try:
+            for i, row in enumerate(rows):
+                chunks.append(self._advance_one(row))
+                if self.is_done or i + 1 == len(rows) or not seq.confirm_draft():
+                    break
+                accepted += 1
+        finally:
+            seq.drop_draft()
+        self._drafted += len(rows) - 1
+        self._accepted += accepted
+        assert self.drafter is not None
+        self.drafter.feedback(len(rows) - 1, accepted)
+        return _joined(chunks)
+
+    def _draft(self, drafter: NgramDrafter) -> None:
+        """Give the sequence a draft for the next step: the drafter's guess, cut where the
+        grammar forbids a token (it could never be sampled there) and to what may still be
+        generated."""
+        seq, gen = self.sequence, self.generator
+        if gen.heal:
+            return  # the first token must re-create healed text: nothing to look up
+        room = min(gen.max_tokens - len(gen.tokens), seq.model.context.n_ctx - len(seq)) - 1
+        draft = drafter.propose(seq.tokens, room)
+        if draft and gen.grammar is not None:
+            probe = gen.grammar.clone()
+            try:
+                draft = list(itertools.takewhile(probe.try_accept, draft))
+            finally:
+                probe.close()
+        if draft:
+            seq.draft(draft)
+
+    def stats(self) -> GenerationStats:
+        """What the generation has cost so far."""
+        return self.cost()
 
     def step(self) -> Chunk:
         """Decode the sequence's pending tokens and sample the next token.
@@ -141,12 +202,22 @@ class SequenceRun:
         return self.sequence.checkpoint(self.generator)
 
     def cost(self, rewinds: int = 0, resamples: int = 0) -> GenerationStats:
-        """What the generation has cost so far: every token decoded, and those beyond the
-        growth of the cache (decoded again after rewinds)."""
+        """What the generation has cost so far: every token decoded, those beyond the growth
+        of the cache (decoded again after rewinds), and the drafts."""
         decoded = self.sequence.stats.tokens_decoded - self._start[0]
         kept = self.sequence.n_decoded - self._start[1]
+        redecoded = decoded - kept - (self._drafted - self._accepted)
         n_tokens = len(self.generator.tokens)
-        return GenerationStats(n_tokens, decoded, decoded - kept, rewinds, resamples)
+        return GenerationStats(
+            n_tokens,
+            decoded,
+            redecoded,
+            rewinds,
+            resamples,
+            steps=self._steps,
+            drafted=self._drafted,
+            accepted=self._accepted,
+        )
 
 
 class PlainRun(SequenceRun):
@@ -161,8 +232,7 @@ class PlainRun(SequenceRun):
         super().__init__(seq, gen)
         self._rewinds = 0
 
-    def advance(self, rows: Seq[np.ndarray]) -> Chunk:
-        (row,) = rows
+    def _advance_one(self, row: np.ndarray) -> Chunk:
         seq, gen = self.sequence, self.generator
         if not gen.sampler.is_greedy:
             seq.note_draw()
@@ -170,7 +240,10 @@ class PlainRun(SequenceRun):
         seq.append_tokens(chunk.tokens)
         if chunk.logprob is not None:
             self.token_logprobs.append(chunk.logprob)
-        return dataclasses.replace(chunk, stats=self.cost(self._rewinds)) if gen.is_done else chunk
+        return chunk
+
+    def stats(self) -> GenerationStats:
+        return self.cost(self._rewinds)
 
     def rewind(self, checkpoint: Checkpoint) -> None:
         """Go back to a checkpoint taken with :meth:`checkpoint` (the generation may have
@@ -183,3 +256,22 @@ class PlainRun(SequenceRun):
         self.sequence.rewind(checkpoint, self.generator)
         del self.token_logprobs[len(self.generator.tokens) :]
         self._rewinds += 1
+
+
+def _joined(chunks: list[Chunk]) -> Chunk:
+    """One chunk for the tokens a speculative step took: texts and tokens joined, the
+    log-probabilities summed (each token's on ``logprobs``), the finish of the last."""
+    if len(chunks) == 1:
+        return chunks[0]
+    last = chunks[-1]
+    logprob = None
+    if all(c.logprob is not None for c in chunks):
+        logprob = math.fsum(c.logprob for c in chunks if c.logprob is not None)
+    return Chunk(
+        "".join(c.text for c in chunks),
+        tuple(t for c in chunks for t in c.tokens),
+        last.finish_reason,
+        last.stop,
+        logprob,
+        logprobs=tuple(e for c in chunks for e in c.logprobs),
+    )

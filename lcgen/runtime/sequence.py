@@ -167,6 +167,7 @@ class Sequence(TokenSequence):
                 f"{needed} tokens exceeds the context of {self._ctx.n_ctx} tokens: shorten the "
                 "prompt, lower max_tokens or load the model with a larger n_ctx"
             )
+        self.drop_draft()  # one an abandoned speculative run left for its next step
         heal = self.heal_last_token() if plan.token_healing else b""
         gen = Generator(self.vocab, plan, history=self._tokens, rng=self._rng, heal=heal)
         if plan.sampler.seed is not None:

@@ -8,6 +8,11 @@ Reversibility: each token carries a stamp (a process-wide counter value), so a c
 O(1) — a position, the stamp of the history up to it, and the RNG state — and is valid exactly
 while the sequence still holds that history. The RNG state before every sampling draw is logged
 by position, so ``rewind(n)`` restores the sampler as exactly as ``rewind(checkpoint)`` does.
+
+Speculation: a run may :meth:`~TokenSequence.draft` tokens after the pending one. The next step
+decodes them too, with the logits after each; they are not part of the sequence. As the run
+samples, :meth:`~TokenSequence.confirm_draft` keeps the cell of each sampled token that equals
+the next draft token, and :meth:`~TokenSequence.drop_draft` removes the cells of the rest.
 """
 
 from __future__ import annotations
@@ -80,6 +85,8 @@ class TokenSequence:
         self._slot = entry.slot
         self._finalizer = weakref.finalize(self, model.cache.park, entry)
         self._n_decoded = n_decoded
+        self._draft: list[int] = []  # to decode after the pending tokens in the next step
+        self._ahead: list[int] = []  # draft tokens decoded past the sequence's end
         self._stamps = [next(_stamps) for _ in range(len(self._tokens) + 1)]
         self._uid = self._stamps[0]
         self._rng = new_rng(seed)
@@ -151,7 +158,7 @@ class TokenSequence:
         """Cut the sequence to its first ``n_keep`` tokens, dropping their KV cells."""
         # The last token stays pending, so the next step has logits to sample from.
         kv_keep = min(self._n_decoded, max(n_keep - 1, 0))
-        if kv_keep < self._n_decoded:
+        if kv_keep < self._n_decoded or self._ahead:
             self._trim_kv(kv_keep)
         del self._tokens[n_keep:]
         del self._stamps[n_keep + 1 :]
@@ -160,6 +167,7 @@ class TokenSequence:
 
     def _trim_kv(self, kv_keep: int) -> None:
         """Keep the KV cells of the first ``kv_keep`` tokens only."""
+        self._draft, self._ahead = [], []
         if not self._ctx.truncate(self._slot, kv_keep):
             # The memory cannot keep a partial range (sliding window, recurrent): start over.
             self._ctx.clear_slot(self._slot)
@@ -303,14 +311,61 @@ class TokenSequence:
 
     # decoding --------------------------------------------------------------------------
     def pending_request(self) -> DecodeRequest:
-        """The tokens not decoded yet, as a request for :meth:`Context.decode`."""
+        """The tokens not decoded yet, and the draft after them, as a request for
+        :meth:`Context.decode` (the logits after the last pending token and after each draft
+        token)."""
         self._check_open()
-        return DecodeRequest(self._slot, self._tokens[self._n_decoded :], self._n_decoded)
+        pending = self._tokens[self._n_decoded :]
+        if not self._draft:
+            return DecodeRequest(self._slot, pending, self._n_decoded)
+        return DecodeRequest(
+            self._slot, pending + self._draft, self._n_decoded, n_outputs=1 + len(self._draft)
+        )
 
     def mark_decoded(self, request: DecodeRequest) -> None:
-        """Record that ``request`` (from :meth:`pending_request`) was decoded."""
-        self._n_decoded = request.pos + len(request.tokens)
+        """Record that ``request`` (from :meth:`pending_request`) was decoded: its draft
+        tokens (all but the first of its outputs) are decoded ahead of the sequence's end."""
+        n_draft = request.n_outputs - 1
+        end = len(request.tokens) - n_draft
+        self._n_decoded = request.pos + end
+        self._ahead, self._draft = list(request.tokens[end:]), []
         self.stats.tokens_decoded += len(request.tokens)
+
+    def draft(self, tokens: Seq[int]) -> None:
+        """Decode ``tokens`` after the pending ones in the next step, as a guess at what will
+        be sampled (they do not join the sequence; see :meth:`confirm_draft`).
+
+        Raises:
+            ValueError: a token is outside the vocabulary, or the draft would not fit the
+                context.
+        """
+        self._check_open()
+        checked = self.vocab.check_tokens(tokens)
+        if len(self._tokens) + len(checked) > self._ctx.n_ctx:
+            raise ValueError(
+                f"a draft of {len(checked)} tokens after {len(self._tokens)} would not fit the "
+                f"context of {self._ctx.n_ctx} tokens"
+            )
+        self._draft = checked
+
+    def confirm_draft(self) -> bool:
+        """Whether the token just appended equals the next draft token decoded ahead: then its
+        cell is kept (it counts as decoded, and the logits after it are the draft's next row).
+        """
+        ahead = self._ahead
+        if ahead and self._n_decoded == len(self._tokens) - 1 and self._tokens[-1] == ahead[0]:
+            del ahead[0]
+            self._n_decoded += 1
+            return True
+        return False
+
+    def drop_draft(self) -> int:
+        """Remove the cells of the draft tokens not confirmed; returns how many."""
+        n = len(self._ahead)
+        if n:
+            self._trim_kv(self._n_decoded)
+        self._draft = []
+        return n
 
     def resync(self) -> None:
         """After an interrupted step (an error, a hook that raised, Ctrl-C): make the KV memory

@@ -4,7 +4,8 @@ lcgen's generation options once, at the edge.
 The OpenAI fields are named as OpenAI names them; lcgen's own controls are extra top-level
 fields (``extra_body`` in the official client): ``banned``, ``banned_ignore_case``,
 ``max_retries``, ``grammar`` (GBNF text), ``regex``, ``choice``, ``token_healing``, ``top_k``,
-``min_p``, ``repeat_penalty``. Nothing in a request names a file on the server.
+``min_p``, ``repeat_penalty``, ``speculate`` (``"ngram"``), ``num_draft``. Nothing in a
+request names a file on the server.
 """
 
 from __future__ import annotations
@@ -119,6 +120,8 @@ class _Common(_Strict):
     regex: str | None = None
     choice: Annotated[list[str], Field(min_length=1, max_length=MAX_LIST)] | None = None
     token_healing: bool = False
+    speculate: Literal["ngram"] | None = None
+    num_draft: Annotated[int, Field(ge=1, le=64)] | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -179,6 +182,10 @@ def options(req: ChatRequest | CompletionRequest, n_vocab: int) -> dict[str, Any
         "logit_bias": _logit_bias(req.logit_bias, n_vocab),
         **_constraint(req),
     }
+    if req.speculate is not None:
+        out["speculate"] = req.speculate
+        if req.num_draft is not None:
+            out["num_draft"] = req.num_draft
     if req.banned:
         out.update(banned=req.banned, banned_ignore_case=req.banned_ignore_case)
         if req.max_retries is not None:

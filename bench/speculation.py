@@ -1,0 +1,245 @@
+"""The speculative-decoding rows: drafts looked up in the sequence's own tokens
+(``speculate="ngram"``) against the same generation without them, and against
+llama-cpp-python's prompt lookup (``Llama(draft_model=LlamaPromptLookupDecoding())``).
+
+- ``speculate-copy``: a chat request to repeat a passage of about 300 tokens, greedy,
+  end-of-generation banned (the output copies the passage);
+- ``speculate-free``: a chat request for a story, greedy, end-of-generation banned (drafts
+  rarely help: the row shows what they cost);
+- ``speculate-json``: JSON-Schema-constrained extraction from the same passage, generated until
+  the JSON is complete.
+
+lcgen is timed from its first chunk to its last (the tokens after the first: the prompt's
+decode is not in it); llama-cpp-python as ``create_completion`` of all the tokens minus
+``create_completion`` of one, both from an empty cache. Every lcgen sample records its tokens:
+the row's token check compares speculative and plain output.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import llama_cpp as C
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+import lcgen
+from bench.harness import Bench, Check, Row, RowFactory, at_least, interleaved
+from bench.runners import LlamaCppPython, Sample, Workload, extra_cpu_buffers
+
+COPY_MIN_RATIO = 2.0
+FREE_MIN_RATIO = 0.97
+LOOKUP_MIN_RATIO = 1.3
+JSON_MIN_RATIO = 1.5
+JSON_MAX_TOKENS = 384
+
+PASSAGE = (
+    "Every evening at dusk, Tomas Brenner climbed the one hundred and twelve steps of the "
+    "Skerry Point lighthouse. He carried a brass lamp, a leather notebook and a flask of black "
+    "tea. At the top he wiped the great lens with a soft cloth, wound the clockwork that turned "
+    "it, and lit the wick. Then he wrote the weather in his notebook: the wind, the state of "
+    "the sea, the cloud, and the names of the ships that passed. In the winter of 1911 a storm "
+    "broke three panes of the lantern room, and he kept the light burning for four nights with "
+    "sailcloth nailed over the gaps. The harbour master of Caldwick sent him a letter of thanks "
+    "and a barrel of apples. In forty-one years he missed only one evening, the night his "
+    "daughter Elsa was born in the village below; his brother Anton climbed the steps for him. "
+    "When the light was finally electrified in 1953, Tomas gave his notebooks to the village "
+    "school, where the children still read them aloud on the longest night of the year. The "
+    "notebooks record more than nine thousand ships, two hundred and six storms and one whale, "
+    "which he drew in the margin beside the entry for the eleventh of March, 1927. The last "
+    "entry, written in a careful hand, says only: calm sea, clear sky, the light is in good "
+    "hands."
+)
+EXTRACT = {
+    "type": "object",
+    "properties": {
+        "keeper": {"type": "string", "maxLength": 60},
+        "lighthouse": {"type": "string", "maxLength": 60},
+        "steps": {"type": "integer"},
+        "items_carried": {
+            "type": "array",
+            "items": {"type": "string", "maxLength": 40},
+            "maxItems": 4,
+        },
+        "storm_year": {"type": "integer"},
+        "last_entry": {"type": "string", "maxLength": 200},
+    },
+    "required": ["keeper", "lighthouse", "steps", "items_carried", "storm_year", "last_entry"],
+    "additionalProperties": False,
+}
+
+
+def _chat(model: lcgen.Model, content: str) -> tuple[int, ...]:
+    return tuple(model.chat_tokens([{"role": "user", "content": content}]))
+
+
+def copy_prompt(model: lcgen.Model) -> tuple[int, ...]:
+    return _chat(model, f"Repeat the following text exactly, word for word:\n\n{PASSAGE}")
+
+
+def free_prompt(model: lcgen.Model) -> tuple[int, ...]:
+    return _chat(model, "Write a long story about a fox who learns to sail.")
+
+
+def json_prompt(model: lcgen.Model) -> tuple[int, ...]:
+    return _chat(
+        model,
+        f"{PASSAGE}\n\nExtract from this text, as JSON: the keeper's name, the lighthouse, "
+        "the number of steps, the items he carried, the year of the storm, and the last "
+        f"entry of his notebook word for word.\nJSON Schema: {json.dumps(EXTRACT)}",
+    )
+
+
+def lcgen_after_first(
+    model: lcgen.Model, prompt: tuple[int, ...], max_tokens: int, **options: Any
+) -> Sample:
+    """Greedy ``seq.stream`` timed from the first chunk to the last (a speculative run's
+    first step decodes the prompt and samples one token, as a plain run's does)."""
+    with model.sequence(prompt) as seq:
+        chunks = seq.stream(max_tokens=max_tokens, temperature=0.0, **options)
+        first = next(chunks)
+        start = time.perf_counter()
+        rest = list(chunks)
+        seconds = time.perf_counter() - start
+    tokens = first.tokens + tuple(t for c in rest for t in c.tokens)
+    kept = tuple(t for t in tokens if not model.is_eog(t))
+    if options.get("grammar") is not None:
+        json.loads("".join([first.text, *(c.text for c in rest)]))  # the complete JSON
+    return Sample(seconds, len(kept) - 1, kept)
+
+
+class _Lookup:
+    """llama-cpp-python with its prompt-lookup draft model, loaded on first use."""
+
+    def __init__(self) -> None:
+        self.side: LlamaCppPython | None = None
+
+    def get(self, bench: Bench) -> LlamaCppPython:
+        if self.side is None:
+            plain = bench.llama_cpp_python
+            side = LlamaCppPython.__new__(LlamaCppPython)
+            side.cfg = plain.cfg
+            cfg = plain.cfg
+            with extra_cpu_buffers(cfg.extra_cpu_buffers):
+                side.llm = C.Llama(
+                    model_path=str(bench.lcgen.model.path),
+                    n_ctx=cfg.n_ctx,
+                    n_batch=cfg.n_batch,
+                    n_ubatch=cfg.n_batch,
+                    n_threads=cfg.n_threads,
+                    n_threads_batch=cfg.n_threads,
+                    n_gpu_layers=cfg.n_gpu_layers,
+                    flash_attn=cfg.flash_attn is not False,
+                    swa_full=True,
+                    no_perf=True,
+                    verbose=False,
+                    logits_all=True,  # its draft path needs it (else it fails to store scores)
+                    draft_model=LlamaPromptLookupDecoding(),
+                )
+            self.side = side
+        return self.side
+
+    def close(self) -> None:
+        if self.side is not None:
+            self.side.close()
+            self.side = None
+
+
+def _measures(
+    prompt_of: Callable[[lcgen.Model], tuple[int, ...]],
+    n_tokens: Callable[[Workload], int],
+    *,
+    lookup: _Lookup | None = None,
+    grammar: lcgen.Grammar | None = None,
+) -> dict[str, Callable[[Bench], Sample]]:
+    def options(bench: Bench) -> dict[str, Any]:
+        if grammar is not None:
+            return {"grammar": grammar}
+        return {"logit_bias": dict(bench.work.bias)}
+
+    def ours(speculate: str | None) -> Callable[[Bench], Sample]:
+        def measure(bench: Bench) -> Sample:
+            model = bench.lcgen.model
+            extra = {"speculate": speculate} if speculate else {}
+            n = n_tokens(bench.work)
+            return lcgen_after_first(model, prompt_of(model), n, **options(bench), **extra)
+
+        return measure
+
+    measures = {"lcgen, ngram": ours("ngram"), "lcgen": ours(None)}
+    if lookup is not None:
+
+        def theirs(side_of: Callable[[Bench], LlamaCppPython]) -> Callable[[Bench], Sample]:
+            def measure(bench: Bench) -> Sample:
+                side = side_of(bench)
+                sample = side.after_first(
+                    prompt_of(bench.lcgen.model), n_tokens(bench.work), bias=bench.work.bias
+                )
+                return Sample(sample.seconds, sample.count)  # its tokens: not compared
+
+            return measure
+
+        measures["llama-cpp-python, prompt lookup"] = theirs(lookup.get)
+        measures["llama-cpp-python"] = theirs(lambda b: b.llama_cpp_python)
+    return measures
+
+
+def _units(names: Mapping[str, Any]) -> dict[str, str]:
+    return dict.fromkeys(names, "tokens/s")
+
+
+def copy_row(work: Workload) -> Row:
+    lookup = _Lookup()
+    measures = _measures(copy_prompt, lambda w: w.n_tokens + 1, lookup=lookup)
+    return Row(
+        "speculate-copy",
+        f"a chat request to repeat a passage of about 300 tokens, {work.n_tokens + 1} greedy "
+        "tokens (end-of-generation banned), tokens/s after the first: lcgen's seq.stream with "
+        "speculate='ngram' and without; llama-cpp-python's create_completion with "
+        "draft_model=LlamaPromptLookupDecoding() (its defaults: 2-grams, 10 tokens) and "
+        "without, each as the completion minus a 1-token completion",
+        _units(measures),
+        interleaved(measures),
+        (
+            Check("lcgen, ngram", "lcgen", at_least(COPY_MIN_RATIO)),
+            Check("lcgen, ngram", "llama-cpp-python, prompt lookup", at_least(LOOKUP_MIN_RATIO)),
+            Check("llama-cpp-python, prompt lookup", "llama-cpp-python"),
+        ),
+        close=lookup.close,
+    )
+
+
+def free_row(work: Workload) -> Row:
+    measures = _measures(free_prompt, lambda w: w.n_tokens + 1)
+    return Row(
+        "speculate-free",
+        f"a chat request for a story, {work.n_tokens + 1} greedy tokens (end-of-generation "
+        "banned), tokens/s after the first: lcgen's seq.stream with speculate='ngram' and "
+        "without (drafts rarely match: what they cost when they do not help)",
+        _units(measures),
+        interleaved(measures),
+        (Check("lcgen, ngram", "lcgen", at_least(FREE_MIN_RATIO)),),
+    )
+
+
+def json_row(work: Workload) -> Row:
+    grammar = lcgen.Grammar.from_json_schema(EXTRACT)
+    measures = _measures(json_prompt, lambda w: JSON_MAX_TOKENS, grammar=grammar)
+    return Row(
+        "speculate-json",
+        "JSON-Schema-constrained extraction from the same passage (6 fields, the notebook's "
+        "last entry copied word for word), greedy until the JSON is complete, tokens/s after "
+        "the first: lcgen's seq.stream(grammar=...) with speculate='ngram' and without",
+        _units(measures),
+        interleaved(measures),
+        (Check("lcgen, ngram", "lcgen", at_least(JSON_MIN_RATIO)),),
+    )
+
+
+FACTORIES: dict[str, RowFactory] = {
+    "speculate-copy": copy_row,
+    "speculate-free": free_row,
+    "speculate-json": json_row,
+}

@@ -1,0 +1,89 @@
+"""Drafts for speculative decoding: guesses at the next tokens, verified by the model in one
+batch (see :meth:`lcgen.runtime.run.SequenceRun.sequences`).
+
+A draft never changes what is generated: every position is still sampled from the model's own
+logits with the generation's sampler and RNG, and a draft token counts only where it equals the
+token sampled there. A good draft saves steps; a bad one costs the time to decode it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+NGRAM_MAX = 4  # the longest suffix looked up
+NGRAM_MIN = 2  # the shortest (single tokens match too often to be worth a draft)
+MAX_DRAFT = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Speculation:
+    """How a generation drafts (``speculate="ngram"``, ``num_draft``).
+
+    Attributes:
+        method: ``"ngram"``: prompt lookup over the sequence's own tokens.
+        num_draft: the most draft tokens verified in one step.
+    """
+
+    method: str = "ngram"
+    num_draft: int = 8
+
+    def drafter(self) -> NgramDrafter:
+        return NgramDrafter(self.num_draft)
+
+
+class NgramDrafter:
+    """Prompt lookup: finds the latest earlier occurrence of the sequence's last n tokens
+    (n from 4 down to 2) and proposes the tokens that followed it.
+
+    It adapts to how its drafts fare: the draft length doubles after a draft taken whole and
+    shrinks to what was accepted after a miss; after a draft of which nothing was accepted it
+    pauses for a number of steps that doubles with each such miss in a row (so text that does
+    not repeat its context costs almost nothing).
+
+    Args:
+        num_draft: the most tokens in one draft.
+    """
+
+    def __init__(self, num_draft: int) -> None:
+        self.num_draft = num_draft
+        self.length = num_draft
+        self._pause = self._misses = 0
+
+    def propose(self, tokens: Sequence[int], room: int) -> list[int]:
+        """A draft to follow ``tokens`` (at most ``room`` tokens; empty when nothing matches or
+        while pausing)."""
+        if self._pause:
+            self._pause -= 1
+            return []
+        k = min(self.length, room)
+        if k <= 0 or len(tokens) <= NGRAM_MIN:
+            return []
+        ids = np.asarray(tokens, dtype=np.int64)
+        n_ids = len(ids)
+        for n in range(min(NGRAM_MAX, n_ids - 1), NGRAM_MIN - 1, -1):
+            tail = ids[n_ids - n :]
+            starts = np.flatnonzero(ids[: n_ids - n] == tail[0])  # not the tail itself
+            for i in range(1, n):
+                starts = starts[ids[starts + i] == tail[i]]
+            if starts.size:
+                at = int(starts[-1]) + n
+                draft: list[int] = ids[at : at + k].tolist()
+                return draft
+        return []
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        """Adapt to a verified draft: ``accepted`` of its ``drafted`` tokens were sampled."""
+        if drafted == 0:
+            return
+        if accepted == drafted:
+            self.length = min(self.num_draft, 2 * self.length)
+        else:
+            self.length = max(1, accepted)
+        if accepted:
+            self._misses = 0
+        else:
+            self._misses += 1
+            self._pause = min(2**self._misses, 32)
