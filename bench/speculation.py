@@ -7,7 +7,9 @@ llama-cpp-python's prompt lookup (``Llama(draft_model=LlamaPromptLookupDecoding(
 - ``speculate-free``: a chat request for a story, greedy, end-of-generation banned (drafts
   rarely help: the row shows what they cost);
 - ``speculate-json``: JSON-Schema-constrained extraction from the same passage, generated until
-  the JSON is complete.
+  the JSON is complete;
+- ``speculate-draft``: the story with the bench's model loaded again as its own draft model
+  (``speculate=draft_model``): nearly every draft should be accepted, and the output the same.
 
 lcgen is timed from its first chunk to its last (the tokens after the first: the prompt's
 decode is not in it); llama-cpp-python as ``create_completion`` of all the tokens minus
@@ -27,7 +29,7 @@ from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 import lcgen
 from bench.harness import Bench, Check, Row, RowFactory, at_least, interleaved
-from bench.runners import LlamaCppPython, Sample, Workload, extra_cpu_buffers
+from bench.runners import LlamaCppPython, Sample, Workload, extra_cpu_buffers, load_lcgen
 
 COPY_MIN_RATIO = 2.0
 FREE_MIN_RATIO = 0.97
@@ -238,8 +240,75 @@ def json_row(work: Workload) -> Row:
     )
 
 
+class _DraftModel:
+    """The bench's model loaded a second time, as a draft model, on first use."""
+
+    def __init__(self) -> None:
+        self.model: lcgen.Model | None = None
+
+    def get(self, bench: Bench) -> lcgen.Model:
+        """The draft model, its cache emptied: every run drafts from the same cold state
+        (cells cached by an earlier run sit elsewhere in the pool, which moves logits in
+        their last bits and flips the draft model's near-ties)."""
+        if self.model is None:
+            self.model = load_lcgen(bench.lcgen.model.path, bench.llama_cpp_python.cfg)
+        self.model.cache.clear()
+        return self.model
+
+    def close(self) -> None:
+        if self.model is not None:
+            self.model.close()
+            self.model = None
+
+
+def draft_model_row(work: Workload) -> Row:
+    drafts = _DraftModel()
+    n = work.n_tokens + 1
+
+    def ours(with_draft: bool) -> Callable[[Bench], Sample]:
+        def measure(bench: Bench) -> Sample:
+            model = bench.lcgen.model
+            extra = {"speculate": drafts.get(bench)} if with_draft else {}
+            options = {"logit_bias": dict(bench.work.bias), **extra}
+            return lcgen_after_first(model, free_prompt(model), n, **options)
+
+        return measure
+
+    def acceptance(bench: Bench) -> Sample:
+        model = bench.lcgen.model
+        with model.sequence(free_prompt(model)) as seq:
+            out = seq.generate(
+                max_tokens=n,
+                temperature=0.0,
+                logit_bias=dict(bench.work.bias),
+                speculate=drafts.get(bench),
+            )
+        return Sample(1.0, out.stats.accepted / max(1, out.stats.drafted))
+
+    measures = {"lcgen, draft model": ours(True), "lcgen": ours(False)}
+    run = interleaved(measures)
+
+    def round_(bench: Bench, r: int) -> dict[str, Sample]:
+        return {**run(bench, r), "accepted / drafted": acceptance(bench)}
+
+    return Row(
+        "speculate-draft",
+        f"the story request of speculate-free, {n} greedy tokens, with the bench's model "
+        "loaded a second time as its draft model (speculate=draft_model) and without, "
+        "tokens/s after the first: a correctness check (a model drafting for itself should "
+        "have nearly every draft accepted, and the same output); its speed shows what a draft "
+        "model as costly as the model buys on this machine. 'accepted / drafted': of one "
+        "extra run",
+        {**_units(measures), "accepted / drafted": "count"},
+        round_,
+        (Check("lcgen, draft model", "lcgen"), Check("accepted / drafted")),
+        close=drafts.close,
+    )
+
+
 FACTORIES: dict[str, RowFactory] = {
     "speculate-copy": copy_row,
     "speculate-free": free_row,
     "speculate-json": json_row,
+    "speculate-draft": draft_model_row,
 }

@@ -51,6 +51,7 @@ CHECKPOINT_SERIES = {
     },
     "speculate-free": {"lcgen, ngram", "lcgen"},
     "speculate-json": {"lcgen, ngram", "lcgen"},
+    "speculate-draft": {"lcgen, draft model", "lcgen", "accepted / drafted"},
 }
 QUICK_ROWS = [name for name in ROWS if name not in NOT_QUICK]
 
@@ -103,6 +104,7 @@ def test_quick_bench_writes_every_row(tmp_path: Path, model_path: Path) -> None:
         ("speculate-copy", "lcgen, ngram", "llama-cpp-python, prompt lookup"),
         ("speculate-free", "lcgen, ngram", "lcgen"),
         ("speculate-json", "lcgen, ngram", "lcgen"),
+        ("speculate-draft", "lcgen, draft model", "lcgen"),
     }
     assert all(c["value"] > 0 for c in results["checks"])
     assert all(c["result"] in {"PASS", "MISS"} for c in results["checks"] if c["target"])

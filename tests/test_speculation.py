@@ -12,7 +12,8 @@ Decode counts prove what was decoded: every step decodes its pending token and i
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -176,6 +177,7 @@ class Scripted:
     def __init__(self, start: int, continuation: Sequence[int], k: int, wrong: int) -> None:
         self.start, self.continuation, self.k, self.wrong = start, continuation, k, wrong
         self.results: list[tuple[int, int]] = []
+        self.closed = False
 
     def propose(self, tokens: Sequence[int], room: int) -> list[int]:
         at = len(tokens) - self.start
@@ -186,6 +188,9 @@ class Scripted:
 
     def feedback(self, drafted: int, accepted: int) -> None:
         self.results.append((drafted, accepted))
+
+    def close(self) -> None:
+        self.closed = True
 
 
 @pytest.mark.parametrize("wrong", [0, 1, 3, 5, 9])
@@ -201,6 +206,7 @@ def test_a_draft_rejected_at_any_position(model: lcgen.Model, wrong: int) -> Non
         for drafted, accepted in drafter.results[:-1]:  # the last may end the generation
             assert accepted == min(wrong, drafted)
         assert seq.n_decoded == len(seq) - 1  # no draft cell is left behind
+        assert drafter.closed  # told when the generation ended
         assert model.context.ledger.held(seq.slot) == seq.n_decoded
 
 
@@ -243,6 +249,9 @@ def test_any_drafts_leave_the_output_unchanged(
             return draft
 
         def feedback(self, drafted: int, accepted: int) -> None:
+            pass
+
+        def close(self) -> None:
             pass
 
     with model.sequence(prompt) as seq:
@@ -301,10 +310,65 @@ def test_json_mode_in_chat_is_the_same(model: lcgen.Model) -> None:
     assert out == ref and json.dumps(out)
 
 
+# a draft model ----------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def draft_model(model_path: Path) -> Iterator[lcgen.Model]:
+    """The bundled model loaded a second time: a draft model that predicts the model exactly
+    (up to batch-shape noise)."""
+    with lcgen.Model(model_path, n_ctx=2048, n_seq_max=4) as m:
+        yield m
+
+
+def test_a_model_drafting_for_itself_is_almost_always_right(
+    model: lcgen.Model, draft_model: lcgen.Model
+) -> None:
+    prompt = PROMPTS[1]  # free text: prompt lookup finds little here, a draft model does
+    ref, rows = reference(model, prompt, max_tokens=48, temperature=0)
+    model.cache.clear()
+    out = model.generate(prompt, max_tokens=48, temperature=0, speculate=draft_model)
+    assert_same_where_clear(out.tokens, ref, rows)
+    check_counts(model, prompt, out)
+    assert out.stats.accepted >= 0.9 * out.stats.drafted and out.stats.tokens_per_step > 3
+    assert draft_model.cache.stats.live == 0  # the drafter's sequence closed with the run
+
+
+def test_a_draft_model_that_is_often_wrong_changes_nothing(
+    model: lcgen.Model, draft_model: lcgen.Model
+) -> None:
+    """Sampling at temperature 1.2 while the draft model drafts greedily: many drafts are
+    rejected part-way, and the output is still the seeded run's own."""
+    prompt = PROMPTS[1]
+    options = {"max_tokens": 40, "temperature": 1.2, "seed": 11}
+    ref, rows = reference(model, prompt, **options)
+    out = model.generate(prompt, speculate=draft_model, num_draft=4, **options)  # type: ignore[call-overload]
+    assert_same_where_clear(out.tokens, ref, rows)
+    assert out.stats.drafted > 0 and out.stats.accepted < out.stats.drafted
+
+
+def test_draft_models_that_cannot_work_are_refused(
+    model: lcgen.Model, draft_model: lcgen.Model
+) -> None:
+    with pytest.raises(ValueError, match="the draft model is the model generating"):
+        model.generate("Hi", max_tokens=2, speculate=model)
+    with (
+        lcgen.load("gemma3-270m", n_ctx=512, n_seq_max=1) as other,
+        pytest.raises(ValueError, match=r"vocabulary \(262144 tokens, .*\) differs"),
+    ):
+        model.generate("Hi", max_tokens=2, speculate=other)
+    with pytest.raises(TypeError, match=r"a draft lcgen\.Model"):
+        model.generate("Hi", max_tokens=2, speculate=42)
+    with model.sequence("Hi there") as seq:  # a refused run leaves the sequence as it was
+        before = seq.tokens
+        with pytest.raises(ValueError, match="model generating"):
+            seq.run(token_healing=True, speculate=model)
+        assert seq.tokens == before
+
+
 @pytest.mark.parametrize(
     ("options", "error", "match"),
     [
         ({"speculate": "medusa"}, ValueError, "speculate must be 'ngram'"),
+        ({"speculate": 3}, TypeError, "speculate must be 'ngram'"),
         ({"speculate": "ngram", "num_draft": 0}, ValueError, "num_draft must be"),
         ({"speculate": "ngram", "num_draft": "4"}, TypeError, "num_draft must be an int"),
         ({"speculate": "ngram", "num_draft": 65}, ValueError, "num_draft must be"),

@@ -57,7 +57,7 @@ class GenerateOptions(TypedDict, total=False):
     banned_ignore_case: bool
     max_retries: int
     lookback: int
-    speculate: Literal["ngram"] | None
+    speculate: Literal["ngram"] | Any | None
     num_draft: int
 
 
@@ -127,8 +127,9 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
             included), json_whitespace ("flexible" or "compact", for schema), hooks,
             validators, banned, banned_ignore_case, max_retries, lookback, speculate
             (``"ngram"``: verify drafts looked up in the sequence's own tokens, several
-            tokens per step; the output is what it would be without), num_draft (8: the most
-            tokens in one draft).
+            tokens per step, the output what it would be without; or a draft
+            :class:`lcgen.Model` with the same vocabulary, loaded apart from this one),
+            num_draft (8: the most tokens in one draft).
 
     Raises:
         TypeError: an unknown option, or an option of the wrong type (named).
@@ -268,10 +269,18 @@ def _backtracking(options: GenerateOptions) -> Backtracking | None:
 
 
 def _speculation(options: GenerateOptions) -> Speculation | None:
-    method = options.get("speculate")
+    method: Any = options.get("speculate")
     num_draft = _int("num_draft", options.get("num_draft", 8), low=1, high=MAX_DRAFT)
     if method is None:
         return None
-    if method != "ngram":
-        raise ValueError(f"speculate must be 'ngram' or None, got {method!r}")
-    return Speculation(method, num_draft)
+    if isinstance(method, str):
+        if method != "ngram":
+            raise ValueError(
+                f"speculate must be 'ngram', a draft lcgen.Model or None, got {method!r}"
+            )
+        return Speculation("ngram", num_draft)
+    if not (hasattr(method, "vocab") and hasattr(method, "context")):
+        raise TypeError(
+            f"speculate must be 'ngram', a draft lcgen.Model or None, got {type(method).__name__}"
+        )
+    return Speculation("model", num_draft, method)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -20,28 +21,41 @@ MAX_DRAFT = 64
 
 @dataclass(frozen=True, slots=True)
 class Speculation:
-    """How a generation drafts (``speculate="ngram"``, ``num_draft``).
+    """How a generation drafts (``speculate``, ``num_draft``).
 
     Attributes:
-        method: ``"ngram"``: prompt lookup over the sequence's own tokens.
+        method: ``"ngram"`` (prompt lookup over the sequence's own tokens) or ``"model"``.
         num_draft: the most draft tokens verified in one step.
+        draft: with ``"model"``, the draft model (an :class:`lcgen.Model` with the same
+            vocabulary).
     """
 
     method: str = "ngram"
     num_draft: int = 8
-
-    def drafter(self) -> NgramDrafter:
-        return NgramDrafter(self.num_draft)
+    draft: Any = None
 
 
-class NgramDrafter:
-    """Prompt lookup: finds the latest earlier occurrence of the sequence's last n tokens
-    (n from 4 down to 2) and proposes the tokens that followed it.
+class Drafter(Protocol):
+    """What a run asks of a drafter."""
 
-    It adapts to how its drafts fare: the draft length doubles after a draft taken whole and
-    shrinks to what was accepted after a miss; after a draft of which nothing was accepted it
-    pauses for a number of steps that doubles with each such miss in a row (so text that does
-    not repeat its context costs almost nothing).
+    def propose(self, tokens: Sequence[int], room: int) -> list[int]:
+        """A draft to follow ``tokens``: at most ``room`` tokens, possibly none."""
+        ...
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        """``accepted`` of the ``drafted`` tokens of the last draft were sampled."""
+        ...
+
+    def close(self) -> None:
+        """The generation is over: free what the drafter holds."""
+        ...
+
+
+class AdaptiveLength:
+    """The draft length policy drafters share: the length doubles (up to ``num_draft``) after
+    a draft taken whole and shrinks to what was accepted after a miss; after a draft of which
+    nothing was accepted, drafting pauses for 2, 4, 8 ... 32 steps, doubling with each such
+    miss in a row (so text that drafts do not predict costs almost nothing).
 
     Args:
         num_draft: the most tokens in one draft.
@@ -52,13 +66,37 @@ class NgramDrafter:
         self.length = num_draft
         self._pause = self._misses = 0
 
-    def propose(self, tokens: Sequence[int], room: int) -> list[int]:
-        """A draft to follow ``tokens`` (at most ``room`` tokens; empty when nothing matches or
-        while pausing)."""
+    def next_length(self, room: int) -> int:
+        """How many tokens to draft now (0 while pausing)."""
         if self._pause:
             self._pause -= 1
-            return []
-        k = min(self.length, room)
+            return 0
+        return max(0, min(self.length, room))
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        if accepted == drafted:
+            self.length = min(self.num_draft, 2 * self.length)
+        else:
+            self.length = max(1, accepted)
+        if accepted:
+            self._misses = 0
+        else:
+            self._misses += 1
+            self._pause = min(2**self._misses, 32)
+
+    def close(self) -> None:
+        pass
+
+
+class NgramDrafter(AdaptiveLength):
+    """Prompt lookup: finds the latest earlier occurrence of the sequence's last n tokens
+    (n from 4 down to 2) and proposes the tokens that followed it (see :class:`AdaptiveLength`
+    for the length)."""
+
+    def propose(self, tokens: Sequence[int], room: int) -> list[int]:
+        k = self.next_length(room)
         if k <= 0 or len(tokens) <= NGRAM_MIN:
             return []
         ids = np.asarray(tokens, dtype=np.int64)
@@ -73,17 +111,3 @@ class NgramDrafter:
                 draft: list[int] = ids[at : at + k].tolist()
                 return draft
         return []
-
-    def feedback(self, drafted: int, accepted: int) -> None:
-        """Adapt to a verified draft: ``accepted`` of its ``drafted`` tokens were sampled."""
-        if drafted == 0:
-            return
-        if accepted == drafted:
-            self.length = min(self.num_draft, 2 * self.length)
-        else:
-            self.length = max(1, accepted)
-        if accepted:
-            self._misses = 0
-        else:
-            self._misses += 1
-            self._pause = min(2**self._misses, 32)

@@ -23,6 +23,7 @@ from lcgen.decoding import Chunk, GenerationStats, Generator, Override, Resample
 from lcgen.decoding.generator import logprobs_of
 from lcgen.decoding.options import Backtracking
 from lcgen.decoding.results import FinishReason
+from lcgen.decoding.speculation import Drafter
 from lcgen.errors import NoCandidatesError, RewindError
 from lcgen.runtime.checkpoint import Checkpoint
 from lcgen.runtime.run import SequenceRun
@@ -59,10 +60,17 @@ class Backtracker(SequenceRun):
               ends it with finish reason ``"retries"`` (what was rejected is still removed);
             - lookback: the most tokens a hook's or validator's ``Rewind`` can drop; streams
               hold back the text of that many tokens when hooks or validators are given.
+        drafter: with speculation, what drafts the tokens each step verifies.
     """
 
-    def __init__(self, seq: TokenSequence, gen: Generator, settings: Backtracking) -> None:
-        super().__init__(seq, gen)
+    def __init__(
+        self,
+        seq: TokenSequence,
+        gen: Generator,
+        settings: Backtracking,
+        drafter: Drafter | None = None,
+    ) -> None:
+        super().__init__(seq, gen, drafter)
         self.hooks, self.validators = settings.hooks, settings.validators
         self.banned = settings.banned
         self.max_retries, self.lookback = settings.max_retries, settings.lookback

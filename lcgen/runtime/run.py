@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from lcgen.decoding import Chunk, GenerationStats, Generator
-from lcgen.decoding.speculation import NgramDrafter
+from lcgen.decoding.speculation import Drafter
 from lcgen.runtime.checkpoint import Checkpoint
 from lcgen.runtime.tokens import TokenSequence
 
@@ -106,15 +106,15 @@ class SequenceRun:
     Args:
         seq: the sequence generated on.
         gen: its generator (made by ``seq.run``).
+        drafter: with speculation, what drafts the tokens each step verifies.
     """
 
-    def __init__(self, seq: TokenSequence, gen: Generator) -> None:
+    def __init__(self, seq: TokenSequence, gen: Generator, drafter: Drafter | None = None) -> None:
         self.sequence, self.generator = seq, gen
         self._start = (seq.stats.tokens_decoded, seq.n_decoded)
         # With ``logprobs``: each generated token's log-probability.
         self.token_logprobs: list[float] = []
-        spec = gen.plan.speculation
-        self.drafter = spec.drafter() if spec is not None else None
+        self.drafter = drafter
         self._steps = self._drafted = self._accepted = 0
 
     @property
@@ -131,8 +131,11 @@ class SequenceRun:
         (row,) = rows
         self._steps += 1
         chunk = self._advance_one(row) if row.ndim == 1 else self._verify(row)
-        if self.drafter is not None and not self.is_done:
-            self._draft(self.drafter)
+        if self.drafter is not None:
+            if self.is_done:
+                self.drafter.close()
+            else:
+                self._draft(self.drafter)
         if chunk.finish_reason is not None:
             chunk = dataclasses.replace(chunk, stats=self.stats())
         return chunk
@@ -159,7 +162,7 @@ class SequenceRun:
         self.drafter.feedback(len(rows) - 1, accepted)
         return _joined(chunks)
 
-    def _draft(self, drafter: NgramDrafter) -> None:
+    def _draft(self, drafter: Drafter) -> None:
         """Give the sequence a draft for the next step: the drafter's guess, cut where the
         grammar forbids a token (it could never be sampled there) and to what may still be
         generated."""
@@ -228,8 +231,8 @@ class PlainRun(SequenceRun):
     generator's state (held text, grammar, healing) go back together.
     """
 
-    def __init__(self, seq: TokenSequence, gen: Generator) -> None:
-        super().__init__(seq, gen)
+    def __init__(self, seq: TokenSequence, gen: Generator, drafter: Drafter | None = None) -> None:
+        super().__init__(seq, gen, drafter)
         self._rewinds = 0
 
     def _advance_one(self, row: np.ndarray) -> Chunk:

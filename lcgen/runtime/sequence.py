@@ -13,6 +13,7 @@ from lcgen.errors import ContextFullError, StateFileError
 from lcgen.runtime import statefile
 from lcgen.runtime.backtrack import Backtracker
 from lcgen.runtime.context import DecodeRequest
+from lcgen.runtime.drafts import drafter_for
 from lcgen.runtime.run import PlainRun
 from lcgen.runtime.tokens import ModelLike, TokenSequence
 
@@ -167,14 +168,16 @@ class Sequence(TokenSequence):
                 f"{needed} tokens exceeds the context of {self._ctx.n_ctx} tokens: shorten the "
                 "prompt, lower max_tokens or load the model with a larger n_ctx"
             )
+        # Checked before anything changes.
+        drafter = drafter_for(plan.speculation, self.model, plan.sampler.logit_bias)
         self.drop_draft()  # one an abandoned speculative run left for its next step
         heal = self.heal_last_token() if plan.token_healing else b""
         gen = Generator(self.vocab, plan, history=self._tokens, rng=self._rng, heal=heal)
         if plan.sampler.seed is not None:
             self.reseed(plan.sampler.seed)
         if plan.backtracking is not None:
-            return Backtracker(self, gen, plan.backtracking)
-        return PlainRun(self, gen)
+            return Backtracker(self, gen, plan.backtracking, drafter)
+        return PlainRun(self, gen, drafter)
 
     def stream(
         self, *, schema: SchemaLike | None = None, **options: Unpack[GenerateOptions]
