@@ -65,7 +65,15 @@ from lcgen.errors import (
     StateFileError,
 )
 from lcgen.model import Model
-from lcgen.runtime import Backtracker, Checkpoint, PlainRun, Scheduler, Sequence, SequenceStats
+from lcgen.runtime import (
+    Backtracker,
+    Checkpoint,
+    PlainRun,
+    Scheduler,
+    Sequence,
+    SequenceStats,
+    check_draft_model,
+)
 
 __version__ = "0.1.0"
 
@@ -135,6 +143,7 @@ __all__ = [
     "StateFileError",
     "Step",
     "Text",
+    "check_draft_model",
     "continuous",
     "generate",
     "load",

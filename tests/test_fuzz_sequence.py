@@ -1,5 +1,6 @@
-"""Random operation sequences (append, generate, checkpoint, rewind, fork, close, save/load)
-checked against a reference that only keeps token lists and re-decodes them from scratch.
+"""Random operation sequences (append, generate with and without speculation, checkpoint,
+rewind, fork, close, save/load) checked against a reference that only keeps token lists and
+re-decodes them from scratch.
 
 ``LCGEN_FUZZ_EXAMPLES`` sets the number of examples (200 in CI; ``make fuzz`` runs 10,000).
 """
@@ -88,8 +89,13 @@ class SequenceMachine(RuleBasedStateMachine):
         if len(seq) < MAX_LEN:
             hist += self._fresh(seq.append(text))
 
-    @rule(i=st.integers(0, 7), n=st.integers(1, 6), seed=st.none() | st.integers(0, 3))
-    def generate(self, i: int, n: int, seed: int | None) -> None:
+    @rule(
+        i=st.integers(0, 7),
+        n=st.integers(1, 6),
+        seed=st.none() | st.integers(0, 3),
+        speculate=st.booleans(),
+    )
+    def generate(self, i: int, n: int, seed: int | None, speculate: bool) -> None:
         seq, hist = self._pick(i)
         temperature = 0.0 if seed is None else 0.9
         if not len(seq):
@@ -100,7 +106,8 @@ class SequenceMachine(RuleBasedStateMachine):
             raise AssertionError("generating on an empty sequence did not raise")
         if len(seq) < MAX_LEN:
             before = len(seq)
-            seq.generate(max_tokens=n, temperature=temperature, seed=seed)
+            extra = {"speculate": "ngram", "num_draft": 3} if speculate else {}
+            seq.generate(max_tokens=n, temperature=temperature, seed=seed, **extra)
             hist += self._fresh(seq.tokens[before:])
 
     @rule(i=st.integers(0, 7))
@@ -182,6 +189,8 @@ class SequenceMachine(RuleBasedStateMachine):
         for seq, hist in self.live:
             assert seq.tokens == seq_tokens(hist)
             assert seq.text == self.model.detokenize(seq.tokens)
+            # exactly the decoded tokens have cells: no draft cell is ever left behind
+            assert self.model.context.ledger.held(seq.slot) == seq.n_decoded
 
 
 SequenceMachine.TestCase.settings = settings(

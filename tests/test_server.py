@@ -411,6 +411,30 @@ def test_request_errors_have_their_status(url: str, model: lcgen.Model) -> None:
     assert status == 200 and [m["id"] for m in reply["data"]] == [NAME]
 
 
+def test_a_server_with_a_draft_model(
+    url: str, client: openai.OpenAI, model: lcgen.Model, model_path: Path
+) -> None:
+    """``--draft``: requests asking for ``speculate: "draft"`` get the same reply as without;
+    a server without a draft model answers 400 naming the field; a draft model of another
+    vocabulary is refused when the app is made."""
+    status, reply = request(url, "/v1/chat/completions", _body(speculate="draft"))
+    assert status == 400 and reply["error"]["param"] == "speculate", reply
+    ask = [{"role": "user", "content": "Count from one to twelve in words."}]
+    plain = chat(client, messages=ask, max_tokens=30).choices[0].message.content
+    with lcgen.Model(model_path, n_ctx=1024, n_seq_max=4) as draft:
+        app = create_app(model, model_name=NAME, api_key=KEY, draft_model=draft)
+        with running(app) as base:
+            drafted = openai.OpenAI(base_url=base + "/v1", api_key=KEY, max_retries=0)
+            reply = chat(drafted, messages=ask, max_tokens=30, extra_body={"speculate": "draft"})
+            assert reply.choices[0].message.content == plain
+        assert draft.cache.stats.live == 0
+    with (
+        lcgen.load("gemma3-270m", n_ctx=256, n_seq_max=1) as other,
+        pytest.raises(ValueError, match="vocabulary"),
+    ):
+        create_app(model, draft_model=other)
+
+
 def test_a_bad_request_leaves_the_server_serving(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError):
         chat(client, max_tokens=4, extra_body={"grammar": "root ::= (("})
@@ -451,6 +475,8 @@ def test_add_parser_and_missing_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     args = parser.parse_args(["serve", NAME, "--port", "9", "--api-key", "k", "--n-seq-max", "4"])
     assert args.func is lcgen.server.command
     assert (args.host, args.port, args.api_key, args.n_seq_max) == ("127.0.0.1", 9, "k", 4)
+    assert args.draft is None
+    assert parser.parse_args(["serve", NAME, "--draft", "small.gguf"]).draft == "small.gguf"
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(lcgen.server.ServerExtraMissingError, match=r"lcgen\[server\]"):
         lcgen.server.serve(NAME)
@@ -463,6 +489,7 @@ def test_python_m_lcgen_server(model_path: Path) -> None:
     sock.close()
     cmd = [sys.executable, "-m", "lcgen.server", str(model_path), "--port", str(port)]
     cmd += ["--api-key", KEY, "--n-ctx", "512", "--n-seq-max", "2", "--threads", "1"]
+    cmd += ["--draft", str(model_path)]  # the same file, loaded again as the draft model
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE)
     base = f"http://127.0.0.1:{port}"
@@ -479,6 +506,9 @@ def test_python_m_lcgen_server(model_path: Path) -> None:
         status, models = request(base, "/v1/models")
         assert status == 200 and models["data"][0]["id"] == model_path.name
         body = json.dumps({"model": model_path.stem, "prompt": "Hi", "max_tokens": 2})
+        assert request(base, "/v1/completions", body.encode())[0] == 200
+        fields = {"model": model_path.stem, "prompt": "1, 2, 3,", "max_tokens": 6}
+        body = json.dumps({**fields, "temperature": 0, "speculate": "draft"})
         assert request(base, "/v1/completions", body.encode())[0] == 200
     finally:
         proc.terminate()

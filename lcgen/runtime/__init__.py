@@ -4,6 +4,7 @@ format), runs (plain and backtracking) and the one :class:`Scheduler` that steps
 from lcgen.runtime.backtrack import Backtracker
 from lcgen.runtime.checkpoint import Checkpoint, SequenceStats
 from lcgen.runtime.context import Context
+from lcgen.runtime.drafts import check_draft_model
 from lcgen.runtime.run import PlainRun, Run
 from lcgen.runtime.scheduler import Event, Scheduler
 from lcgen.runtime.sequence import Sequence
@@ -18,4 +19,5 @@ __all__ = [
     "Scheduler",
     "Sequence",
     "SequenceStats",
+    "check_draft_model",
 ]

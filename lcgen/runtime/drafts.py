@@ -71,14 +71,23 @@ def drafter_for(
     drafts under the generation's ``logit_bias``.
 
     Raises:
-        ValueError: the draft model is the target itself (it would share the target's
-            context and its logits buffer: load it again), or its vocabulary differs.
+        ValueError: the draft model cannot draft for ``target`` (see :func:`check_draft_model`).
     """
     if spec is None:
         return None
     if spec.method == "ngram":
         return NgramDrafter(spec.num_draft)
-    draft: ModelLike = spec.draft
+    check_draft_model(target, spec.draft)
+    return ModelDrafter(spec.draft, spec.num_draft, logit_bias)
+
+
+def check_draft_model(target: ModelLike, draft: ModelLike) -> None:
+    """Whether ``draft`` can draft for ``target``.
+
+    Raises:
+        ValueError: it is the target itself (it would share the target's context and its
+            logits buffer: load it again), or its vocabulary differs.
+    """
     if draft.context is target.context:
         raise ValueError(
             "the draft model is the model generating: load the file again as a separate "
@@ -91,4 +100,3 @@ def drafter_for(
             f"from the model's ({ours.n_vocab} tokens, {target.path.name}): a draft model must "
             "tokenize exactly as the model does"
         )
-    return ModelDrafter(draft, spec.num_draft, logit_bias)

@@ -18,6 +18,8 @@ command line can list ``serve`` without them.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import importlib.util
 import os
 import sys
@@ -54,6 +56,7 @@ def serve(
     threads: int | None = None,
     *,
     max_queue: int | None = None,
+    draft: str | os.PathLike[str] | None = None,
     verbose: bool = False,
 ) -> None:
     """Load a model and serve it until interrupted (Ctrl-C).
@@ -67,6 +70,7 @@ def serve(
         n_seq_max: sequence slots: requests (choices) running at once, and cached prefixes.
         threads: CPU threads (None: the cores, at most 8).
         max_queue: the most choices waiting for a slot before requests get 429 (None: 64).
+        draft: a draft model (same vocabulary) for requests with ``speculate: "draft"``.
         verbose: show llama.cpp's log and every request.
 
     Raises:
@@ -81,14 +85,18 @@ def serve(
     ref = str(model_name_or_path)
     # The name clients give: a registry name as given, a file by its name (no directories).
     name = Path(ref).name if ref.endswith(".gguf") else ref
-    with lcgen.load(
-        ref, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=threads, verbose=verbose
-    ) as model:
+    load = functools.partial(
+        lcgen.load, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=threads, verbose=verbose
+    )
+    with contextlib.ExitStack() as stack:
+        model = stack.enter_context(load(ref))
+        draft_model = None if draft is None else stack.enter_context(load(draft))
         app = create_app(
             model,
             model_name=name,
             api_key=api_key,
             max_queue=DEFAULT_MAX_QUEUE if max_queue is None else max_queue,
+            draft_model=draft_model,
         )
         uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning")
 
@@ -111,6 +119,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: cores, <= 8)")
     p.add_argument(
         "--max-queue", type=int, default=None, help="most choices waiting before 429 (64)"
+    )
+    p.add_argument(
+        "--draft",
+        default=None,
+        help="a draft model of the same vocabulary, for requests with speculate: 'draft'",
     )
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's log and requests")
 
@@ -137,6 +150,7 @@ def command(args: argparse.Namespace) -> int:
         n_seq_max=args.n_seq_max,
         threads=args.threads,
         max_queue=args.max_queue,
+        draft=args.draft,
         verbose=args.verbose,
     )
     return 0

@@ -49,8 +49,9 @@ class _Server:
         engine: Engine,
         api_key: str | None,
         max_body_bytes: int,
+        draft: lcgen.Model | None = None,
     ) -> None:
-        self.model, self.name, self.engine = model, name, engine
+        self.model, self.name, self.engine, self.draft = model, name, engine, draft
         self.api_key, self.max_body_bytes = api_key, max_body_bytes
         self.names = {name, model.path.name, model.path.stem}
         self.created = int(time.time())
@@ -163,7 +164,7 @@ class _Server:
                 code="context_length_exceeded",
             )
         try:
-            plan = lcgen.make_plan(max_tokens=limit, **options(req, self.model.n_vocab))
+            plan = lcgen.make_plan(max_tokens=limit, **options(req, self.model.n_vocab, self.draft))
         except (TypeError, ValueError, lcgen.LcgenError) as exc:
             raise APIError(400, str(exc)) from None
         seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
@@ -283,6 +284,7 @@ def create_app(
     api_key: str | None = None,
     max_queue: int = DEFAULT_MAX_QUEUE,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    draft_model: lcgen.Model | None = None,
 ) -> Starlette:
     """The ASGI application serving ``model`` (run it with uvicorn; see :func:`serve`).
 
@@ -292,9 +294,19 @@ def create_app(
         api_key: when set, every endpoint but ``/health`` needs ``Authorization: Bearer KEY``.
         max_queue: the most choices that may wait for a slot; more get 429.
         max_body_bytes: the largest request body; larger ones get 413.
+        draft_model: a model of the same vocabulary that drafts for requests asking for
+            ``speculate: "draft"`` (the caller closes it too).
+
+    Raises:
+        ValueError: the draft model cannot draft for ``model`` (another vocabulary, or
+            ``model`` itself).
     """
+    if draft_model is not None:
+        lcgen.check_draft_model(model, draft_model)
     engine = Engine(model, max_queue=max_queue)
-    server = _Server(model, model_name or model.path.name, engine, api_key, max_body_bytes)
+    server = _Server(
+        model, model_name or model.path.name, engine, api_key, max_body_bytes, draft_model
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

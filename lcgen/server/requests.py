@@ -4,8 +4,8 @@ lcgen's generation options once, at the edge.
 The OpenAI fields are named as OpenAI names them; lcgen's own controls are extra top-level
 fields (``extra_body`` in the official client): ``banned``, ``banned_ignore_case``,
 ``max_retries``, ``grammar`` (GBNF text), ``regex``, ``choice``, ``token_healing``, ``top_k``,
-``min_p``, ``repeat_penalty``, ``speculate`` (``"ngram"``), ``num_draft``. Nothing in a
-request names a file on the server.
+``min_p``, ``repeat_penalty``, ``speculate`` (``"ngram"``, or ``"draft"`` on a server started
+with a draft model), ``num_draft``. Nothing in a request names a file on the server.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class _Common(_Strict):
     regex: str | None = None
     choice: Annotated[list[str], Field(min_length=1, max_length=MAX_LIST)] | None = None
     token_healing: bool = False
-    speculate: Literal["ngram"] | None = None
+    speculate: Literal["ngram", "draft"] | None = None
     num_draft: Annotated[int, Field(ge=1, le=64)] | None = None
 
     @property
@@ -162,11 +162,15 @@ def parse(cls: type[R], body: bytes) -> R:
 
 
 # lcgen's options ---------------------------------------------------------------------------
-def options(req: ChatRequest | CompletionRequest, n_vocab: int) -> dict[str, Any]:
-    """The generation options of a request (max_tokens is set by the caller).
+def options(
+    req: ChatRequest | CompletionRequest, n_vocab: int, draft: lcgen.Model | None = None
+) -> dict[str, Any]:
+    """The generation options of a request (max_tokens is set by the caller); ``draft`` is
+    the server's draft model, for ``speculate: "draft"``.
 
     Raises:
-        APIError: 400 for a constraint that does not compile or a bad token id (named).
+        APIError: 400 for a constraint that does not compile, a bad token id, or a draft
+            model asked of a server without one (named).
     """
     out: dict[str, Any] = {
         "stop": req.stop,
@@ -182,8 +186,15 @@ def options(req: ChatRequest | CompletionRequest, n_vocab: int) -> dict[str, Any
         "logit_bias": _logit_bias(req.logit_bias, n_vocab),
         **_constraint(req),
     }
+    if req.speculate == "draft" and draft is None:
+        raise APIError(
+            400,
+            "speculate: this server has no draft model (start it with --draft MODEL), "
+            "or use 'ngram'",
+            param="speculate",
+        )
     if req.speculate is not None:
-        out["speculate"] = req.speculate
+        out["speculate"] = draft if req.speculate == "draft" else req.speculate
         if req.num_draft is not None:
             out["num_draft"] = req.num_draft
     if req.banned:
