@@ -81,6 +81,17 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
         default=None,
         help="most rewinds and resamples for banned phrases (default 64)",
     )
+    p.add_argument(
+        "--speculate",
+        action="store_true",
+        help="speculative decoding with drafts from the prompt and the output (same output)",
+    )
+    p.add_argument(
+        "--draft",
+        default=None,
+        metavar="MODEL",
+        help="speculative decoding with a draft model of the same vocabulary (same output)",
+    )
 
 
 def _load(args: argparse.Namespace) -> lcgen.Model:
@@ -105,7 +116,22 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "stop": [unescape(stop) for stop in args.stop] if args.stop else None,
         "token_healing": args.token_healing,
         **_bans(args),
+        **_speculation(args),
     }
+
+
+def _speculation(args: argparse.Namespace) -> dict[str, Any]:
+    """--speculate / --draft as generation options (the draft model loaded here)."""
+    if args.speculate and args.draft:
+        raise ValueError("give --speculate (drafts from the prompt) or --draft MODEL, not both")
+    if args.speculate:
+        return {"speculate": "ngram"}
+    if args.draft:
+        draft = lcgen.load(
+            args.draft, n_ctx=args.n_ctx, n_threads=args.threads, verbose=args.verbose
+        )
+        return {"speculate": draft}
+    return {}
 
 
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}

@@ -70,6 +70,17 @@ def test_generate_with_banned_phrases(model: lcgen.Model) -> None:
     assert bad.returncode != 0 and "--ban-regex '('" in bad.stderr
 
 
+def test_generate_with_speculation(model: lcgen.Model) -> None:
+    prompt = "Repeat: red, green, blue, red, green, blue, red, green,"
+    expected = model.generate(prompt, max_tokens=12) + "\n"
+    for flags in (["--speculate"], ["--draft", "smollm2-135m"]):
+        out = run("generate", "smollm2-135m", prompt, *ARGS, *flags)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout == expected, flags
+    both = run("generate", "smollm2-135m", prompt, *ARGS, "--speculate", "--draft", "x.gguf")
+    assert both.returncode != 0 and "not both" in both.stderr
+
+
 def test_chat_reads_turns_from_stdin(model: lcgen.Model) -> None:
     out = run("chat", "smollm2-135m", *ARGS, stdin="Name three colors.\n/exit\n")
     assert out.returncode == 0, out.stderr
