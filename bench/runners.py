@@ -246,7 +246,8 @@ class LlamaCppPython:
 
     name = "llama-cpp-python"
 
-    def __init__(self, path: Path, cfg: ContextConfig) -> None:
+    def __init__(self, path: Path, cfg: ContextConfig, **options: Any) -> None:
+        """``options``: more ``Llama`` arguments (a draft model, say)."""
         self.cfg = cfg
         with extra_cpu_buffers(cfg.extra_cpu_buffers):
             self.llm = C.Llama(
@@ -261,6 +262,7 @@ class LlamaCppPython:
                 swa_full=True,
                 no_perf=True,
                 verbose=False,
+                **options,
             )
 
     def _exact(self, work: Workload, max_tokens: int) -> tuple[float, tuple[int, ...]]:
@@ -389,13 +391,18 @@ class Lcgen:
         *,
         grammar: lcgen.Grammar | None = None,
         bias: Mapping[int, float] | None = None,
+        speculate: Any = None,
     ) -> tuple[Sample, str, str | None]:
         """Greedy ``seq.stream`` of up to ``max_tokens`` after ``prompt``, timed from the first
         chunk to the last, so over the tokens after the first (end-of-generation ones not
-        counted). Also returns the text and the finish reason."""
+        counted), with ``speculate`` as given. Also returns the text and the finish reason."""
         with self.model.sequence(prompt) as seq:
             chunks = seq.stream(
-                grammar=grammar, max_tokens=max_tokens, temperature=0.0, logit_bias=bias
+                grammar=grammar,
+                max_tokens=max_tokens,
+                temperature=0.0,
+                logit_bias=bias,
+                speculate=speculate,
             )
             first = next(chunks)
             n_before = self.model.context.n_decoded
@@ -403,12 +410,15 @@ class Lcgen:
             rest = list(chunks)
             seconds = time.perf_counter() - start
             generated = seq.tokens[len(prompt) :]
-        # each step after the first decodes the previous token
-        check_count("after first", self.model.context.n_decoded - n_before, len(generated) - 1)
+        last = rest[-1] if rest else first
+        # Each step after the first decodes the previous token, and its draft: the accepted
+        # draft tokens are generated tokens, the rejected ones are decoded on top.
+        stats = last.stats or lcgen.GenerationStats()
+        expected = len(generated) - 1 + stats.drafted - stats.accepted
+        check_count("after first", self.model.context.n_decoded - n_before, expected)
         kept = tuple(t for t in generated if not self.model.is_eog(t))
         text = first.text + "".join(chunk.text for chunk in rest)
-        finish = (rest[-1] if rest else first).finish_reason
-        return Sample(seconds, len(kept) - 1, kept), text, finish
+        return Sample(seconds, len(kept) - 1, kept), text, last.finish_reason
 
     def long_sequence(self, work: Workload) -> lcgen.Sequence:
         """The ``n_context``-token sequence (its last token pending), decoded on first use."""

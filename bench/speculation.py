@@ -20,16 +20,14 @@ the row's token check compares speculative and plain output.
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import llama_cpp as C
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 import lcgen
 from bench.harness import Bench, Check, Row, RowFactory, at_least, interleaved
-from bench.runners import LlamaCppPython, Sample, Workload, extra_cpu_buffers, load_lcgen
+from bench.runners import LlamaCppPython, Sample, Workload, load_lcgen
 
 COPY_MIN_RATIO = 2.0
 FREE_MIN_RATIO = 0.97
@@ -95,21 +93,17 @@ def json_prompt(model: lcgen.Model) -> tuple[int, ...]:
 
 
 def lcgen_after_first(
-    model: lcgen.Model, prompt: tuple[int, ...], max_tokens: int, **options: Any
+    bench: Bench,
+    prompt_of: Callable[[lcgen.Model], tuple[int, ...]],
+    max_tokens: int,
+    **options: Any,
 ) -> Sample:
-    """Greedy ``seq.stream`` timed from the first chunk to the last (a speculative run's
-    first step decodes the prompt and samples one token, as a plain run's does)."""
-    with model.sequence(prompt) as seq:
-        chunks = seq.stream(max_tokens=max_tokens, temperature=0.0, **options)
-        first = next(chunks)
-        start = time.perf_counter()
-        rest = list(chunks)
-        seconds = time.perf_counter() - start
-    tokens = first.tokens + tuple(t for c in rest for t in c.tokens)
-    kept = tuple(t for t in tokens if not model.is_eog(t))
+    """The bench's lcgen run of the prompt (see :meth:`bench.runners.Lcgen.after_first`); a
+    constrained run must have made its complete JSON."""
+    sample, text, _ = bench.lcgen.after_first(prompt_of(bench.lcgen.model), max_tokens, **options)
     if options.get("grammar") is not None:
-        json.loads("".join([first.text, *(c.text for c in rest)]))  # the complete JSON
-    return Sample(seconds, len(kept) - 1, kept)
+        json.loads(text)
+    return sample
 
 
 class _Lookup:
@@ -120,27 +114,12 @@ class _Lookup:
 
     def get(self, bench: Bench) -> LlamaCppPython:
         if self.side is None:
-            plain = bench.llama_cpp_python
-            side = LlamaCppPython.__new__(LlamaCppPython)
-            side.cfg = plain.cfg
-            cfg = plain.cfg
-            with extra_cpu_buffers(cfg.extra_cpu_buffers):
-                side.llm = C.Llama(
-                    model_path=str(bench.lcgen.model.path),
-                    n_ctx=cfg.n_ctx,
-                    n_batch=cfg.n_batch,
-                    n_ubatch=cfg.n_batch,
-                    n_threads=cfg.n_threads,
-                    n_threads_batch=cfg.n_threads,
-                    n_gpu_layers=cfg.n_gpu_layers,
-                    flash_attn=cfg.flash_attn is not False,
-                    swa_full=True,
-                    no_perf=True,
-                    verbose=False,
-                    logits_all=True,  # its draft path needs it (else it fails to store scores)
-                    draft_model=LlamaPromptLookupDecoding(),
-                )
-            self.side = side
+            self.side = LlamaCppPython(
+                bench.lcgen.model.path,
+                bench.llama_cpp_python.cfg,
+                logits_all=True,  # its draft path needs it (else it fails to store scores)
+                draft_model=LlamaPromptLookupDecoding(),
+            )
         return self.side
 
     def close(self) -> None:
@@ -159,14 +138,12 @@ def _measures(
     def options(bench: Bench) -> dict[str, Any]:
         if grammar is not None:
             return {"grammar": grammar}
-        return {"logit_bias": dict(bench.work.bias)}
+        return {"bias": bench.work.bias}
 
     def ours(speculate: str | None) -> Callable[[Bench], Sample]:
         def measure(bench: Bench) -> Sample:
-            model = bench.lcgen.model
-            extra = {"speculate": speculate} if speculate else {}
             n = n_tokens(bench.work)
-            return lcgen_after_first(model, prompt_of(model), n, **options(bench), **extra)
+            return lcgen_after_first(bench, prompt_of, n, speculate=speculate, **options(bench))
 
         return measure
 
@@ -267,10 +244,8 @@ def draft_model_row(work: Workload) -> Row:
 
     def ours(with_draft: bool) -> Callable[[Bench], Sample]:
         def measure(bench: Bench) -> Sample:
-            model = bench.lcgen.model
-            extra = {"speculate": drafts.get(bench)} if with_draft else {}
-            options = {"logit_bias": dict(bench.work.bias), **extra}
-            return lcgen_after_first(model, free_prompt(model), n, **options)
+            draft = drafts.get(bench) if with_draft else None
+            return lcgen_after_first(bench, free_prompt, n, bias=bench.work.bias, speculate=draft)
 
         return measure
 

@@ -94,9 +94,10 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     )
 
 
-def _load(args: argparse.Namespace) -> lcgen.Model:
+def _load(args: argparse.Namespace, ref: str | None = None) -> lcgen.Model:
+    """The command's model (or ``ref``, another model loaded with the same settings)."""
     return lcgen.load(
-        args.model,
+        args.model if ref is None else ref,
         n_ctx=args.n_ctx,
         n_threads=args.threads,
         n_gpu_layers=args.gpu_layers,
@@ -127,10 +128,7 @@ def _speculation(args: argparse.Namespace) -> dict[str, Any]:
     if args.speculate:
         return {"speculate": "ngram"}
     if args.draft:
-        draft = lcgen.load(
-            args.draft, n_ctx=args.n_ctx, n_threads=args.threads, verbose=args.verbose
-        )
-        return {"speculate": draft}
+        return {"speculate": _load(args, args.draft)}
     return {}
 
 

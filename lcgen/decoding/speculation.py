@@ -1,5 +1,5 @@
 """Drafts for speculative decoding: guesses at the next tokens, verified by the model in one
-batch (see :meth:`lcgen.runtime.run.SequenceRun.sequences`).
+batch (see :meth:`lcgen.runtime.run.SequenceRun.advance`).
 
 A draft never changes what is generated: every position is still sampled from the model's own
 logits with the generation's sampler and RNG, and a draft token counts only where it equals the

@@ -197,16 +197,8 @@ class Context:
                 logits = self._decode_chunk(flat, start, end)
                 self.n_decoded += end - start
                 self._record(requests, begins, start, end)
-                if start == 0 and end == n:  # one batch: views, a request's rows adjacent
-                    first = np.searchsorted(owner[out], np.arange(len(requests)))
-                    return [
-                        None
-                        if not req.want_logits or not req.tokens
-                        else logits[at]
-                        if req.n_outputs == 1
-                        else logits[at : at + min(req.n_outputs, len(req.tokens))]
-                        for req, at in zip(requests, first.tolist(), strict=True)
-                    ]
+                if start == 0 and end == n:
+                    return _views(requests, owner[out], logits)
                 for row, i in enumerate(owner[start:end][out]):
                     outputs[i].append(logits[row].copy())
         return [
@@ -272,6 +264,23 @@ class Context:
 
 
 _Flat = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
+
+def _views(
+    requests: Sequence[DecodeRequest], owners: np.ndarray, logits: np.ndarray
+) -> list[np.ndarray | None]:
+    """Each request's rows of a batch decoded in one call, as views into ``logits`` (whose
+    row ``r`` belongs to request ``owners[r]``; a request's rows are adjacent)."""
+    first = np.searchsorted(owners, np.arange(len(requests))).tolist()
+    out: list[np.ndarray | None] = []
+    for req, at in zip(requests, first, strict=True):
+        if not req.want_logits or not req.tokens:
+            out.append(None)
+        elif req.n_outputs == 1:
+            out.append(logits[at])
+        else:
+            out.append(logits[at : at + min(req.n_outputs, len(req.tokens))])
+    return out
 
 
 def _flatten(requests: Sequence[DecodeRequest]) -> _Flat:

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-import numpy as np
-
+from lcgen.decoding.sampling import SamplerConfig, new_rng, sample
 from lcgen.decoding.speculation import AdaptiveLength, Drafter, NgramDrafter, Speculation
 from lcgen.runtime.run import decode
 from lcgen.runtime.tokens import ModelLike, TokenSequence
@@ -33,8 +32,8 @@ class ModelDrafter(AdaptiveLength):
         super().__init__(num_draft)
         self.model = model
         self._seq: TokenSequence | None = None
-        self._bias_ids = np.array([t for t, _ in logit_bias], dtype=np.int64)
-        self._bias = np.array([b for _, b in logit_bias], dtype=np.float32)
+        self._greedy = SamplerConfig(temperature=0.0, logit_bias=tuple(logit_bias))
+        self._rng = new_rng(0)  # greedy sampling never draws from it
 
     def propose(self, tokens: Seq[int], room: int) -> list[int]:
         k = self.next_length(min(room, self.model.context.n_ctx - len(tokens) - 1))
@@ -48,10 +47,7 @@ class ModelDrafter(AdaptiveLength):
         with self.model.context.in_use():
             for _ in range(k):
                 (row,) = decode([seq])
-                if self._bias.size:
-                    row = row.copy()
-                    row[self._bias_ids] += self._bias
-                token = int(np.argmax(row))
+                token = sample(row, self._greedy, self._rng)
                 draft.append(token)
                 if self.model.vocab.is_eog(token):
                     break
