@@ -90,9 +90,63 @@ def test_chat_stream_and_batch_carry_them(model: lcgen.Model) -> None:
 def test_without_logprobs_there_are_none(model: lcgen.Model) -> None:
     assert model.generate(PROMPT, max_tokens=3).logprobs is None
     assert all(c.logprobs == () for c in model.stream(PROMPT, max_tokens=3))
-    # Backtracking releases text spanning several tokens with the sum only: no misaligned list.
-    banned = model.generate(PROMPT, max_tokens=6, logprobs=2, banned=["Paris"])
-    assert banned.logprobs is None and "Paris" not in banned
+
+
+def test_backtracking_runs_carry_them_per_token(model: lcgen.Model) -> None:
+    """Hooks, validators and banned phrases release text several tokens at a time: each chunk
+    carries one entry per token it releases, and the kept tokens' entries are those of the
+    positions they were sampled at (a rewound token leaves none behind)."""
+    plain = model.generate(PROMPT, max_tokens=10, logprobs=2)
+    passing = model.generate(PROMPT, max_tokens=10, logprobs=2, hooks=[lambda step: None])
+    assert passing.logprobs == plain.logprobs  # a hook that accepts everything changes nothing
+    banned = model.generate(PROMPT, max_tokens=10, logprobs=2, banned=["Paris"])
+    assert "Paris" in plain and "Paris" not in banned and banned.stats.rewinds >= 1
+    assert banned.logprobs is not None and len(banned.logprobs) == len(banned.tokens)
+    assert tuple(e.token for e in banned.logprobs) == banned.tokens
+    assert _joined(banned.logprobs) == banned
+    kept = 0  # the tokens before the rewound one are the plain run's, with its entries
+    while banned.tokens[kept] == plain.tokens[kept]:
+        kept += 1
+    assert plain.logprobs is not None
+    assert banned.logprobs[:kept] == plain.logprobs[:kept]
+    # With a hook the stream holds back the last `lookback` tokens: they come out together.
+    chunks = list(
+        model.stream(PROMPT, max_tokens=10, logprobs=2, banned=["Paris"], hooks=[lambda s: None])
+    )
+    assert all(len(c.logprobs) == len(c.tokens) for c in chunks)
+    assert any(len(c.tokens) > 1 for c in chunks)
+    for chunk in chunks:
+        if chunk.tokens:
+            assert chunk.logprob == pytest.approx(math.fsum(e.logprob for e in chunk.logprobs))
+    assert tuple(e for c in chunks for e in c.logprobs) == banned.logprobs
+
+
+def test_a_token_put_in_by_a_hook_has_its_logprob(model: lcgen.Model) -> None:
+    plain = model.generate(PROMPT, max_tokens=4, logprobs=3)
+    assert plain.logprobs is not None
+    second_best = plain.logprobs[0].top[1]
+
+    def override_first(step: lcgen.Step) -> lcgen.Override | None:
+        return lcgen.Override(second_best.token) if step.index == 0 else None
+
+    text = model.generate(PROMPT, max_tokens=4, logprobs=3, hooks=[override_first])
+    assert text.logprobs is not None and text.tokens[0] == second_best.token
+    first = text.logprobs[0]
+    assert first.logprob == pytest.approx(second_best.logprob, abs=1e-5)
+    assert first.top == plain.logprobs[0].top  # the same position, the same alternatives
+    assert _joined(text.logprobs) == text
+
+
+def test_a_validator_rewind_keeps_them_aligned(model: lcgen.Model) -> None:
+    seen: list[int] = []
+
+    def no_commas(text: str) -> lcgen.Rewind | None:
+        seen.append(len(text))
+        return lcgen.Rewind(1, ban=True) if "," in text else None
+
+    text = model.generate("List three colors:", max_tokens=12, logprobs=1, validators=[no_commas])
+    assert "," not in text and text.logprobs is not None
+    assert len(text.logprobs) == len(text.tokens) and _joined(text.logprobs) == text
 
 
 def _one_hot(model: lcgen.Model, token: int) -> np.ndarray:

@@ -242,6 +242,13 @@ def test_logit_bias_and_logprobs(client: openai.OpenAI, model: lcgen.Model) -> N
     ).choices[0]
     assert "".join(text.logprobs.tokens) == text.text
     assert all(len(top) == 2 for top in text.logprobs.top_logprobs)
+    # A banned phrase releases text several tokens at a time: still one entry per token.
+    word = entries[0].token.strip()
+    banned = chat(client, max_tokens=6, logprobs=True, extra_body={"banned": [word]})
+    content = banned.choices[0].message.content
+    assert word not in content and banned.usage.completion_tokens == 6
+    assert "".join(e.token for e in banned.choices[0].logprobs.content) == content
+    assert len(banned.choices[0].logprobs.content) == 6
 
 
 # batching -----------------------------------------------------------------------------------

@@ -211,8 +211,13 @@ class Generator:
             return self._accept(token)
         return self._accept_with_logprobs(token, logits, self.logprobs)
 
-    def accept(self, token: int) -> Chunk:
+    def accept(self, token: int, logits: np.ndarray | None = None) -> Chunk:
         """Take ``token`` as the next token (sampled here or chosen elsewhere).
+
+        Args:
+            token: the token.
+            logits: the logits at its position: with ``logprobs`` set, the chunk then carries
+                the token's log-probability (as when sampled).
 
         Returns:
             The chunk of text this token completes, with the finish reason on the last one.
@@ -226,7 +231,9 @@ class Generator:
         self.vocab.check_tokens([token])
         if self.grammar is not None:
             self.grammar.accept(token)
-        return self._accept(token)
+        if logits is None or self.logprobs is None:
+            return self._accept(token)
+        return self._accept_with_logprobs(token, logits, self.logprobs)
 
     def _accept(self, token: int) -> Chunk:
         return self._take(token, self._healed_piece(token))

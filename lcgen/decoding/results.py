@@ -104,8 +104,8 @@ class Chunk:
         top_logprobs: with ``logprobs=n``, the n most likely tokens at this step's position,
             best first, as :class:`TopLogprob` ``(token, text, logprob)``.
         logprobs: with ``logprobs`` set, one :class:`TokenLogprob` per token of this chunk
-            (empty where a chunk of released text spans several tokens: with hooks,
-            validators or banned phrases only the sum is kept, on ``logprob``).
+            (with speculation, hooks, validators or banned phrases a chunk can release several
+            tokens; ``logprob`` is then their sum).
         stats: on the last chunk of a sequence's generation, what it cost (tokens decoded,
             rewinds, resamples).
     """
@@ -130,8 +130,8 @@ class Text(str):
         stats: what the generation cost (:class:`GenerationStats`).
         logprobs: with ``logprobs`` set, one :class:`TokenLogprob` per generated token (its
             id, text, log-probability and the most likely alternatives); None without
-            ``logprobs``, and with hooks, validators or banned phrases (their chunks carry only
-            the summed log-probability of the tokens they release).
+            ``logprobs``. A token a hook put in with ``Override`` has its log-probability
+            under the model too.
     """
 
     finish_reason: FinishReason | None

@@ -13,16 +13,14 @@ a banned phrase and, when hooks or validators are given, the last ``lookback`` t
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from lcgen.decoding import Chunk, GenerationStats, Generator, Override, Resample, Rewind, Step
-from lcgen.decoding.generator import logprobs_of
 from lcgen.decoding.options import Backtracking
-from lcgen.decoding.results import FinishReason
+from lcgen.decoding.results import FinishReason, TokenLogprob
 from lcgen.decoding.speculation import Drafter
 from lcgen.errors import NoCandidatesError, RewindError
 from lcgen.runtime.checkpoint import Checkpoint
@@ -82,6 +80,7 @@ class Backtracker(SequenceRun):
         self._emitted_tokens = 0
         self._scan_from = 0  # banned matches cannot start before this character
         self._bans: dict[int, set[int]] = {}  # generated index -> tokens banned there
+        self._entries: list[TokenLogprob] = []  # with logprobs: one per generated token
         self._rewinds = self._resamples = 0
         self._user_rewinds = 0  # asked for by the caller: they do not count as retries
 
@@ -126,10 +125,9 @@ class Backtracker(SequenceRun):
         seq.append_tokens(chunk.tokens)
         self._out += chunk.text
         if gen.logprobs is not None:
-            if chunk.logprob is None:  # an Override: accepted without sampling
-                chunk = dataclasses.replace(chunk, **logprobs_of(row, chunk.tokens[0], 0))
-            assert chunk.logprob is not None
-            self.token_logprobs.append(chunk.logprob)
+            (entry,) = chunk.logprobs
+            self.token_logprobs.append(entry.logprob)
+            self._entries.append(entry)
         if isinstance(action, Rewind):
             return self._rewind(action, "a hook")
         text = self._visible()
@@ -176,7 +174,7 @@ class Backtracker(SequenceRun):
                 continue
             if isinstance(action, Override):
                 self._undo_candidate(before)
-                chunk = self.generator.accept(action.token)
+                chunk = self.generator.accept(action.token, row)
             elif isinstance(action, Resample | Rewind):
                 return chunk, action
             else:
@@ -237,6 +235,7 @@ class Backtracker(SequenceRun):
         del self._marks[index + 1 :]
         del self._visible_at[index + 1 :]
         del self.token_logprobs[index:]
+        del self._entries[index:]
         self._out = self._out[: mark.out_len]
         for later in [i for i in self._bans if i > index]:
             del self._bans[later]  # the text before them changed: they no longer apply
@@ -328,14 +327,14 @@ class Backtracker(SequenceRun):
         text = self._out[self._emitted : end]
         tokens = tuple(self.generator.tokens[self._emitted_tokens : n_tokens])
         self._emitted, self._emitted_tokens = end, max(n_tokens, self._emitted_tokens)
-        logprob = None
+        logprob, entries = None, tuple(self._entries[n_tokens - len(tokens) : n_tokens])
         if self.generator.logprobs is not None and tokens:
-            logprob = math.fsum(self.token_logprobs[n_tokens - len(tokens) : n_tokens])
+            logprob = math.fsum(e.logprob for e in entries)
         if reason is None:
-            return Chunk(text, tokens, logprob=logprob)
+            return Chunk(text, tokens, logprob=logprob, logprobs=entries)
         self.finish_reason = reason
         stop = self.generator.stop_hit
-        return Chunk(text, tokens, reason, stop, logprob, stats=self.stats())
+        return Chunk(text, tokens, reason, stop, logprob, stats=self.stats(), logprobs=entries)
 
     def stats(self) -> GenerationStats:
         """What the generation has cost so far."""

@@ -72,17 +72,13 @@ class Reply:
         return entries
 
     def _logprobs(self, chunk: Chunk, offset: int) -> list[dict[str, Any]]:
-        """An entry per token; a backtracking run's chunk keeps only the summed
-        log-probability of the tokens it releases: one entry for them all."""
+        """An entry per token of the chunk."""
         entries = []
         for each in chunk.logprobs:
             top = [{**self._token((t.token,)), "logprob": t.logprob} for t in each.top]
             entry = {**self._token((each.token,)), "logprob": each.logprob, "top_logprobs": top}
             entries.append({**entry, "text_offset": offset})
             offset += len(each.text)
-        if not entries and chunk.logprob is not None and chunk.tokens:
-            entry = {**self._token(chunk.tokens), "logprob": chunk.logprob, "top_logprobs": []}
-            entries.append({**entry, "text_offset": offset})
         return entries
 
     def _token(self, tokens: tuple[int, ...]) -> dict[str, Any]:
