@@ -190,6 +190,14 @@ def test_json_schema_response_format_validates(client: openai.OpenAI) -> None:
     ).choices[0]
     assert reply.finish_reason == "stop"
     jsonschema.validate(json.loads(reply.message.content), schema)
+    sampled = chat(
+        client,
+        messages=[{"role": "user", "content": "Describe a person as JSON."}],
+        max_tokens=60,
+        response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": schema}},
+        extra_body={"fast_forward": False},
+    ).choices[0]
+    assert sampled.message.content == reply.message.content  # forced tokens sampled instead
     ask = [{"role": "user", "content": 'Give {"color": ...} for the sky as JSON.'}]
     obj = chat(client, messages=ask, max_tokens=100, response_format={"type": "json_object"})
     assert obj.choices[0].finish_reason == "stop"

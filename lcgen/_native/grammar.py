@@ -142,6 +142,13 @@ class GrammarSampler:
     def allowed(self, ids: np.ndarray) -> np.ndarray:
         """A bool array over the vocabulary: which of ``ids`` (int32) the grammar allows next;
         tokens not in ``ids`` count as not allowed."""
+        result = np.zeros(self.model.n_vocab, dtype=bool)
+        result[ids] = self.allowed_among(ids)
+        return result
+
+    def allowed_among(self, ids: np.ndarray) -> np.ndarray:
+        """Which of ``ids`` (int32, in the vocabulary) the grammar allows next: a bool array
+        beside them, in one call."""
         data = np.zeros(len(ids), dtype=_TOKEN_DATA)
         data["id"] = ids
         array = C.llama_token_data_array(
@@ -149,9 +156,8 @@ class GrammarSampler:
         )
         with self.model.lock:
             C.llama_sampler_apply(self._live(), ctypes.byref(array))
-        result = np.zeros(self.model.n_vocab, dtype=bool)
-        result[ids] = data["logit"] == 0.0
-        return result
+        allowed: np.ndarray = data["logit"] == 0.0
+        return allowed
 
     def close(self) -> None:
         ptr, self.ptr = self.ptr, None

@@ -405,6 +405,36 @@ class GrammarState:
                     second_ok[second] = after.allows(token)
         return second_ok
 
+    def forced_text(self, limit: int) -> str:
+        """The text the grammar forces next: the characters that follow, one by one, while it
+        allows exactly one and cannot end there (at most ``limit``).
+
+        Only ASCII characters are followed. A grammar that names tokens, or negates a class
+        with non-ASCII characters (llama.cpp's check of a lone lead byte is stricter there than
+        of the whole character), forces nothing here.
+        """
+        uses_tokens, negates_non_ascii = traits(self.grammar.gbnf)
+        if self._pending or uses_tokens or negates_non_ascii:
+            return ""
+        vocab = tables(self._vocab)
+        forced: list[str] = []
+        state, probe = self, None
+        try:
+            while len(forced) < limit and not state.is_complete:
+                allowed = state._sampler.allowed_among(vocab.probe)
+                first = np.unique(vocab.probe_first[allowed])
+                byte = int(first[0]) if len(first) == 1 else 0x80
+                if byte >= 0x80 or byte not in vocab.byte_token:
+                    break
+                if probe is None:
+                    probe = state = self.clone()
+                probe._sampler.accept(vocab.byte_token[byte])
+                forced.append(chr(byte))
+        finally:
+            if probe is not None:
+                probe.close()
+        return "".join(forced)
+
     @property
     def is_complete(self) -> bool:
         """Whether the grammar can end here (its end-of-generation tokens are allowed)."""

@@ -71,6 +71,10 @@ class Tables:
     common_first: tuple[int, ...]  # ASCII bytes that start an eighth of the vocabulary
     eog: np.ndarray  # bool: end-of-generation tokens
     visible: np.ndarray  # int32: tokens that are not hidden control tokens
+    # Tokens that tell which bytes may come next: each byte's one-byte token, or, for a byte
+    # without one, every token it starts (the grammar allows a byte where one of them fits).
+    probe: np.ndarray  # int32
+    probe_first: np.ndarray  # the first byte of each
 
 
 _TABLES: weakref.WeakKeyDictionary[Vocab, Tables] = weakref.WeakKeyDictionary()
@@ -103,6 +107,23 @@ def tables(vocab: Vocab) -> Tables:
     common = tuple(int(b) for b in np.flatnonzero(counts[:128] > n // 8) if b in byte_token)
     eog = np.zeros(n, dtype=bool)
     eog[list(vocab.eog_set)] = True
-    built = Tables(boundary_ok, first, second, byte_token, common, eog, vocab.visible_ids)
+    probe = set(byte_token.values())
+    visible = np.zeros(n, dtype=bool)
+    visible[vocab.visible_ids] = True
+    for byte in [*range(1, 0x80), *range(0xC2, 0xF5)]:
+        if byte not in byte_token:
+            probe.update(np.flatnonzero((first == byte) & visible).tolist())
+    probe_ids = np.array(sorted(probe), dtype=np.int32)
+    built = Tables(
+        boundary_ok,
+        first,
+        second,
+        byte_token,
+        common,
+        eog,
+        vocab.visible_ids,
+        probe_ids,
+        first[probe_ids].astype(np.int32),
+    )
     _TABLES[vocab] = built
     return built

@@ -28,6 +28,8 @@ from lcgen.vocab import HasVocab, Vocab, vocab_of
 
 # Redraws after a grammar rejection before masking the whole vocabulary.
 _REDRAWS = 8
+# The most characters of forced text looked at per step.
+_MAX_FORCED_CHARS = 96
 _ids = itertools.count(1)
 
 
@@ -211,6 +213,27 @@ class Generator:
             return self._accept(token)
         return self._accept_with_logprobs(token, logits, self.logprobs)
 
+    def forced_tokens(self, before: bytes, limit: int) -> list[int]:
+        """The tokens the constraint forces next, as the tokenizer writes that text.
+
+        The text is what the grammar allows next and nothing else (see
+        :meth:`~lcgen.GrammarState.forced_text`), tokenized as it reads after ``before`` (the
+        last token's piece) where the tokenizer keeps the boundary between them, else on its
+        own. The last token is left to sampling: the text after it may join it into a longer
+        one. Empty without a grammar, while healing, and where the tokens do not spell the
+        text.
+
+        Args:
+            before: the piece of the last token.
+            limit: the most tokens to return.
+        """
+        if self.grammar is None or self.heal or self.is_done or limit <= 0:
+            return []
+        text = self.grammar.forced_text(_MAX_FORCED_CHARS)
+        if not text:
+            return []
+        return _tokens_after(self.vocab, before, text.encode("ascii"))[:-1][:limit]
+
     def accept(self, token: int, logits: np.ndarray | None = None) -> Chunk:
         """Take ``token`` as the next token (sampled here or chosen elsewhere).
 
@@ -342,6 +365,24 @@ class Generator:
         self.text_state = TextState()
         self.finish_reason, self.stop_hit = reason, hit
         return Chunk(text, tokens, reason, hit)
+
+
+def _tokens_after(vocab: Vocab, before: bytes, data: bytes) -> list[int]:
+    """The tokens of ``data`` as the tokenizer writes it after ``before``, when it puts a token
+    boundary between the two; else of ``data`` alone; [] when the tokens do not spell it."""
+    for head in (before, b""):
+        try:
+            text = (head + data).decode("utf-8")
+        except UnicodeDecodeError:
+            continue
+        tokens = vocab.tokenize(text, add_bos=False)
+        pieces = [vocab.special_piece(t) for t in tokens]
+        at, i = 0, 0
+        while at < len(head) and i < len(tokens):
+            at, i = at + len(pieces[i]), i + 1
+        if at == len(head) and b"".join(pieces[i:]) == data:
+            return tokens[i:]
+    return []
 
 
 def logprobs_of(

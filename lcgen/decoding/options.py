@@ -59,6 +59,7 @@ class GenerateOptions(TypedDict, total=False):
     lookback: int
     speculate: Literal["ngram"] | Any | None
     num_draft: int
+    fast_forward: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,6 +96,8 @@ class Plan:
         schema: the JSON Schema / pydantic model the output is parsed with, when given.
         backtracking: hooks, validators and banned phrases, or None when there are none.
         speculation: how drafts are made (``speculate``), or None: one token per step.
+        fast_forward: append the tokens a constraint forces without sampling them (see
+            :meth:`~lcgen.decoding.generator.Generator.forced_tokens`).
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -107,6 +110,7 @@ class Plan:
     schema: SchemaLike | None = None
     backtracking: Backtracking | None = None
     speculation: Speculation | None = None
+    fast_forward: bool = True
 
     def with_seed(self, seed: int | None) -> Plan:
         """The same plan sampling with ``seed``."""
@@ -129,7 +133,10 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
             (``"ngram"``: verify drafts looked up in the sequence's own tokens, several
             tokens per step, the output what it would be without; or a draft
             :class:`lcgen.Model` with the same vocabulary, loaded apart from this one),
-            num_draft (8: the most tokens in one draft).
+            num_draft (8: the most tokens in one draft), fast_forward (True: where a
+            constraint allows only one text next, its tokens are appended without sampling
+            and decoded in one batch; runs with hooks, validators, banned phrases or logprobs
+            sample every token).
 
     Raises:
         TypeError: an unknown option, or an option of the wrong type (named).
@@ -182,7 +189,14 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
         schema=schema,
         backtracking=_backtracking(options),
         speculation=_speculation(options),
+        fast_forward=_bool("fast_forward", options.get("fast_forward", True)),
     )
+
+
+def _bool(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def _int(name: str, value: object, low: int | None = None, high: int | None = None) -> int:

@@ -33,6 +33,7 @@ class GenerationStats:
         drafted: draft tokens verified (with ``speculate``).
         accepted: of those, the ones that equalled the token sampled there (each saved a
             step).
+        forced: tokens a constraint forced, appended without sampling (``fast_forward``).
     """
 
     tokens: int = 0
@@ -43,10 +44,12 @@ class GenerationStats:
     steps: int = 0
     drafted: int = 0
     accepted: int = 0
+    forced: int = 0
 
     @property
     def tokens_per_step(self) -> float:
-        """Tokens generated per decode step (above 1 where drafts were accepted)."""
+        """Tokens generated per decode step (above 1 where drafts were accepted or tokens
+        were forced)."""
         return self.tokens / self.steps if self.steps else 0.0
 
 

@@ -69,6 +69,7 @@ class Backtracker(SequenceRun):
         drafter: Drafter | None = None,
     ) -> None:
         super().__init__(seq, gen, drafter)
+        self.fast_forward = False  # hooks and validators see every token
         self.hooks, self.validators = settings.hooks, settings.validators
         self.banned = settings.banned
         self.max_retries, self.lookback = settings.max_retries, settings.lookback

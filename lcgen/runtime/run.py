@@ -115,7 +115,10 @@ class SequenceRun:
         # With ``logprobs``: each generated token's log-probability.
         self.token_logprobs: list[float] = []
         self.drafter = drafter
-        self._steps = self._drafted = self._accepted = 0
+        self._steps = self._drafted = self._accepted = self._forced = 0
+        # Fast-forward: runs that sample every token (hooks, logprobs) turn it off.
+        plan = gen.plan
+        self.fast_forward = plan.fast_forward and gen.grammar is not None and not plan.logprobs
 
     @property
     def is_done(self) -> bool:
@@ -131,6 +134,8 @@ class SequenceRun:
         (row,) = rows
         self._steps += 1
         chunk = self._advance_one(row) if row.ndim == 1 else self._verify(row)
+        if self.fast_forward and not self.is_done:
+            chunk = self._fast_forward(chunk)
         if self.drafter is not None:
             if self.is_done:
                 self.drafter.close()
@@ -160,6 +165,21 @@ class SequenceRun:
         self._accepted += accepted
         assert self.drafter is not None
         self.drafter.feedback(len(rows) - 1, accepted)
+        return _joined(chunks)
+
+    def _fast_forward(self, chunk: Chunk) -> Chunk:
+        """Append the tokens the constraint forces after the sampled one: they are decoded
+        with it in the next step."""
+        seq, gen = self.sequence, self.generator
+        room = min(gen.max_tokens - len(gen.tokens), seq.model.context.n_ctx - len(seq) - 1)
+        forced = gen.forced_tokens(seq.vocab.special_piece(seq.tokens[-1]), room)
+        chunks = [chunk]
+        for token in forced:
+            chunks.append(gen.accept(token))
+            seq.append_tokens((token,))
+            self._forced += 1
+            if gen.is_done:
+                break
         return _joined(chunks)
 
     def _draft(self, drafter: Drafter) -> None:
@@ -220,6 +240,7 @@ class SequenceRun:
             steps=self._steps,
             drafted=self._drafted,
             accepted=self._accepted,
+            forced=self._forced,
         )
 
 

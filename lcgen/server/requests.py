@@ -5,7 +5,8 @@ The OpenAI fields are named as OpenAI names them; lcgen's own controls are extra
 fields (``extra_body`` in the official client): ``banned``, ``banned_ignore_case``,
 ``max_retries``, ``grammar`` (GBNF text), ``regex``, ``choice``, ``token_healing``, ``top_k``,
 ``min_p``, ``repeat_penalty``, ``speculate`` (``"ngram"``, or ``"draft"`` on a server started
-with a draft model), ``num_draft``. Nothing in a request names a file on the server.
+with a draft model), ``num_draft``, ``fast_forward``. Nothing in a request names a file on
+the server.
 """
 
 from __future__ import annotations
@@ -122,6 +123,7 @@ class _Common(_Strict):
     token_healing: bool = False
     speculate: Literal["ngram", "draft"] | None = None
     num_draft: Annotated[int, Field(ge=1, le=64)] | None = None
+    fast_forward: bool = True
 
     @property
     def include_usage(self) -> bool:
@@ -182,6 +184,7 @@ def options(
         "min_p": req.min_p,
         "repeat_penalty": req.repeat_penalty,
         "token_healing": req.token_healing,
+        "fast_forward": req.fast_forward,
         "logprobs": n_logprobs(req),
         "logit_bias": _logit_bias(req.logit_bias, n_vocab),
         **_constraint(req),

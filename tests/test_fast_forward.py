@@ -1,0 +1,191 @@
+"""Fast-forward: where a constraint allows only one text next, the tokens the tokenizer writes
+for it are appended without sampling and decoded with the next step's batch.
+
+What holds: the forced text is the only text the grammar allows there, so every output still
+matches its constraint; the forced tokens are the tokenizer's own for that text (the last one is
+left to sampling, since what follows may join it into a longer token). What can differ from a
+run without it: the model then conditions on the tokenizer's split of the forced text rather than
+the one it would have sampled. On the prompts here the text is the same (measured; asserted).
+Decode counts prove that forced tokens are decoded once and never sampled.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import lcgen
+from lcgen.decoding.generator import Generator
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "city": {"type": "string"},
+        "tags": {"type": "array", "items": {"enum": ["alpha", "beta"]}},
+    },
+    "required": ["name", "age", "city", "tags"],
+}
+ASK = "Give a JSON record for Alice, 31, from Paris, tagged alpha. JSON Schema: " + json.dumps(
+    SCHEMA
+)
+FLEXIBLE = lcgen.Grammar.from_json_schema(SCHEMA)
+COMPACT = lcgen.Grammar.from_json_schema(SCHEMA, whitespace="compact")
+LONG_CHOICE = ["The quick brown fox jumps over the lazy dog", "No"]
+
+
+def prompt(model: lcgen.Model, content: str = ASK) -> list[int]:
+    return model.chat_tokens([{"role": "user", "content": content}])
+
+
+def generate(model: lcgen.Model, tokens: list[int], **options: object) -> lcgen.Text:
+    with model.sequence(tokens) as seq:
+        out: lcgen.Text = seq.generate(**options)  # type: ignore[call-overload]
+    return out
+
+
+def test_forced_text_follows_the_only_characters_allowed(model: lcgen.Model) -> None:
+    with COMPACT.state(model) as state:
+        assert state.forced_text(64) == '{"name":"'
+        assert state.forced_text(3) == '{"n'
+        state.accept_tokens(model.tokenize('{"name":"Bob', add_bos=False))
+        assert state.forced_text(64) == ""  # inside a string: any character
+        state.accept_tokens(model.tokenize('"', add_bos=False))
+        assert state.forced_text(64) == ',"age":'
+        assert state.accepts_text(',"age":7,"city":"x","tags":[]}')  # the probe changed nothing
+    with FLEXIBLE.state(model) as state:
+        assert state.forced_text(64) == "{"  # then whitespace or a quote: a choice
+    with lcgen.Grammar.choice(["alpha", "beta"]).state(model) as state:
+        state.accept_tokens(model.tokenize("a", add_bos=False))
+        assert state.forced_text(64) == "lpha"  # where it can end, forcing stops
+        state.accept_tokens(model.tokenize("lpha", add_bos=False))
+        assert state.is_complete and state.forced_text(64) == ""
+
+
+def test_forced_tokens_are_the_tokenizers_less_the_last(model: lcgen.Model) -> None:
+    gen = Generator(model, grammar=COMPACT)
+    forced = gen.forced_tokens(b"\n", 16)
+    written = model.tokenize('\n{"name":"', add_bos=False)  # as it reads after the prompt
+    assert model.token_piece(written[0]) == b"\n"
+    assert forced == written[1:-1] and len(forced) >= 1
+    assert gen.forced_tokens(b"\n", 1) == forced[:1]
+    assert gen.tokens == []  # asking changes nothing
+    # After a piece the tokenizer would join to the text, the text is tokenized on its own.
+    joined = model.tokenize('{"name":"', add_bos=False)
+    assert len(model.token_piece(joined[0])) > 1  # '{"' is one token
+    gen.accept(model.tokenize("{", add_bos=False)[0])
+    assert gen.forced_tokens(b"{", 16) == model.tokenize('"name":"', add_bos=False)[:-1]
+    healing = Generator(model, grammar=COMPACT, heal=b"{")
+    assert healing.forced_tokens(b"\n", 16) == []  # healed text is re-created by sampling
+
+
+@pytest.mark.parametrize("grammar", [FLEXIBLE, COMPACT], ids=["flexible", "compact"])
+def test_same_text_fewer_steps_each_token_decoded_once(
+    model: lcgen.Model, grammar: lcgen.Grammar
+) -> None:
+    tokens = prompt(model)
+    plain = generate(model, tokens, grammar=grammar, fast_forward=False, max_tokens=120)
+    model.cache.clear()  # the prompt decoded again: the counts below start from nothing
+    fast = generate(model, tokens, grammar=grammar, max_tokens=120)
+    assert fast == plain and fast.finish_reason == "stop"
+    json.loads(fast)
+    assert plain.stats.forced == 0 and plain.stats.steps == plain.stats.tokens
+    stats = fast.stats
+    assert stats.forced >= 4 and stats.steps == stats.tokens - stats.forced
+    # The prompt and every generated token but the last decoded once; nothing again.
+    assert stats.decoded == len(tokens) + stats.tokens - 1 and stats.redecoded == 0
+
+
+def test_a_stream_joins_to_the_text(model: lcgen.Model) -> None:
+    tokens = prompt(model)
+    with model.sequence(tokens) as seq:
+        chunks = list(seq.stream(grammar=COMPACT, max_tokens=120))
+    text = generate(model, tokens, grammar=COMPACT, max_tokens=120)
+    assert "".join(c.text for c in chunks) == text
+    assert tuple(t for c in chunks for t in c.tokens) == text.tokens
+    assert len(chunks) == text.stats.steps < len(text.tokens)  # one chunk per step
+
+
+def test_the_rest_of_a_chosen_option_is_forced(model: lcgen.Model) -> None:
+    tokens = prompt(model, "Say the sentence about the fox.")
+    out = generate(model, tokens, choice=LONG_CHOICE, max_tokens=30)
+    assert out in LONG_CHOICE
+    if out == LONG_CHOICE[0]:  # measured: the model picks it
+        assert out.stats.steps <= 2 < out.stats.forced
+
+
+def test_max_tokens_cuts_forced_text(model: lcgen.Model) -> None:
+    tokens = prompt(model)
+    with model.sequence(tokens) as seq:
+        chunks = list(seq.stream(grammar=COMPACT, max_tokens=3))
+    assert sum(len(c.tokens) for c in chunks) == 3 and chunks[-1].finish_reason == "length"
+    with model.sequence(tokens) as seq, pytest.raises(lcgen.IncompleteOutputError) as info:
+        seq.generate(grammar=COMPACT, max_tokens=3)
+    assert '{"name":"'.startswith(info.value.text)
+
+
+def test_a_stop_string_inside_forced_text_ends_it(model: lcgen.Model) -> None:
+    tokens = prompt(model, "Say the sentence about the fox.")
+    with model.sequence(tokens) as seq:
+        chunks = list(seq.stream(choice=LONG_CHOICE, stop=["brown"], max_tokens=30))
+    last = chunks[-1]
+    text = "".join(c.text for c in chunks)
+    assert (last.finish_reason, last.stop, text) == ("stop", "brown", "The quick ")
+
+
+def test_with_speculation_the_counts_add_up(model: lcgen.Model) -> None:
+    tokens = prompt(model)
+    fast = generate(model, tokens, grammar=FLEXIBLE, max_tokens=120)
+    model.cache.clear()
+    both = generate(model, tokens, grammar=FLEXIBLE, max_tokens=120, speculate="ngram")
+    assert both == fast
+    s = both.stats
+    assert s.forced > 0 and s.tokens == s.steps + s.accepted + s.forced
+    assert s.decoded == len(tokens) + s.tokens - 1 + s.drafted - s.accepted
+
+
+def test_a_batch_fast_forwards_each_element(model: lcgen.Model) -> None:
+    asks = [ASK, ASK.replace("Alice, 31, from Paris", "Bob, 45, from Rome")]
+    prompts = [model.detokenize(prompt(model, a), special=True) for a in asks]
+    batch = model.generate(prompts, grammar=COMPACT, max_tokens=120)
+    names = []
+    for text in batch:  # (batch shapes can flip near-ties, so no equality with lone runs)
+        stats = text.stats
+        assert stats.forced > 0 and stats.steps == stats.tokens - stats.forced
+        names.append(json.loads(text)["name"])
+    assert names == ["Alice", "Bob"]
+
+
+def test_a_rewind_across_forced_tokens_regenerates_the_same(model: lcgen.Model) -> None:
+    with model.sequence(prompt(model)) as seq:
+        run = seq.run(grammar=COMPACT, max_tokens=120)
+        chunks, checkpoint = [], None
+        while not run.is_done:
+            chunks.append(run.step())
+            if checkpoint is None and len(chunks) > 2 and seq.n_tokens - seq.n_decoded > 1:
+                checkpoint, at = run.checkpoint(), len(chunks)  # forced tokens still pending
+        assert checkpoint is not None
+        run.rewind(checkpoint)
+        again = chunks[:at]
+        while not run.is_done:
+            again.append(run.step())
+        assert [c.text for c in again] == [c.text for c in chunks]
+        assert [c.tokens for c in again] == [c.tokens for c in chunks]
+
+
+def test_runs_that_see_every_token_sample_every_token(model: lcgen.Model) -> None:
+    tokens = prompt(model)
+    fast = generate(model, tokens, grammar=COMPACT, max_tokens=120)
+    with_logprobs = generate(model, tokens, grammar=COMPACT, max_tokens=120, logprobs=1)
+    hooked = generate(model, tokens, grammar=COMPACT, max_tokens=120, hooks=[lambda s: None])
+    for out in (with_logprobs, hooked):
+        assert out == fast and out.stats.forced == 0 and out.stats.steps == out.stats.tokens
+    assert with_logprobs.logprobs is not None
+    assert len(with_logprobs.logprobs) == len(with_logprobs.tokens)
+
+
+def test_the_option_is_checked(model: lcgen.Model) -> None:
+    with pytest.raises(TypeError, match="fast_forward must be True or False, got 'yes'"):
+        model.generate("x", fast_forward="yes")  # type: ignore[call-overload]
