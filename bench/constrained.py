@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,6 +40,7 @@ from lcgen.registry import resolve
 
 CONSTRAINED_MIN_FREE_RATIO = 0.9  # lcgen constrained / lcgen unconstrained
 CONSTRAINED_MIN_LLAMA_CPP_PYTHON_RATIO = 1.7  # lcgen constrained / llama-cpp-python's grammar
+CONSTRAINED_FAST_RATIO = 1.15  # compact JSON, forced text fast-forwarded / no grammar
 JSON_MAX_TOKENS = 384  # far above what any schema's JSON takes: generation ends with the JSON
 GEMMA_MODEL = "gemma3-270m"
 
@@ -141,6 +143,7 @@ class JsonCase:
     prompt: tuple[int, ...]
     grammar: lcgen.Grammar
     llama_grammar: LlamaGrammar
+    compact: lcgen.Grammar  # no whitespace between JSON tokens: the most text forced
 
 
 def json_case(model: lcgen.Model, index: int) -> JsonCase:
@@ -154,7 +157,8 @@ def json_case(model: lcgen.Model, index: int) -> JsonCase:
     else:  # a base model (Gemma 3 270M's GGUF has no template): a plain completion prompt
         prompt = model.tokenize(f"{content}\n\nJSON:\n")
     llama_grammar = LlamaGrammar.from_string(grammar.gbnf, verbose=False)
-    return JsonCase(name, tuple(prompt), grammar, llama_grammar)
+    compact = lcgen.Grammar.from_json_schema(schema, whitespace="compact")
+    return JsonCase(name, tuple(prompt), grammar, llama_grammar, compact)
 
 
 class JsonWork:
@@ -173,10 +177,24 @@ class JsonWork:
         for case in self.cases:
             sample = self._lcgen_constrained(case)
             self.n_json[case.name] = int(sample.count) + 1
+            texts = {
+                self.lcgen.after_first(
+                    case.prompt, JSON_MAX_TOKENS, grammar=case.grammar, fast_forward=ff
+                )[1]
+                for ff in (True, False)
+            }
+            if len(texts) > 1:
+                note = f"note: fast-forward changed the {case.name!r} JSON: {texts}"
+                print(note, file=sys.stderr)
 
-    def _lcgen_constrained(self, case: JsonCase) -> Sample:
+    def _lcgen_constrained(
+        self, case: JsonCase, *, compact: bool = False, fast_forward: bool = True
+    ) -> Sample:
         sample, text, finish = self.lcgen.after_first(
-            case.prompt, JSON_MAX_TOKENS, grammar=case.grammar
+            case.prompt,
+            JSON_MAX_TOKENS,
+            grammar=case.compact if compact else case.grammar,
+            fast_forward=fast_forward,
         )
         if finish == "stop":  # the grammar is complete: the text must be the schema's JSON
             try:
@@ -195,7 +213,15 @@ class JsonWork:
         return Sample(sum(s.seconds for s in samples), sum(s.count for s in samples), tokens)
 
     def lcgen_constrained(self) -> Sample:
-        return self.run(self._lcgen_constrained)
+        # Forced text comes as the tokenizer writes it, which need not be the split the model
+        # samples: the same text (checked when the work is made), not the same tokens.
+        return self.run(self._lcgen_constrained, same_tokens=False)
+
+    def lcgen_sampling_forced(self) -> Sample:
+        return self.run(lambda case: self._lcgen_constrained(case, fast_forward=False))
+
+    def lcgen_compact(self) -> Sample:
+        return self.run(lambda case: self._lcgen_constrained(case, compact=True), same_tokens=False)
 
     def lcgen_free(self) -> Sample:
         def measure(case: JsonCase) -> Sample:
@@ -221,6 +247,8 @@ class JsonWork:
 
 CONSTRAINED_SERIES = (
     "lcgen",
+    "lcgen, fast-forward off",
+    "lcgen, compact JSON",
     "lcgen, no grammar",
     "llama-cpp-python",
     "llama-cpp-python, no grammar",
@@ -245,12 +273,16 @@ def _constrained_row(
         "first chunk to the last; llama-cpp-python: create_completion(grammar="
         "LlamaGrammar.from_string(grammar.gbnf)), the same GBNF, minus create_completion of 1 "
         "token. 'no grammar': the same prompts, as many tokens as lcgen's constrained JSON, "
-        "end-of-generation banned"
+        "end-of-generation banned. lcgen fast-forwards forced text by default; 'fast-forward "
+        "off' samples every token; 'compact JSON': whitespace='compact' (the most text forced; "
+        "its own JSON tokens)"
     )
     units = dict.fromkeys(CONSTRAINED_SERIES, "tokens/s")
     run = interleaved(
         {
             "lcgen": lambda b: get(b).lcgen_constrained(),
+            "lcgen, fast-forward off": lambda b: get(b).lcgen_sampling_forced(),
+            "lcgen, compact JSON": lambda b: get(b).lcgen_compact(),
             "lcgen, no grammar": lambda b: get(b).lcgen_free(),
             "llama-cpp-python": lambda b: get(b).llama_cpp_python_constrained(),
             "llama-cpp-python, no grammar": lambda b: get(b).llama_cpp_python_free(),
@@ -258,6 +290,8 @@ def _constrained_row(
     )
     checks = (
         Check("lcgen", "lcgen, no grammar", at_least(CONSTRAINED_MIN_FREE_RATIO)),
+        Check("lcgen", "lcgen, fast-forward off"),
+        Check("lcgen, compact JSON", "lcgen, no grammar", at_least(CONSTRAINED_FAST_RATIO)),
         Check("lcgen", "llama-cpp-python", at_least(CONSTRAINED_MIN_LLAMA_CPP_PYTHON_RATIO)),
         Check("llama-cpp-python", "llama-cpp-python, no grammar"),
     )

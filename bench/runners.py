@@ -392,10 +392,13 @@ class Lcgen:
         grammar: lcgen.Grammar | None = None,
         bias: Mapping[int, float] | None = None,
         speculate: Any = None,
+        fast_forward: bool = True,
     ) -> tuple[Sample, str, str | None]:
         """Greedy ``seq.stream`` of up to ``max_tokens`` after ``prompt``, timed from the first
-        chunk to the last, so over the tokens after the first (end-of-generation ones not
-        counted), with ``speculate`` as given. Also returns the text and the finish reason."""
+        chunk to the last, so over the tokens after the first chunk's (end-of-generation ones
+        not counted; the first chunk holds more than one where a grammar forced text before
+        the first step), with ``speculate`` and ``fast_forward`` as given. Also returns the
+        text and the finish reason."""
         with self.model.sequence(prompt) as seq:
             chunks = seq.stream(
                 grammar=grammar,
@@ -403,6 +406,7 @@ class Lcgen:
                 temperature=0.0,
                 logit_bias=bias,
                 speculate=speculate,
+                fast_forward=fast_forward,
             )
             first = next(chunks)
             n_before = self.model.context.n_decoded
@@ -411,14 +415,15 @@ class Lcgen:
             seconds = time.perf_counter() - start
             generated = seq.tokens[len(prompt) :]
         last = rest[-1] if rest else first
-        # Each step after the first decodes the previous token, and its draft: the accepted
-        # draft tokens are generated tokens, the rejected ones are decoded on top.
+        # Each step after the first decodes the tokens the step before added (the sampled
+        # one, any forced ones) and its draft: the accepted draft tokens are generated
+        # tokens, the rejected ones are decoded on top.
         stats = last.stats or lcgen.GenerationStats()
-        expected = len(generated) - 1 + stats.drafted - stats.accepted
+        expected = len(generated) - len(first.tokens) + stats.drafted - stats.accepted
         check_count("after first", self.model.context.n_decoded - n_before, expected)
         kept = tuple(t for t in generated if not self.model.is_eog(t))
         text = first.text + "".join(chunk.text for chunk in rest)
-        return Sample(seconds, len(kept) - 1, kept), text, last.finish_reason
+        return Sample(seconds, len(kept) - len(first.tokens), kept), text, last.finish_reason
 
     def long_sequence(self, work: Workload) -> lcgen.Sequence:
         """The ``n_context``-token sequence (its last token pending), decoded on first use."""

@@ -339,6 +339,8 @@ def test_banned_phrases_and_hooks_work_in_a_continuous_spec(model: lcgen.Model) 
         assert len(seen) == 12 and b.shape == (2, 1)
     with pytest.raises(ValueError, match="beam search does not take"):
         generate.text(model, beams=2, banned=["x"])
+    with pytest.raises(ValueError, match="beam search does not speculate"):
+        generate.text(model, beams=2, speculate="ngram")
     with pytest.raises(ValueError, match="empty"):
         generate.text(model, banned=[""])
 

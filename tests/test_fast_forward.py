@@ -81,6 +81,21 @@ def test_forced_tokens_are_the_tokenizers_less_the_last(model: lcgen.Model) -> N
     assert healing.forced_tokens(b"\n", 16) == []  # healed text is re-created by sampling
 
 
+def test_text_forced_at_the_start_is_decoded_with_the_prompt(model: lcgen.Model) -> None:
+    tokens = prompt(model)
+    with model.sequence(tokens) as seq:
+        run = seq.run(grammar=COMPACT, max_tokens=120)
+        forced = seq.tokens[len(tokens) :]  # appended before any step
+        assert forced == model.tokenize('\n{"name":"', add_bos=False)[1:-1]
+        assert run.generator.tokens == forced and seq.n_decoded < len(tokens)
+        first = run.step()
+        assert first.tokens[: len(forced)] == tuple(forced) and len(first.tokens) > len(forced)
+        assert first.text.startswith('{"name')
+    with model.sequence(tokens) as seq:
+        seq.run(grammar=COMPACT, max_tokens=120, stop=["Paris"])  # a stop string could end it
+        assert seq.n_tokens == len(tokens)  # so the first token is sampled
+
+
 @pytest.mark.parametrize("grammar", [FLEXIBLE, COMPACT], ids=["flexible", "compact"])
 def test_same_text_fewer_steps_each_token_decoded_once(
     model: lcgen.Model, grammar: lcgen.Grammar
@@ -104,8 +119,10 @@ def test_a_stream_joins_to_the_text(model: lcgen.Model) -> None:
         chunks = list(seq.stream(grammar=COMPACT, max_tokens=120))
     text = generate(model, tokens, grammar=COMPACT, max_tokens=120)
     assert "".join(c.text for c in chunks) == text
-    assert tuple(t for c in chunks for t in c.tokens) == text.tokens
-    assert len(chunks) == text.stats.steps < len(text.tokens)  # one chunk per step
+    stats = chunks[-1].stats
+    assert stats is not None and stats.tokens == sum(len(c.tokens) for c in chunks)
+    assert len(chunks) == stats.steps < stats.tokens  # one chunk per step
+    assert len(chunks[0].tokens) > 1  # '{"name' forced before the first step: one chunk
 
 
 def test_the_rest_of_a_chosen_option_is_forced(model: lcgen.Model) -> None:

@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import lcgen
+from lcgen._resources import resource_path
 from lcgen.constrain import Grammar, GrammarState
 
 HYPOTHESIS = settings(
@@ -252,6 +253,18 @@ def test_from_file_takes_a_path(model: lcgen.Model, tmp_path: Path) -> None:
 def test_from_file_unknown_name_lists_the_bundled_ones() -> None:
     with pytest.raises(FileNotFoundError, match=r"bundled: .*json"):
         Grammar.from_file("no_such_grammar")
+
+
+def test_bundled_grammars_by_name_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    names = Grammar.bundled_names()
+    assert {"json", "iso_date", "yes_no"} <= set(names) and list(names) == sorted(names)
+    assert Grammar.bundled("json") == Grammar.from_file("json")
+    (tmp_path / "json").write_text('root ::= "x"\n', encoding="utf-8")
+    monkeypatch.chdir(tmp_path)  # a file named like a bundled grammar is not read
+    assert Grammar.bundled("json") == Grammar.from_file(resource_path("grammars") / "json.gbnf")
+    for bad in ("no_such_grammar", "../json", str(tmp_path / "json")):
+        with pytest.raises(ValueError, match=r"no bundled grammar named .*\(bundled: "):
+            Grammar.bundled(bad)
 
 
 # bad grammars --------------------------------------------------------------------------------

@@ -215,6 +215,17 @@ def test_lcgen_extras(client: openai.OpenAI) -> None:
         "yes",
         "no",
     }
+    date = (
+        chat(
+            client,
+            messages=[{"role": "user", "content": "When did the Berlin Wall fall?"}],
+            max_tokens=12,
+            extra_body={"grammar": "iso_date"},  # a bundled grammar, by name
+        )
+        .choices[0]
+        .message.content
+    )
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", date)
     free = chat(client, max_tokens=24).choices[0].message.content
     word = max(re.findall(r"[A-Za-z]{3,}", free), key=len)
     banned = chat(client, max_tokens=24, extra_body={"banned": [word]}).choices[0].message.content
@@ -373,6 +384,7 @@ BAD = [
     (_body(logit_bias={"abc": 1}), "logit_bias"),
     (_body(logit_bias={"99999999": 1}), "logit_bias"),
     (_body(grammar="root ::= (("), "grammar"),
+    (_body(grammar="../../etc/passwd"), "grammar"),  # neither GBNF nor a bundled name
     (_body(regex="(?<=a)b"), "regex"),
     (_body(choice=[]), "choice"),
     (_body(regex="a", choice=["b"]), "choice"),

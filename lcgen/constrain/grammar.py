@@ -72,15 +72,32 @@ class Grammar:
         """
         path = Path(name_or_path)
         if not path.is_file() and path.suffix == "" and path.name == str(name_or_path):
-            bundled = resource_path("grammars") / f"{path.name}.gbnf"
-            if not bundled.is_file():
-                names = ", ".join(sorted(p.stem for p in bundled.parent.glob("*.gbnf")))
+            if path.name not in cls.bundled_names():
                 raise FileNotFoundError(
                     f"no grammar file {str(name_or_path)!r} and no bundled grammar of that "
-                    f"name (bundled: {names})"
+                    f"name (bundled: {', '.join(cls.bundled_names())})"
                 )
-            path = bundled
+            return cls.bundled(path.name, root)
         return cls(path.read_text(encoding="utf-8"), root)
+
+    @staticmethod
+    def bundled_names() -> tuple[str, ...]:
+        """The names of the grammars shipped with lcgen (``grammars/*.gbnf``), sorted."""
+        return tuple(sorted(p.stem for p in resource_path("grammars").glob("*.gbnf")))
+
+    @classmethod
+    def bundled(cls, name: str, root: str = "root") -> Grammar:
+        """A grammar shipped with lcgen, by name (``"json"``); never reads any other file.
+
+        Raises:
+            ValueError: no bundled grammar has that name (the message lists them).
+        """
+        if name not in cls.bundled_names():
+            raise ValueError(
+                f"no bundled grammar named {name!r} (bundled: {', '.join(cls.bundled_names())})"
+            )
+        text = (resource_path("grammars") / f"{name}.gbnf").read_text(encoding="utf-8")
+        return cls(text, root)
 
     @classmethod
     def from_json_schema(

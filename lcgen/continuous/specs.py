@@ -107,6 +107,11 @@ def _check_beams(
         )
     if options.get("repeat_penalty") not in (None, 1.0) or options.get("token_healing"):
         raise ValueError("beam search supports neither repeat_penalty nor token_healing")
+    if options.get("speculate") is not None:
+        raise ValueError(
+            f"beam search does not speculate (speculate={options['speculate']!r}): each step "
+            "ranks every beam's whole next-token distribution, which a draft cannot stand for"
+        )
     bias = options.get("logit_bias") or {}
     finite = {tok: b for tok, b in dict(bias).items() if b != float("-inf")}
     if finite:

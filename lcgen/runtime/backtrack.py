@@ -61,6 +61,8 @@ class Backtracker(SequenceRun):
         drafter: with speculation, what drafts the tokens each step verifies.
     """
 
+    sees_every_token = True
+
     def __init__(
         self,
         seq: TokenSequence,
@@ -69,7 +71,6 @@ class Backtracker(SequenceRun):
         drafter: Drafter | None = None,
     ) -> None:
         super().__init__(seq, gen, drafter)
-        self.fast_forward = False  # hooks and validators see every token
         self.hooks, self.validators = settings.hooks, settings.validators
         self.banned = settings.banned
         self.max_retries, self.lookback = settings.max_retries, settings.lookback

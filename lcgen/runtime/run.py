@@ -116,9 +116,20 @@ class SequenceRun:
         self.token_logprobs: list[float] = []
         self.drafter = drafter
         self._steps = self._drafted = self._accepted = self._forced = 0
-        # Fast-forward: runs that sample every token (hooks, logprobs) turn it off.
         plan = gen.plan
-        self.fast_forward = plan.fast_forward and gen.grammar is not None and not plan.logprobs
+        self.fast_forward = (
+            plan.fast_forward
+            and gen.grammar is not None
+            and not plan.logprobs
+            and not self.sees_every_token
+        )
+        # Text forced before the first step (decoded with the prompt), given with its chunk.
+        self._held: Chunk | None = None
+        if self.fast_forward and not (gen.is_done or plan.stops.strings or plan.stop_tokens):
+            self._held = self._fast_forward(Chunk("", ()), reserve=1)
+
+    # Backtracking runs show every token to hooks, validators and banned-phrase checks.
+    sees_every_token = False
 
     @property
     def is_done(self) -> bool:
@@ -134,6 +145,8 @@ class SequenceRun:
         (row,) = rows
         self._steps += 1
         chunk = self._advance_one(row) if row.ndim == 1 else self._verify(row)
+        if self._held is not None:
+            chunk, self._held = _joined([self._held, chunk]), None
         if self.fast_forward and not self.is_done:
             chunk = self._fast_forward(chunk)
         if self.drafter is not None:
@@ -167,11 +180,14 @@ class SequenceRun:
         self.drafter.feedback(len(rows) - 1, accepted)
         return _joined(chunks)
 
-    def _fast_forward(self, chunk: Chunk) -> Chunk:
-        """Append the tokens the constraint forces after the sampled one: they are decoded
-        with it in the next step."""
+    def _fast_forward(self, chunk: Chunk, reserve: int = 0) -> Chunk:
+        """Append the tokens the constraint forces after the last one (the sampled one, or the
+        prompt's): they are decoded with it in the next step. ``reserve``: tokens of
+        ``max_tokens`` to leave for sampling. Returns ``chunk`` with their text."""
         seq, gen = self.sequence, self.generator
-        room = min(gen.max_tokens - len(gen.tokens), seq.model.context.n_ctx - len(seq) - 1)
+        room = min(
+            gen.max_tokens - len(gen.tokens) - reserve, seq.model.context.n_ctx - len(seq) - 1
+        )
         forced = gen.forced_tokens(seq.vocab.special_piece(seq.tokens[-1]), room)
         chunks = [chunk]
         for token in forced:

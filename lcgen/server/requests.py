@@ -3,10 +3,10 @@ lcgen's generation options once, at the edge.
 
 The OpenAI fields are named as OpenAI names them; lcgen's own controls are extra top-level
 fields (``extra_body`` in the official client): ``banned``, ``banned_ignore_case``,
-``max_retries``, ``grammar`` (GBNF text), ``regex``, ``choice``, ``token_healing``, ``top_k``,
-``min_p``, ``repeat_penalty``, ``speculate`` (``"ngram"``, or ``"draft"`` on a server started
-with a draft model), ``num_draft``, ``fast_forward``. Nothing in a request names a file on
-the server.
+``max_retries``, ``grammar`` (GBNF text, or the name of a bundled grammar), ``regex``,
+``choice``, ``token_healing``, ``top_k``, ``min_p``, ``repeat_penalty``, ``speculate``
+(``"ngram"``, or ``"draft"`` on a server started with a draft model), ``num_draft``,
+``fast_forward``. Nothing in a request names a file on the server.
 """
 
 from __future__ import annotations
@@ -261,7 +261,15 @@ def _constraint(req: ChatRequest | CompletionRequest) -> dict[str, Any]:
 
 def _compile(name: str, value: Any) -> lcgen.Grammar:
     if name == "grammar":
-        return lcgen.Grammar(value)
+        if "::=" in value:
+            return lcgen.Grammar(value)
+        names = lcgen.Grammar.bundled_names()
+        if value not in names:
+            raise ValueError(
+                f"{value[:60]!r} is neither GBNF text (no '::=') nor the name of a bundled "
+                f"grammar ({', '.join(names)})"
+            )
+        return lcgen.Grammar.bundled(value)
     if name == "regex":
         return lcgen.Grammar.regex(value)
     if name == "choice":
