@@ -409,17 +409,18 @@ class Lcgen:
                 fast_forward=fast_forward,
             )
             first = next(chunks)
-            n_before = self.model.context.n_decoded
+            n_before, kept_before = self.model.context.n_decoded, seq.n_decoded
             start = time.perf_counter()
             rest = list(chunks)
             seconds = time.perf_counter() - start
             generated = seq.tokens[len(prompt) :]
+            kept_after = seq.n_decoded
         last = rest[-1] if rest else first
         # Each step after the first decodes the tokens the step before added (the sampled
-        # one, any forced ones) and its draft: the accepted draft tokens are generated
-        # tokens, the rejected ones are decoded on top.
+        # one, any forced ones) and its draft: nothing is decoded twice but the rejected
+        # draft tokens.
         stats = last.stats or lcgen.GenerationStats()
-        expected = len(generated) - len(first.tokens) + stats.drafted - stats.accepted
+        expected = kept_after - kept_before + stats.drafted - stats.accepted
         check_count("after first", self.model.context.n_decoded - n_before, expected)
         kept = tuple(t for t in generated if not self.model.is_eog(t))
         text = first.text + "".join(chunk.text for chunk in rest)

@@ -59,11 +59,14 @@ class IncompleteOutputError(LcgenError):
 
     Attributes:
         text: the partial output generated so far.
+        state: from a continuous generator, the :class:`~lcgen.SequenceState` it made (every
+            element, complete or not); None elsewhere.
     """
 
-    def __init__(self, message: str, text: str) -> None:
+    def __init__(self, message: str, text: str, state: object = None) -> None:
         super().__init__(message)
         self.text = text
+        self.state = state
 
 
 class BatchMismatchError(LcgenError):

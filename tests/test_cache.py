@@ -169,6 +169,23 @@ def test_a_full_memory_evicts_parked_prefixes_instead_of_failing(model_path: Pat
         assert small.cache.stats.cells_held <= 256
 
 
+def test_a_batch_whose_prompts_outgrow_the_memory_waits_for_cells(model_path: Path) -> None:
+    """Four prompts of ~150 tokens, no shared prefix, in 256 cells and 8 slots: they cannot
+    all be decoded at once; the scheduler steps those whose new cells fit and the rest wait."""
+    words = ["Red", "Blue", "Green", "Amber"]
+    prompts = [f"{word}. " + "The quick brown fox jumps. " * 24 for word in words]
+    with lcgen.Model(model_path, n_ctx=256, n_seq_max=8) as small:
+        assert all(len(small.tokenize(p)) > 128 for p in prompts)
+        outs = small.generate(prompts, max_tokens=6)
+        assert [o.stats.tokens for o in outs] == [6] * 4
+        assert small.cache.stats.cells_held <= 256
+        lone = []
+        for p in prompts:
+            small.cache.clear()
+            lone.append(small.generate(p, max_tokens=6))
+    assert [str(o) for o in outs] == [str(o) for o in lone]
+
+
 def test_clear_keeps_live_sequences_and_pins_unless_asked(model: lcgen.Model) -> None:
     model.cache.pin("A pinned prefix")
     model.generate("A parked one", max_tokens=2)

@@ -303,6 +303,27 @@ def test_states_hold_no_slots_over_100_states(model: lcgen.Model) -> None:
     del s
 
 
+def test_a_constrained_output_cut_short_raises_with_the_state(model: lcgen.Model) -> None:
+    schema = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    prompts = ["A cat as JSON:", "A dog as JSON:"]
+    short = continuous(generate.json(model, schema, max_tokens=3))
+    with pytest.raises(lcgen.IncompleteOutputError, match="2 of 2 elements") as info:
+        short(prompts)
+    state = info.value.state
+    assert isinstance(state, SequenceState) and state.shape == (2, 1)
+    texts = list(state)
+    assert texts[0].startswith(prompts[0]) and texts[0][len(prompts[0]) :] == info.value.text
+    assert info.value.text.startswith("{")  # what was generated, three tokens of it
+    done = continuous(generate.json(model, schema, max_tokens=60))(prompts)
+    for prompt, text in zip(prompts, done, strict=True):
+        assert isinstance(json.loads(text[len(prompt) :])["name"], str)
+    options = [" alpha beta gamma delta", " epsilon zeta eta theta"]  # each over 2 tokens
+    cut = continuous(generate.choice(model, options, max_tokens=2))
+    with pytest.raises(lcgen.IncompleteOutputError, match="1 of 1 elements") as info:
+        cut("Pick one:")
+    assert info.value.text not in options and any(o.startswith(info.value.text) for o in options)
+
+
 def test_state_api_and_errors(model: lcgen.Model) -> None:
     text = greedy(model, 4)
     with pytest.raises(TypeError, match="spec"):

@@ -77,6 +77,11 @@ def test_forced_tokens_are_the_tokenizers_less_the_last(model: lcgen.Model) -> N
     assert len(model.token_piece(joined[0])) > 1  # '{"' is one token
     gen.accept(model.tokenize("{", add_bos=False)[0])
     assert gen.forced_tokens(b"{", 16) == model.tokenize('"name":"', add_bos=False)[:-1]
+    name = model.tokenize("name", add_bos=False)[0]
+    assert name in forced
+    for barred in ({"logit_bias": {name: float("-inf")}}, {"stop_tokens": [name]}):
+        cut = Generator(model, grammar=COMPACT, **barred).forced_tokens(b"\n", 16)
+        assert cut == forced[: forced.index(name)]  # never forced: left to sampling
     healing = Generator(model, grammar=COMPACT, heal=b"{")
     assert healing.forced_tokens(b"\n", 16) == []  # healed text is re-created by sampling
 

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 
 from lcgen.continuous.specs import GenerateSpec
 from lcgen.decoding import Chunk
+from lcgen.decoding.results import Text, check_complete
+from lcgen.errors import IncompleteOutputError
 from lcgen.runtime import Backtracker, PlainRun, Run, Scheduler, Sequence
 from lcgen.runtime.kvstore import common_prefix
 from lcgen.runtime.tokens import ModelLike
@@ -112,11 +114,12 @@ class _Job:
     text_before: str
     seq: Sequence | None = None
     run: PlainRun | Backtracker | None = None
-    parts: list[str] = field(default_factory=list)
+    chunks: list[Chunk] = field(default_factory=list)
+    incomplete: IncompleteOutputError | None = None  # a constrained output cut short
 
     def take(self, chunk: Chunk | None) -> None:
         if chunk is not None:
-            self.parts.append(chunk.text)
+            self.chunks.append(chunk)
 
     def close(self) -> None:
         if self.seq is not None:
@@ -130,17 +133,28 @@ def _start(spec: GenerateSpec, job: _Job, seed: int) -> Run:
     return job.run
 
 
-def _finish(model: ModelLike, job: _Job, last: Chunk | None) -> None:
+def _finish(spec: GenerateSpec, job: _Job, last: Chunk | None) -> None:
     assert job.seq is not None and job.run is not None
+    model = spec.model
     settle(job.elem, job.seq.tokens, job.run.token_logprobs)
     if last is not None and last.stop is not None:
-        cut_at_stop(model, job.elem, job.text_before, "".join(job.parts))
+        cut_at_stop(model, job.elem, job.text_before, "".join(c.text for c in job.chunks))
+    try:
+        check_complete(Text.of(job.chunks), spec.plan.constraint, model.vocab)
+    except IncompleteOutputError as exc:
+        job.incomplete = exc
     job.close()
 
 
-def run(spec: GenerateSpec, elements: list[Element], seeds: list[int]) -> None:
+def run(
+    spec: GenerateSpec, elements: list[Element], seeds: list[int]
+) -> list[IncompleteOutputError | None]:
     """Generate on every element in place through the scheduler: all running ones decoded in
-    one batch per step, the rest queued for slots."""
+    one batch per step, the rest queued for slots.
+
+    Returns:
+        Per element, None, or the error saying how its constrained output was cut short.
+    """
     jobs = [_Job(elem, text_of(spec.model, elem.tokens)) for elem in elements]
     scheduler = Scheduler(spec.model.cache)
     for job, seed in zip(jobs, seeds, strict=True):
@@ -150,7 +164,8 @@ def run(spec: GenerateSpec, elements: list[Element], seeds: list[int]) -> None:
             job = jobs[event.ticket]
             job.take(event.chunk)
             if event.is_last:
-                _finish(spec.model, job, event.chunk)
+                _finish(spec, job, event.chunk)
     finally:
         for job in jobs:  # interrupted: the elements keep their tokens from before
             job.close()
+    return [job.incomplete for job in jobs]

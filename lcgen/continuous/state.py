@@ -31,7 +31,7 @@ from lcgen.continuous.elements import (
     text_of,
 )
 from lcgen.continuous.specs import GenerateSpec
-from lcgen.errors import BatchMismatchError, SampleMismatchError
+from lcgen.errors import BatchMismatchError, IncompleteOutputError, SampleMismatchError
 from lcgen.runtime.tokens import ModelLike
 
 __all__ = ["Continuous", "SequenceState", "continuous"]
@@ -330,6 +330,9 @@ class Continuous:
             search, best beam first); the input state is left as it was.
 
         Raises:
+            IncompleteOutputError: with a constraint, an element stopped before its output
+                matched it (``max_tokens``, a stop string); the state made (every element,
+                as generated) is on the error's ``state``.
             SampleMismatchError: samples (or beams) were asked of a state that has several per
                 batch element already.
             ValueError: ``num_samples`` < 1, or a state of another model.
@@ -358,8 +361,19 @@ class Continuous:
         seeds = [
             base + s if base is not None else random_seed() for _ in rows for s in range(n_out)
         ]
-        run(spec, [e for row in rows for e in row], seeds)
-        return SequenceState(model, rows)
+        cut = run(spec, [e for row in rows for e in row], seeds)
+        out = SequenceState(model, rows)
+        incomplete = [(i, exc) for i, exc in enumerate(cut) if exc is not None]
+        if incomplete:
+            i, first = incomplete[0]
+            raise IncompleteOutputError(
+                f"{len(incomplete)} of {len(cut)} elements stopped before their output matched "
+                f"the constraint; the first, at {divmod(i, n_out)}: {first} (the state made "
+                "is on the error's .state)",
+                first.text,
+                out,
+            )
+        return out
 
     def _as_state(self, prompt: Any) -> SequenceState:
         if isinstance(prompt, SequenceState):

@@ -97,6 +97,7 @@ class Generator:
         self.stop_hit: str | None = None  # the stop string that ended generation
         self.grammar = plan.constraint.state(vocab) if plan.constraint is not None else None
         self.heal = heal
+        self._banned = frozenset(t for t, b in plan.sampler.logit_bias if b == -np.inf)
         n_recent = plan.sampler.repeat_last_n
         self._history_tail = tuple(history[len(history) - n_recent :]) if n_recent else ()
         self.recent: deque[int] = deque(self._history_tail, maxlen=n_recent)
@@ -221,7 +222,7 @@ class Generator:
         last token's piece) where the tokenizer keeps the boundary between them, else on its
         own. The last token is left to sampling: the text after it may join it into a longer
         one. Empty without a grammar, while healing, and where the tokens do not spell the
-        text.
+        text; cut before a token ``logit_bias`` bans or a stop token.
 
         Args:
             before: the piece of the last token.
@@ -232,7 +233,10 @@ class Generator:
         text = self.grammar.forced_text(_MAX_FORCED_CHARS)
         if not text:
             return []
-        return _tokens_after(self.vocab, before, text.encode("ascii"))[:-1][:limit]
+        tokens = _tokens_after(self.vocab, before, text.encode("ascii"))[:-1][:limit]
+        # Never force a token the caller banned (logit_bias -inf) or made a stop token.
+        barred = self.plan.stop_tokens | self._banned
+        return list(itertools.takewhile(lambda t: t not in barred, tokens))
 
     def accept(self, token: int, logits: np.ndarray | None = None) -> Chunk:
         """Take ``token`` as the next token (sampled here or chosen elsewhere).

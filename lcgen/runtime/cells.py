@@ -11,6 +11,7 @@ call that counts used cells; this ledger counts them exactly under those two rul
 from __future__ import annotations
 
 import itertools
+from collections.abc import Collection
 from dataclasses import dataclass
 
 
@@ -67,10 +68,12 @@ class CellLedger:
         else:
             self._runs.pop(seq_id, None)
 
-    def n_cells(self) -> int:
-        """How many distinct cells exist."""
+    def n_cells(self, seq_ids: Collection[int] | None = None) -> int:
+        """How many distinct cells exist (that ``seq_ids`` hold, when given)."""
         ends: dict[int, tuple[int, int]] = {}
-        for runs in self._runs.values():
+        for seq_id, runs in self._runs.items():
+            if seq_ids is not None and seq_id not in seq_ids:
+                continue
             for r in runs:
                 start, end = ends.get(r.origin, (r.start, r.start))
                 ends[r.origin] = (start, max(end, r.end))

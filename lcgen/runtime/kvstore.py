@@ -222,6 +222,13 @@ class KVStore:
         with self._cond:
             return self._best(tokens, max(0, len(tokens) - 1))[1]
 
+    def free_cells(self) -> int:
+        """Cells a decode could have now: free ones and those only parked entries hold (they
+        are evicted for it)."""
+        with self._cond:
+            kept = {slot for slot, e in self._entries.items() if e.state != "parked"}
+            return self._ctx.n_cells - self._ctx.ledger.n_cells(kept)
+
     def available_slots(self) -> int:
         """Slots a new sequence could have now: free ones and those of parked entries."""
         with self._cond:

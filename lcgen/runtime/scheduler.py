@@ -49,9 +49,10 @@ class Scheduler:
 
     Submit work with :meth:`submit`, then iterate: each step admits waiting work in the order
     it was submitted (while the slots it asks for can be had), decodes the pending tokens of
-    every running generation in one batch, advances each, and yields an :class:`Event` per
-    run. Handle an event whose ``is_last`` is set by retiring its run (closing its sequences:
-    their cells stay cached); the next step admits more.
+    every running generation whose new cells fit the memory in one batch (the rest wait),
+    advances each, and yields an :class:`Event` per run stepped. Handle an event whose
+    ``is_last`` is set by retiring its run (closing its sequences: their cells stay cached);
+    the next step admits more.
 
     Args:
         cache: the model's KV store (``model.cache``), which hands out the slots.
@@ -89,13 +90,29 @@ class Scheduler:
         """
         events = self._admit()
         if self._running:
-            chunks = step([run for _, run, _ in self._running])
+            stepped = self._fitting()
+            chunks = step([run for _, run, _ in stepped])
             events += [
                 Event(ticket, run, chunk)
-                for (ticket, run, _), chunk in zip(self._running, chunks, strict=True)
+                for (ticket, run, _), chunk in zip(stepped, chunks, strict=True)
             ]
             self._running = [job for job in self._running if not job[1].is_done]
         return events
+
+    def _fitting(self) -> list[tuple[int, Run, int]]:
+        """The running work whose next step's new cells fit the memory (free cells and those
+        only parked entries hold), in order of admission: the first always (alone it fits, or
+        its error says why not); the rest from the first that does not fit wait a step, so a
+        burst of long prompts queues for cells instead of failing the batch."""
+        free = self.cache.free_cells()
+        stepped: list[tuple[int, Run, int]] = []
+        for job in self._running:
+            need = sum(seq.n_pending for seq in job[1].sequences())
+            if stepped and need > free:
+                break
+            stepped.append(job)
+            free -= need
+        return stepped
 
     def cancel(self, ticket: int) -> Run | None:
         """Drop submitted work: waiting work is never started; a running run leaves the batch

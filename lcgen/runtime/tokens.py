@@ -116,6 +116,11 @@ class TokenSequence:
         return self._n_decoded
 
     @property
+    def n_pending(self) -> int:
+        """Tokens the next step decodes (new cells): the pending ones and the draft."""
+        return len(self._tokens) - self._n_decoded + len(self._draft)
+
+    @property
     def slot(self) -> int:
         """The llama.cpp sequence id that holds this sequence's KV cells."""
         return self._slot
