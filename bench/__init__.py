@@ -68,8 +68,10 @@ from bench import (
     constrained,
     continuous,
     rows,
+    schema_compile,
     server,
     speculation,
+    threads,
 )
 from bench.harness import (
     Bench,
@@ -114,15 +116,17 @@ ROWS: dict[str, RowFactory] = {
     **rows.FACTORIES,
     **checkpoints.FACTORIES,
     **constrained.FACTORIES,
+    **schema_compile.FACTORIES,
     **antislop.FACTORIES,
     **continuous.FACTORIES,
     **cache.FACTORIES,
     **speculation.FACTORIES,
     **server.FACTORIES,
+    **threads.FACTORIES,
 }
 PROG = "python bench/run.py"
 # Load a second model or start servers: only when named under --quick.
-NOT_QUICK = ("constrained-gemma", *server.FACTORIES)
+NOT_QUICK = ("constrained-gemma", *server.FACTORIES, *threads.FACTORIES)
 DESCRIPTION = (
     "Benchmark lcgen against the raw llama.cpp loop and llama-cpp-python, its checkpoint "
     "operations (rewind, fork, save/load) and its grammar constraints against their targets."

@@ -322,6 +322,12 @@ def test_a_constrained_output_cut_short_raises_with_the_state(model: lcgen.Model
     with pytest.raises(lcgen.IncompleteOutputError, match="1 of 1 elements") as info:
         cut("Pick one:")
     assert info.value.text not in options and any(o.startswith(info.value.text) for o in options)
+    beams = continuous(generate.choice(model, options, max_tokens=2, beams=2))
+    with pytest.raises(lcgen.IncompleteOutputError, match="2 beams stopped") as info:
+        beams("Pick one:")
+    assert info.value.state.shape == (1, 2)
+    done = continuous(generate.choice(model, options, max_tokens=12, beams=2))("Pick one:")
+    assert all(text[len("Pick one:") :] in options for text in done)
 
 
 def test_state_api_and_errors(model: lcgen.Model) -> None:

@@ -21,7 +21,9 @@ import numpy as np
 from lcgen.continuous.elements import Element, cut_at_stop, open_prefilled, settle, text_of
 from lcgen.continuous.specs import GenerateSpec
 from lcgen.decoding import Chunk, Generator
+from lcgen.decoding.results import Text, check_complete
 from lcgen.decoding.sampling import log_normalizer, top_ids
+from lcgen.errors import IncompleteOutputError
 from lcgen.runtime import Run, Scheduler, Sequence
 
 __all__ = ["BeamSearch", "search"]
@@ -50,6 +52,7 @@ class BeamSearch:
     text_before: str
     live: list[_Beam]
     finished: list[tuple[float, Element]] = field(default_factory=list)  # (rank, beam), best first
+    cut: set[int] = field(default_factory=set)  # ids of finished beams a constraint left cut
 
     @property
     def width(self) -> int:
@@ -85,9 +88,10 @@ class BeamSearch:
                 beam.seq.close()
 
     @property
-    def results(self) -> list[Element]:
-        """The finished beams, best first."""
-        return [elem for _, elem in self.finished]
+    def results(self) -> list[tuple[Element, bool]]:
+        """The finished beams, best first, each with whether its constrained output was cut
+        short (``max_tokens`` or a stop string before the grammar was complete)."""
+        return [(elem, id(elem) in self.cut) for _, elem in self.finished]
 
 
 def _best_tokens(beam: _Beam, row: np.ndarray, width: int, bans: list[int]) -> list[int]:
@@ -141,8 +145,14 @@ def _step(search: BeamSearch, rows: list[np.ndarray]) -> None:
     kept = _expand(search, rows, width, spec.bans)
     going = [k for k in kept if not k[2].gen.is_done]
     ranked: list[tuple[float, Element]] = list(search.finished)
-    ranked += [(_rank(k[2], spec.length_penalty), _finished(search, k[2])) for k in kept
-               if k[2].gen.is_done]  # fmt: skip
+    for _, _, child in kept:
+        if child.gen.is_done:
+            elem = _finished(search, child)
+            if _complete(spec, child):
+                ranked.append((_rank(child, spec.length_penalty), elem))
+            else:  # ranked below every complete beam
+                search.cut.add(id(elem))
+                ranked.append((-math.inf, elem))
     ranked.sort(key=lambda e: -e[0])
     search.finished = ranked[:width]
     _fork_children(search.live, going)
@@ -170,6 +180,21 @@ def _fork_children(parents: list[_Beam], going: list[Kept]) -> None:
             child.seq.append_tokens([tok])
 
 
+def _complete(spec: GenerateSpec, beam: _Beam) -> bool:
+    """Whether a finished beam's output matches the spec's constraint (always without one)."""
+    last = beam.last
+    reason, stop = (last.finish_reason, last.stop) if last is not None else ("length", None)
+    try:
+        check_complete(
+            Text.of([Chunk("".join(beam.parts), (), reason, stop)]),
+            spec.plan.constraint,
+            spec.model.vocab,
+        )
+    except IncompleteOutputError:
+        return False
+    return True
+
+
 def _finished(search: BeamSearch, beam: _Beam) -> Element:
     """A finished beam as an element: the root's tokens and the generated ones."""
     root = search.root
@@ -189,16 +214,17 @@ def _start(spec: GenerateSpec, root: Element, started: list[BeamSearch]) -> Run:
     return search
 
 
-def search(spec: GenerateSpec, roots: list[Element]) -> list[list[Element]]:
+def search(spec: GenerateSpec, roots: list[Element]) -> list[list[tuple[Element, bool]]]:
     """Beam search after each root, ``spec.beams`` wide, through the scheduler: each search
     reserves ``beams`` slots, as many run at once as the slots allow, the rest wait; every live
     beam of every running search is decoded in one batch per step.
 
     Returns:
-        Per root, the finished beams as elements, best first (at most ``spec.beams``).
+        Per root, the finished beams as elements, best first (at most ``spec.beams``), each
+        with whether its constrained output was cut short (those rank below the others).
     """
     started: list[BeamSearch] = []
-    results: list[list[Element]] = [[] for _ in roots]
+    results: list[list[tuple[Element, bool]]] = [[] for _ in roots]
     scheduler = Scheduler(spec.model.cache)
     for root in roots:
         scheduler.submit(functools.partial(_start, spec, root, started), n_slots=spec.beams or 1)

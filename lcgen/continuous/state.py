@@ -354,7 +354,20 @@ class Continuous:
             )
         if spec.beams is not None:
             roots = [state.element_at(b, 0).copy() for b in range(n_batch)]
-            return SequenceState(model, beam.search(spec, roots))
+            found = beam.search(spec, roots)
+            out = SequenceState(model, [[elem for elem, _ in row] for row in found])
+            cut_beams = [(b, s) for b, row in enumerate(found) for s, (_, c) in enumerate(row) if c]
+            if cut_beams:
+                b, s = cut_beams[0]
+                text = out.texts[b][s][len(text_of(model, roots[b].tokens)) :]
+                raise IncompleteOutputError(
+                    f"{len(cut_beams)} beams stopped before their output matched the "
+                    f"constraint (the first at {(b, s)}; raise max_tokens); the state made is "
+                    "on the error's .state",
+                    text,
+                    out,
+                )
+            return out
         n_out = max(n_in, num_samples)
         base = seed if seed is not None else spec.plan.sampler.seed
         rows = [[state.element_at(b, s).copy() for s in range(n_out)] for b in range(n_batch)]

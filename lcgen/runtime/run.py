@@ -299,8 +299,9 @@ class PlainRun(SequenceRun):
 
 
 def _joined(chunks: list[Chunk]) -> Chunk:
-    """One chunk for the tokens a speculative step took: texts and tokens joined, the
-    log-probabilities summed (each token's on ``logprobs``), the finish of the last."""
+    """One chunk for the tokens one step took (accepted draft tokens, forced ones): texts and
+    tokens joined, the log-probabilities summed (each token's on ``logprobs``), the finish of
+    the last."""
     if len(chunks) == 1:
         return chunks[0]
     last = chunks[-1]
