@@ -208,19 +208,24 @@ def test_ctrl_c_in_the_middle_of_a_generation_leaves_the_sequence_usable() -> No
     assert_passes(
         run_case("""
         m = lcgen.load()
+        # (a shell's background job inherits SIGINT ignored: take it back)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        stopped = 0
+        no_end = {t: float("-inf") for t in range(m.n_vocab) if m.is_eog(t)}  # runs 400 tokens
         for delay in (0.05, 0.15, 0.3, 0.5, 0.8):
             with m.sequence("Write a long story about the sea.") as seq:
                 timer = threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGINT))
                 timer.start()
                 try:
-                    seq.generate(max_tokens=400)
+                    seq.generate(max_tokens=400, logit_bias=no_end)
                 except KeyboardInterrupt:
-                    pass
+                    stopped += 1
                 timer.cancel()
                 n = seq.n_tokens
                 more = seq.generate(max_tokens=5)  # it goes on from where it stopped
                 assert seq.n_tokens == n + len(more.tokens)
                 assert seq.text == m.detokenize(seq.tokens)
+        assert stopped == 5, f"{stopped} of 5 generations were interrupted"
         """)
     )
 

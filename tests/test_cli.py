@@ -261,7 +261,14 @@ def _chat(*args: str) -> subprocess.Popen[bytes]:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         bufsize=0,
+        # A shell runs background jobs with SIGINT ignored, and children inherit that; the
+        # chat must see Ctrl-C as a terminal user's would.
+        preexec_fn=_default_sigint,
     )
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_ctrl_c_stops_the_reply_not_the_chat() -> None:
