@@ -29,17 +29,18 @@ DRAFTS = {
 }
 
 
-def suite_schemas() -> list[Any]:
-    """Every group's schema, with its draft's ``$schema`` where it names none."""
-    schemas = []
+def suite_groups() -> list[tuple[str, dict[str, Any]]]:
+    """Every group of the suite, named by draft, file and description, its schema with its
+    draft's ``$schema`` where it names none."""
+    groups = []
     for draft, uri in DRAFTS.items():
         for path in sorted((SUITE / draft).glob("*.json")):
             for group in json.loads(path.read_text(encoding="utf-8")):
                 schema = group["schema"]
                 if isinstance(schema, dict) and "$schema" not in schema:
-                    schema = {**schema, "$schema": uri}
-                schemas.append(schema)
-    return schemas
+                    group = {**group, "schema": {**schema, "$schema": uri}}
+                groups.append((f"{draft}/{path.name}: {group['description']}", group))
+    return groups
 
 
 def _round(schemas: list[Any]) -> dict[str, Sample]:
@@ -61,7 +62,7 @@ def compile_row(work: Workload) -> Row:
     del work
     if not SUITE.is_dir():
         raise SkipRow(f"the JSON-Schema-Test-Suite is not at {SUITE}: run `make test` once")
-    schemas = suite_schemas()
+    schemas = [group["schema"] for _, group in suite_groups()]
 
     def round_(bench: Bench, r: int) -> dict[str, Sample]:
         del bench, r

@@ -14,22 +14,16 @@ hold those figures.
 from __future__ import annotations
 
 import json
-import pathlib
 from collections import Counter
 from typing import Any
 
 import pytest
 
 import lcgen
+from bench.schema_compile import SUITE, suite_groups
 from lcgen.constrain import Grammar, GrammarState
 from lcgen.errors import GrammarError
 
-SUITE = pathlib.Path(__file__).parent.parent / ".venv/schema-suite/jsonschema-4.26.0/json/tests"
-DRAFTS = {
-    "draft2020-12": "https://json-schema.org/draft/2020-12/schema",
-    "draft7": "http://json-schema.org/draft-07/schema#",
-    "draft4": "http://json-schema.org/draft-04/schema#",
-}
 MAX_REFUSED = 231
 MAX_REJECTED = 39  # not counting the 11 format cases
 # Formats are asserted (a generated date is a date): the suite's cases that call an invalid
@@ -39,15 +33,7 @@ ANNOTATION_ONLY = "only an annotation by default"
 
 def _groups() -> list[tuple[str, dict[str, Any]]]:
     assert SUITE.is_dir(), f"{SUITE} is missing: run `make test` (it unpacks the suite)"
-    found = []
-    for draft, uri in DRAFTS.items():
-        for path in sorted((SUITE / draft).glob("*.json")):
-            for group in json.loads(path.read_text(encoding="utf-8")):
-                schema = group["schema"]
-                if isinstance(schema, dict) and "$schema" not in schema:
-                    group = {**group, "schema": {**schema, "$schema": uri}}
-                found.append((f"{draft}/{path.name}: {group['description']}", group))
-    return found
+    return suite_groups()
 
 
 @pytest.fixture(scope="module")

@@ -72,12 +72,10 @@ class Grammar:
         """
         path = Path(name_or_path)
         if not path.is_file() and path.suffix == "" and path.name == str(name_or_path):
-            if path.name not in cls.bundled_names():
-                raise FileNotFoundError(
-                    f"no grammar file {str(name_or_path)!r} and no bundled grammar of that "
-                    f"name (bundled: {', '.join(cls.bundled_names())})"
-                )
-            return cls.bundled(path.name, root)
+            try:
+                return cls.bundled(path.name, root)
+            except ValueError as exc:
+                raise FileNotFoundError(f"no grammar file {path.name!r}, and {exc}") from None
         return cls(path.read_text(encoding="utf-8"), root)
 
     @staticmethod
@@ -92,10 +90,9 @@ class Grammar:
         Raises:
             ValueError: no bundled grammar has that name (the message lists them).
         """
-        if name not in cls.bundled_names():
-            raise ValueError(
-                f"no bundled grammar named {name!r} (bundled: {', '.join(cls.bundled_names())})"
-            )
+        names = cls.bundled_names()
+        if name not in names:
+            raise ValueError(f"no bundled grammar named {name!r} (bundled: {', '.join(names)})")
         text = (resource_path("grammars") / f"{name}.gbnf").read_text(encoding="utf-8")
         return cls(text, root)
 

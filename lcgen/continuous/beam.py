@@ -21,7 +21,7 @@ import numpy as np
 from lcgen.continuous.elements import Element, cut_at_stop, open_prefilled, settle, text_of
 from lcgen.continuous.specs import GenerateSpec
 from lcgen.decoding import Chunk, Generator
-from lcgen.decoding.results import Text, check_complete
+from lcgen.decoding.results import Text, incomplete
 from lcgen.decoding.sampling import log_normalizer, top_ids
 from lcgen.errors import IncompleteOutputError
 from lcgen.runtime import Run, Scheduler, Sequence
@@ -52,7 +52,8 @@ class BeamSearch:
     text_before: str
     live: list[_Beam]
     finished: list[tuple[float, Element]] = field(default_factory=list)  # (rank, beam), best first
-    cut: set[int] = field(default_factory=set)  # ids of finished beams a constraint left cut
+    # id of a finished beam a constraint left cut short -> how
+    cut: dict[int, IncompleteOutputError] = field(default_factory=dict)
 
     @property
     def width(self) -> int:
@@ -88,10 +89,10 @@ class BeamSearch:
                 beam.seq.close()
 
     @property
-    def results(self) -> list[tuple[Element, bool]]:
-        """The finished beams, best first, each with whether its constrained output was cut
-        short (``max_tokens`` or a stop string before the grammar was complete)."""
-        return [(elem, id(elem) in self.cut) for _, elem in self.finished]
+    def results(self) -> list[tuple[Element, IncompleteOutputError | None]]:
+        """The finished beams, best first, each with how its constrained output was cut short
+        (``max_tokens`` or a stop string before the grammar was complete), or None."""
+        return [(elem, self.cut.get(id(elem))) for _, elem in self.finished]
 
 
 def _best_tokens(beam: _Beam, row: np.ndarray, width: int, bans: list[int]) -> list[int]:
@@ -148,10 +149,11 @@ def _step(search: BeamSearch, rows: list[np.ndarray]) -> None:
     for _, _, child in kept:
         if child.gen.is_done:
             elem = _finished(search, child)
-            if _complete(spec, child):
+            cut = _incomplete(spec, child)
+            if cut is None:
                 ranked.append((_rank(child, spec.length_penalty), elem))
             else:  # ranked below every complete beam
-                search.cut.add(id(elem))
+                search.cut[id(elem)] = cut
                 ranked.append((-math.inf, elem))
     ranked.sort(key=lambda e: -e[0])
     search.finished = ranked[:width]
@@ -180,19 +182,12 @@ def _fork_children(parents: list[_Beam], going: list[Kept]) -> None:
             child.seq.append_tokens([tok])
 
 
-def _complete(spec: GenerateSpec, beam: _Beam) -> bool:
-    """Whether a finished beam's output matches the spec's constraint (always without one)."""
+def _incomplete(spec: GenerateSpec, beam: _Beam) -> IncompleteOutputError | None:
+    """How a finished beam's output was cut short of the spec's constraint, or None."""
     last = beam.last
     reason, stop = (last.finish_reason, last.stop) if last is not None else ("length", None)
-    try:
-        check_complete(
-            Text.of([Chunk("".join(beam.parts), (), reason, stop)]),
-            spec.plan.constraint,
-            spec.model.vocab,
-        )
-    except IncompleteOutputError:
-        return False
-    return True
+    text = Text.of([Chunk("".join(beam.parts), (), reason, stop)])
+    return incomplete(text, spec.plan.constraint, spec.model.vocab)
 
 
 def _finished(search: BeamSearch, beam: _Beam) -> Element:
@@ -214,17 +209,20 @@ def _start(spec: GenerateSpec, root: Element, started: list[BeamSearch]) -> Run:
     return search
 
 
-def search(spec: GenerateSpec, roots: list[Element]) -> list[list[tuple[Element, bool]]]:
+def search(
+    spec: GenerateSpec, roots: list[Element]
+) -> list[list[tuple[Element, IncompleteOutputError | None]]]:
     """Beam search after each root, ``spec.beams`` wide, through the scheduler: each search
     reserves ``beams`` slots, as many run at once as the slots allow, the rest wait; every live
     beam of every running search is decoded in one batch per step.
 
     Returns:
         Per root, the finished beams as elements, best first (at most ``spec.beams``), each
-        with whether its constrained output was cut short (those rank below the others).
+        with how its constrained output was cut short, or None (cut ones rank below the
+        others).
     """
     started: list[BeamSearch] = []
-    results: list[list[tuple[Element, bool]]] = [[] for _ in roots]
+    results: list[list[tuple[Element, IncompleteOutputError | None]]] = [[] for _ in roots]
     scheduler = Scheduler(spec.model.cache)
     for root in roots:
         scheduler.submit(functools.partial(_start, spec, root, started), n_slots=spec.beams or 1)

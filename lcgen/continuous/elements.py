@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from lcgen.continuous.specs import GenerateSpec
 from lcgen.decoding import Chunk
-from lcgen.decoding.results import Text, check_complete
+from lcgen.decoding.results import Text, incomplete
 from lcgen.errors import IncompleteOutputError
 from lcgen.runtime import Backtracker, PlainRun, Run, Scheduler, Sequence
 from lcgen.runtime.kvstore import common_prefix
@@ -139,10 +139,7 @@ def _finish(spec: GenerateSpec, job: _Job, last: Chunk | None) -> None:
     settle(job.elem, job.seq.tokens, job.run.token_logprobs)
     if last is not None and last.stop is not None:
         cut_at_stop(model, job.elem, job.text_before, "".join(c.text for c in job.chunks))
-    try:
-        check_complete(Text.of(job.chunks), spec.plan.constraint, model.vocab)
-    except IncompleteOutputError as exc:
-        job.incomplete = exc
+    job.incomplete = incomplete(Text.of(job.chunks), spec.plan.constraint, model.vocab)
     job.close()
 
 

@@ -356,37 +356,17 @@ class Continuous:
             roots = [state.element_at(b, 0).copy() for b in range(n_batch)]
             found = beam.search(spec, roots)
             out = SequenceState(model, [[elem for elem, _ in row] for row in found])
-            cut_beams = [(b, s) for b, row in enumerate(found) for s, (_, c) in enumerate(row) if c]
-            if cut_beams:
-                b, s = cut_beams[0]
-                text = out.texts[b][s][len(text_of(model, roots[b].tokens)) :]
-                raise IncompleteOutputError(
-                    f"{len(cut_beams)} beams stopped before their output matched the "
-                    f"constraint (the first at {(b, s)}; raise max_tokens); the state made is "
-                    "on the error's .state",
-                    text,
-                    out,
-                )
-            return out
+            cut = {(b, s): c for b, row in enumerate(found) for s, (_, c) in enumerate(row) if c}
+            return _complete_or_raise(out, cut, "beams")
         n_out = max(n_in, num_samples)
         base = seed if seed is not None else spec.plan.sampler.seed
         rows = [[state.element_at(b, s).copy() for s in range(n_out)] for b in range(n_batch)]
         seeds = [
             base + s if base is not None else random_seed() for _ in rows for s in range(n_out)
         ]
-        cut = run(spec, [e for row in rows for e in row], seeds)
-        out = SequenceState(model, rows)
-        incomplete = [(i, exc) for i, exc in enumerate(cut) if exc is not None]
-        if incomplete:
-            i, first = incomplete[0]
-            raise IncompleteOutputError(
-                f"{len(incomplete)} of {len(cut)} elements stopped before their output matched "
-                f"the constraint; the first, at {divmod(i, n_out)}: {first} (the state made "
-                "is on the error's .state)",
-                first.text,
-                out,
-            )
-        return out
+        errors = run(spec, [e for row in rows for e in row], seeds)
+        cut = {divmod(i, n_out): c for i, c in enumerate(errors) if c is not None}
+        return _complete_or_raise(SequenceState(model, rows), cut, f"of {len(errors)} elements")
 
     def _as_state(self, prompt: Any) -> SequenceState:
         if isinstance(prompt, SequenceState):
@@ -394,6 +374,22 @@ class Continuous:
                 raise ValueError("the state was made with another model than this generator's")
             return prompt
         return SequenceState.from_text(self.spec.model, prompt)
+
+
+def _complete_or_raise(
+    out: SequenceState, cut: dict[tuple[int, int], IncompleteOutputError], what: str
+) -> SequenceState:
+    """``out``, unless some of its elements (at the keys of ``cut``) were cut short of their
+    constraint: then an :class:`IncompleteOutputError` about the first, with ``out`` on it."""
+    if not cut:
+        return out
+    at, first = next(iter(cut.items()))
+    raise IncompleteOutputError(
+        f"{len(cut)} {what} stopped before their output matched the constraint; the first, at "
+        f"{at}: {first} (the state made is on the error's .state)",
+        first.text,
+        out,
+    )
 
 
 def continuous(spec: GenerateSpec) -> Continuous:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 if TYPE_CHECKING:
     from lcgen.constrain import Grammar
+    from lcgen.errors import IncompleteOutputError
     from lcgen.vocab import Vocab
 
 FinishReason = Literal["stop", "length", "retries"]
@@ -172,13 +173,23 @@ def check_complete(text: Text, constraint: Grammar | None, vocab: Vocab) -> None
     Raises:
         IncompleteOutputError: with the partial text.
     """
+    error = incomplete(text, constraint, vocab)
+    if error is not None:
+        raise error
+
+
+def incomplete(
+    text: Text, constraint: Grammar | None, vocab: Vocab
+) -> IncompleteOutputError | None:
+    """The error saying how a constrained generation was cut short, or None when its output
+    matches the constraint (or there is none); see :func:`check_complete`."""
     from lcgen.errors import GrammarError, IncompleteOutputError
 
     if constraint is None or (text.finish_reason == "stop" and not text.stop):
-        return  # the end token is allowed only where the grammar is complete
+        return None  # the end token is allowed only where the grammar is complete
     try:
         if constraint.accepts(vocab, str(text)):
-            return  # cut by max_tokens exactly where it could end
+            return None  # cut by max_tokens exactly where it could end
     except GrammarError:
         pass
     if text.stop:
@@ -187,7 +198,7 @@ def check_complete(text: Text, constraint: Grammar | None, vocab: Vocab) -> None
         reason = "generation reached max_tokens"
     else:
         reason = "the retries ran out"
-    raise IncompleteOutputError(
+    return IncompleteOutputError(
         f"the output is incomplete: {reason} before it matched its constraint "
         f"({len(str(text))} characters){': raise max_tokens' * (text.finish_reason == 'length')}",
         str(text),

@@ -20,7 +20,7 @@ import numpy as np
 
 from lcgen.decoding import Chunk, GenerationStats, Generator, Override, Resample, Rewind, Step
 from lcgen.decoding.options import Backtracking
-from lcgen.decoding.results import FinishReason, TokenLogprob
+from lcgen.decoding.results import FinishReason
 from lcgen.decoding.speculation import Drafter
 from lcgen.errors import NoCandidatesError, RewindError
 from lcgen.runtime.checkpoint import Checkpoint
@@ -82,7 +82,6 @@ class Backtracker(SequenceRun):
         self._emitted_tokens = 0
         self._scan_from = 0  # banned matches cannot start before this character
         self._bans: dict[int, set[int]] = {}  # generated index -> tokens banned there
-        self._entries: list[TokenLogprob] = []  # with logprobs: one per generated token
         self._rewinds = self._resamples = 0
         self._user_rewinds = 0  # asked for by the caller: they do not count as retries
 
@@ -128,8 +127,7 @@ class Backtracker(SequenceRun):
         self._out += chunk.text
         if gen.logprobs is not None:
             (entry,) = chunk.logprobs
-            self.token_logprobs.append(entry.logprob)
-            self._entries.append(entry)
+            self.token_entries.append(entry)
         if isinstance(action, Rewind):
             return self._rewind(action, "a hook")
         text = self._visible()
@@ -236,8 +234,7 @@ class Backtracker(SequenceRun):
         self.sequence.rewind(mark.checkpoint, self.generator)
         del self._marks[index + 1 :]
         del self._visible_at[index + 1 :]
-        del self.token_logprobs[index:]
-        del self._entries[index:]
+        del self.token_entries[index:]
         self._out = self._out[: mark.out_len]
         for later in [i for i in self._bans if i > index]:
             del self._bans[later]  # the text before them changed: they no longer apply
@@ -329,7 +326,7 @@ class Backtracker(SequenceRun):
         text = self._out[self._emitted : end]
         tokens = tuple(self.generator.tokens[self._emitted_tokens : n_tokens])
         self._emitted, self._emitted_tokens = end, max(n_tokens, self._emitted_tokens)
-        logprob, entries = None, tuple(self._entries[n_tokens - len(tokens) : n_tokens])
+        logprob, entries = None, tuple(self.token_entries[n_tokens - len(tokens) : n_tokens])
         if self.generator.logprobs is not None and tokens:
             logprob = math.fsum(e.logprob for e in entries)
         if reason is None:

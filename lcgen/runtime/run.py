@@ -18,6 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from lcgen.decoding import Chunk, GenerationStats, Generator
+from lcgen.decoding.results import TokenLogprob
 from lcgen.decoding.speculation import Drafter
 from lcgen.runtime.checkpoint import Checkpoint
 from lcgen.runtime.tokens import TokenSequence
@@ -112,8 +113,8 @@ class SequenceRun:
     def __init__(self, seq: TokenSequence, gen: Generator, drafter: Drafter | None = None) -> None:
         self.sequence, self.generator = seq, gen
         self._start = (seq.stats.tokens_decoded, seq.n_decoded)
-        # With ``logprobs``: each generated token's log-probability.
-        self.token_logprobs: list[float] = []
+        # With ``logprobs``: each generated token's entry (its log-probability, alternatives).
+        self.token_entries: list[TokenLogprob] = []
         self.drafter = drafter
         self._steps = self._drafted = self._accepted = self._forced = 0
         plan = gen.plan
@@ -130,6 +131,11 @@ class SequenceRun:
 
     # Backtracking runs show every token to hooks, validators and banned-phrase checks.
     sees_every_token = False
+
+    @property
+    def token_logprobs(self) -> list[float]:
+        """With ``logprobs``: each generated token's log-probability."""
+        return [entry.logprob for entry in self.token_entries]
 
     @property
     def is_done(self) -> bool:
@@ -278,8 +284,7 @@ class PlainRun(SequenceRun):
             seq.note_draw()
         chunk = gen.step(row)
         seq.append_tokens(chunk.tokens)
-        if chunk.logprob is not None:
-            self.token_logprobs.append(chunk.logprob)
+        self.token_entries.extend(chunk.logprobs)
         return chunk
 
     def stats(self) -> GenerationStats:
@@ -294,7 +299,7 @@ class PlainRun(SequenceRun):
             ValueError: the checkpoint was taken without the generator's state.
         """
         self.sequence.rewind(checkpoint, self.generator)
-        del self.token_logprobs[len(self.generator.tokens) :]
+        del self.token_entries[len(self.generator.tokens) :]
         self._rewinds += 1
 
 

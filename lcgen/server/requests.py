@@ -263,13 +263,10 @@ def _compile(name: str, value: Any) -> lcgen.Grammar:
     if name == "grammar":
         if "::=" in value:
             return lcgen.Grammar(value)
-        names = lcgen.Grammar.bundled_names()
-        if value not in names:
-            raise ValueError(
-                f"{value[:60]!r} is neither GBNF text (no '::=') nor the name of a bundled "
-                f"grammar ({', '.join(names)})"
-            )
-        return lcgen.Grammar.bundled(value)
+        try:
+            return lcgen.Grammar.bundled(value)
+        except ValueError as exc:
+            raise ValueError(f"not GBNF text (no '::='), and {exc}") from None
     if name == "regex":
         return lcgen.Grammar.regex(value)
     if name == "choice":
