@@ -18,7 +18,7 @@ from typing import Any
 from llama_cpp.llama_cache import LlamaRAMCache
 
 import lcgen
-from bench.harness import Bench, Check, Row, RowFactory, at_least, at_most
+from bench.harness import Bench, Check, Lazy, Row, RowFactory, at_least, at_most
 from bench.runners import ContextConfig, LlamaCppPython, Sample, Workload, load_lcgen
 
 NEW_TOKENS = 8
@@ -60,24 +60,17 @@ class _Sides:
         self.model.close()
 
 
-class _Loader:
-    def __init__(self) -> None:
-        self.sides: _Sides | None = None
+def _loader() -> Lazy[_Sides]:
+    """lcgen with its KV cache on and two llama-cpp-pythons, loaded on first use."""
 
-    def get(self, bench: Bench) -> _Sides:
-        if self.sides is None:
-            cfg: ContextConfig = bench.llama_cpp_python.cfg
-            path = bench.lcgen.model.path
-            model = load_lcgen(path, cfg)  # its KV cache on
-            self.sides = _Sides(
-                model, LlamaCppPython(path, cfg), LlamaCppPython(path, cfg), dict(bench.work.bias)
-            )
-        return self.sides
+    def make(bench: Bench) -> _Sides:
+        cfg: ContextConfig = bench.llama_cpp_python.cfg
+        path = bench.lcgen.model.path
+        model = load_lcgen(path, cfg)  # its KV cache on
+        plain, ram = LlamaCppPython(path, cfg), LlamaCppPython(path, cfg)
+        return _Sides(model, plain, ram, dict(bench.work.bias))
 
-    def close(self) -> None:
-        if self.sides is not None:
-            self.sides.close()
-            self.sides = None
+    return Lazy(make, _Sides.close)
 
 
 def _timed(calls: list[Callable[[], Any]]) -> float:
@@ -110,7 +103,7 @@ def _fresh(sides: _Sides, *, ram: bool = False) -> None:
 
 # few-shot ---------------------------------------------------------------------------------------
 def few_shot_row(work: Workload) -> Row:
-    loader = _Loader()
+    loader = _loader()
     n_prefix = min(FEW_SHOT_TOKENS, 3 * len(work.prompt))
 
     def run(bench: Bench, r: int) -> dict[str, Sample]:
@@ -166,7 +159,7 @@ QUESTIONS = [
 
 
 def chat_row(work: Workload) -> Row:
-    loader = _Loader()
+    loader = _loader()
 
     def histories(sides: _Sides) -> list[list[dict[str, str]]]:
         """Six turns; each assistant reply in the history is the same fixed text on both
@@ -210,7 +203,7 @@ def chat_row(work: Workload) -> Row:
 
 # two prefixes alternating ------------------------------------------------------------------
 def interleaved_row(work: Workload) -> Row:
-    loader = _Loader()
+    loader = _loader()
     n_prefix = min(INTERLEAVED_TOKENS, 2 * len(work.prompt) + 100)
 
     def run(bench: Bench, r: int) -> dict[str, Sample]:
@@ -252,7 +245,7 @@ def interleaved_row(work: Workload) -> Row:
 
 # time to first token -----------------------------------------------------------------------
 def ttft_row(work: Workload) -> Row:
-    loader = _Loader()
+    loader = _loader()
     n_prefix = min(FEW_SHOT_TOKENS, 3 * len(work.prompt))
 
     def run(bench: Bench, r: int) -> dict[str, Sample]:

@@ -10,6 +10,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Generic, TypeVar
 
 from bench.runners import Lcgen, LlamaCppPython, RawLoop, Sample, Workload
 
@@ -32,6 +33,33 @@ class Bench:
     llama_cpp_python: LlamaCppPython
     lcgen: Lcgen
     scratch: Path
+
+
+T = TypeVar("T")
+
+
+class Lazy(Generic[T]):
+    """What a row loads itself (another model, a second llama-cpp-python) on first use, and
+    frees once after its last round (pass :meth:`close` as the row's ``close``).
+
+    Args:
+        make: loads it, given the bench.
+        free: frees it.
+    """
+
+    def __init__(self, make: Callable[[Bench], T], free: Callable[[T], None]) -> None:
+        self._make, self._free = make, free
+        self._value: T | None = None
+
+    def get(self, bench: Bench) -> T:
+        if self._value is None:
+            self._value = self._make(bench)
+        return self._value
+
+    def close(self) -> None:
+        if self._value is not None:
+            value, self._value = self._value, None
+            self._free(value)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,7 +26,7 @@ from typing import Any
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 import lcgen
-from bench.harness import Bench, Check, Row, RowFactory, at_least, interleaved
+from bench.harness import Bench, Check, Lazy, Row, RowFactory, at_least, interleaved
 from bench.runners import LlamaCppPython, Sample, Workload, load_lcgen
 
 COPY_MIN_RATIO = 2.0
@@ -106,33 +106,25 @@ def lcgen_after_first(
     return sample
 
 
-class _Lookup:
+def _lookup() -> Lazy[LlamaCppPython]:
     """llama-cpp-python with its prompt-lookup draft model, loaded on first use."""
 
-    def __init__(self) -> None:
-        self.side: LlamaCppPython | None = None
+    def make(bench: Bench) -> LlamaCppPython:
+        return LlamaCppPython(
+            bench.lcgen.model.path,
+            bench.llama_cpp_python.cfg,
+            logits_all=True,  # its draft path needs it (else it fails to store scores)
+            draft_model=LlamaPromptLookupDecoding(),
+        )
 
-    def get(self, bench: Bench) -> LlamaCppPython:
-        if self.side is None:
-            self.side = LlamaCppPython(
-                bench.lcgen.model.path,
-                bench.llama_cpp_python.cfg,
-                logits_all=True,  # its draft path needs it (else it fails to store scores)
-                draft_model=LlamaPromptLookupDecoding(),
-            )
-        return self.side
-
-    def close(self) -> None:
-        if self.side is not None:
-            self.side.close()
-            self.side = None
+    return Lazy(make, LlamaCppPython.close)
 
 
 def _measures(
     prompt_of: Callable[[lcgen.Model], tuple[int, ...]],
     n_tokens: Callable[[Workload], int],
     *,
-    lookup: _Lookup | None = None,
+    lookup: Lazy[LlamaCppPython] | None = None,
     grammar: lcgen.Grammar | None = None,
 ) -> dict[str, Callable[[Bench], Sample]]:
     def options(bench: Bench) -> dict[str, Any]:
@@ -170,7 +162,7 @@ def _units(names: Mapping[str, Any]) -> dict[str, str]:
 
 
 def copy_row(work: Workload) -> Row:
-    lookup = _Lookup()
+    lookup = _lookup()
     measures = _measures(copy_prompt, lambda w: w.n_tokens + 1, lookup=lookup)
     return Row(
         "speculate-copy",
@@ -217,34 +209,24 @@ def json_row(work: Workload) -> Row:
     )
 
 
-class _DraftModel:
-    """The bench's model loaded a second time, as a draft model, on first use."""
+def draft_model_row(work: Workload) -> Row:
+    # The bench's model loaded a second time, as a draft model.
+    drafts = Lazy(
+        lambda b: load_lcgen(b.lcgen.model.path, b.llama_cpp_python.cfg), lcgen.Model.close
+    )
+    n = work.n_tokens + 1
 
-    def __init__(self) -> None:
-        self.model: lcgen.Model | None = None
-
-    def get(self, bench: Bench) -> lcgen.Model:
+    def draft_model(bench: Bench) -> lcgen.Model:
         """The draft model, its cache emptied: every run drafts from the same cold state
         (cells cached by an earlier run sit elsewhere in the pool, which moves logits in
         their last bits and flips the draft model's near-ties)."""
-        if self.model is None:
-            self.model = load_lcgen(bench.lcgen.model.path, bench.llama_cpp_python.cfg)
-        self.model.cache.clear()
-        return self.model
-
-    def close(self) -> None:
-        if self.model is not None:
-            self.model.close()
-            self.model = None
-
-
-def draft_model_row(work: Workload) -> Row:
-    drafts = _DraftModel()
-    n = work.n_tokens + 1
+        model = drafts.get(bench)
+        model.cache.clear()
+        return model
 
     def ours(with_draft: bool) -> Callable[[Bench], Sample]:
         def measure(bench: Bench) -> Sample:
-            draft = drafts.get(bench) if with_draft else None
+            draft = draft_model(bench) if with_draft else None
             return lcgen_after_first(bench, free_prompt, n, bias=bench.work.bias, speculate=draft)
 
         return measure
@@ -256,7 +238,7 @@ def draft_model_row(work: Workload) -> Row:
                 max_tokens=n,
                 temperature=0.0,
                 logit_bias=dict(bench.work.bias),
-                speculate=drafts.get(bench),
+                speculate=draft_model(bench),
             )
         return Sample(1.0, out.stats.accepted / max(1, out.stats.drafted))
 

@@ -16,7 +16,7 @@ import sys
 import time
 
 import lcgen
-from bench.harness import Bench, Check, Row, RowFactory, at_least
+from bench.harness import Bench, Check, Lazy, Row, RowFactory, at_least
 from bench.runners import Sample, Workload
 
 TOKENS = 8
@@ -26,21 +26,17 @@ SERIES = {"default": None, "1 thread": 1, "8 threads": 8}
 MIN_RATIO_OVER_8 = 1.0
 
 
-class _Models:
-    """The three models, loaded on first use and closed after the last round."""
+def _load(bench: Bench) -> dict[str, lcgen.Model]:
+    path = bench.lcgen.model.path
+    return {
+        name: lcgen.load(path, n_ctx=256, n_threads=n_threads, cache=False)
+        for name, n_threads in SERIES.items()
+    }
 
-    def __init__(self) -> None:
-        self.models: dict[str, lcgen.Model] = {}
 
-    def get(self, bench: Bench, name: str) -> lcgen.Model:
-        if name not in self.models:
-            path = bench.lcgen.model.path
-            self.models[name] = lcgen.load(path, n_ctx=256, n_threads=SERIES[name], cache=False)
-        return self.models[name]
-
-    def close(self) -> None:
-        while self.models:
-            self.models.popitem()[1].close()
+def _close(models: dict[str, lcgen.Model]) -> None:
+    for model in models.values():
+        model.close()
 
 
 def _decode(model: lcgen.Model, bias: dict[int, float]) -> Sample:
@@ -53,18 +49,17 @@ def _decode(model: lcgen.Model, bias: dict[int, float]) -> Sample:
 
 
 def threads_row(work: Workload) -> Row:
-    models = _Models()
+    models = Lazy(_load, _close)
     bias = dict(work.bias)
 
     def round_(bench: Bench, r: int) -> dict[str, Sample]:
         names = list(SERIES)
         names = names[r % len(names) :] + names[: r % len(names)]
-        for name in names:  # loaded before the load starts
-            models.get(bench, name)
+        loaded = models.get(bench)  # before the load starts
         spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
         try:
             time.sleep(0.5)  # let it take its core
-            return {name: _decode(models.get(bench, name), bias) for name in names}
+            return {name: _decode(loaded[name], bias) for name in names}
         finally:
             spinner.kill()
             spinner.wait()
