@@ -26,7 +26,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         "model", help="registry name (see `lcgen models`), .gguf path or hf:org/repo/file"
     )
     p.add_argument("--n-ctx", type=int, default=4096, help="context size in tokens (default 4096)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: cores, <= 8)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads, fixed (default: adapts to the load, at most the cores, <= 8)",
+    )
     p.add_argument(
         "--gpu-layers",
         type=int,
@@ -565,7 +570,10 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("context", f"{model.n_ctx:,} tokens (trained on {trained})"),
         ("chat template", "yes" if model.metadata("tokenizer.chat_template") else "no"),
         ("backend", model.backend),
-        ("threads", str(model.n_threads)),
+        (
+            "threads",
+            f"{model.n_threads}{', fewer while cores are busy' if model.adaptive_threads else ''}",
+        ),
     ]
     for key, value in rows:
         print(f"{key:<14} {value}")

@@ -90,13 +90,30 @@ def _check_threads(n_threads: int) -> int:
 
 
 def _default_threads() -> int:
-    """The cores this process may really use (CPU affinity, a cgroup CPU quota), at most 8:
-    more threads than cores slow llama.cpp many times over."""
+    """The physical cores this process may really use (CPU affinity, a cgroup CPU quota), at
+    most 8: more threads than cores slow llama.cpp many times over, and two threads on one
+    core's hardware threads gain little."""
     try:
-        cores = len(os.sched_getaffinity(0))
+        cpus = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
+        cpus = list(range(os.cpu_count() or 1))
+    cores = physical_cores(cpus)
     return max(1, min(8, cores, _cgroup_quota() or cores))
+
+
+def physical_cores(cpus: list[int], root: Path = Path("/sys/devices/system/cpu")) -> int:
+    """How many physical cores the logical CPUs ``cpus`` are on (Linux's CPU topology);
+    ``len(cpus)`` where the topology cannot be read."""
+    cores = set()
+    for cpu in cpus:
+        topology = root / f"cpu{cpu}" / "topology"
+        try:
+            package = (topology / "physical_package_id").read_text(encoding="ascii").strip()
+            core = (topology / "core_id").read_text(encoding="ascii").strip()
+        except (OSError, UnicodeDecodeError):
+            return len(cpus)
+        cores.add((package, core))
+    return len(cores) or len(cpus)
 
 
 def _cgroup_quota() -> int | None:
@@ -150,7 +167,11 @@ class Model:
             prefixes share them (at most 256, ``n_ctx`` and ``n_batch``; None: 32 within those
             bounds; each slot costs one row of logits, n_vocab floats).
         n_gpu_layers: layers to offload; None offloads all when a GPU/Metal backend is built in.
-        n_threads: CPU threads; None picks the number of cores (at most 8).
+        n_threads: CPU threads, fixed; None adapts the count to the machine's load: at most
+            the physical cores this process may use (CPU affinity, a cgroup quota; at most 8;
+            on a CPU-only model), fewer
+            while other programs keep cores busy (measured as it decodes; the logits do not
+            depend on the count).
         flash_attn: use flash attention; None lets llama.cpp decide (on where supported).
             Keep it on for exact rewinds: without it, a token's logits depend on the batch
             and on where its cells sit in the pool (measured). Off decodes faster on some CPUs
@@ -187,7 +208,9 @@ class Model:
         verbose: bool = False,
     ) -> None:
         n_seq_max = _check_sizes(n_ctx, n_batch, n_seq_max)
+        # The most threads; with adaptive_threads, decodes use the count measured fastest.
         self.n_threads = _check_threads(n_threads) if n_threads is not None else _default_threads()
+        self.adaptive_threads = n_threads is None
         init(verbose)
         self.path = Path(path)
         if n_gpu_layers is None:
@@ -207,6 +230,9 @@ class Model:
         self.description = describe(self._handle.description(), self.n_params)
         # Where the layers run: "CPU", or the GPU backend and how many layers it holds.
         self.n_gpu_layers = self._handle.n_offloaded
+        # With layers on a GPU, the CPU threads wait for it: their share of a decode's time
+        # says nothing about free cores.
+        self.adaptive_threads = self.adaptive_threads and self.n_gpu_layers == 0
         self.backend = backend_summary(
             self._handle.devices, self.n_gpu_layers, self._handle.n_offloadable
         )
@@ -216,7 +242,14 @@ class Model:
         n_ctx = n_ctx or self._handle.n_ctx_train
         self.flash_attn = flash_attn  # None: llama.cpp decides
         self.context = Context(
-            self._handle, n_ctx, n_batch, n_seq_max, self.n_threads, flash_attn, swa_full
+            self._handle,
+            n_ctx,
+            n_batch,
+            n_seq_max,
+            self.n_threads,
+            flash_attn,
+            swa_full,
+            adaptive_threads=self.adaptive_threads,
         )
         self.cache = KVStore(
             self.context,

@@ -87,6 +87,10 @@ class ContextHandle:
             raise ClosedError(f"the model {self.name} is closed; load it again with lcgen.load()")
         return self.ptr
 
+    def set_threads(self, n_threads: int) -> None:
+        """The CPU threads of the next decodes (single tokens and batches alike)."""
+        C.llama_set_n_threads(self.live(), n_threads, n_threads)
+
     def close(self) -> None:
         ptr, self.ptr = self.ptr, None
         if ptr:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,7 @@ from lcgen._native.context import ContextHandle
 from lcgen._native.model import ModelHandle
 from lcgen.errors import ClosedError, ContextFullError
 from lcgen.runtime.cells import CellLedger
+from lcgen.runtime.threads import ThreadTuner
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +56,15 @@ class Context:
         n_threads: int,
         flash_attn: bool | None = None,
         swa_full: bool = True,
+        adaptive_threads: bool = False,
     ) -> None:
         self._handle = ContextHandle(
             model, n_ctx, n_batch, n_seq_max, n_threads, flash_attn, swa_full
+        )
+        # With adaptive threads, each decode runs with the count measured fastest (at most
+        # n_threads): see lcgen.runtime.threads.
+        self.threads = (
+            ThreadTuner(n_threads, self._handle.set_threads) if adaptive_threads else None
         )
         self.lock = threading.RLock()
         self._idle = threading.Condition(self.lock)
@@ -207,11 +215,18 @@ class Context:
         ]
 
     def _decode_chunk(self, flat: _Flat, start: int, end: int) -> np.ndarray:
+        arrays = (flat[0][start:end], flat[1][start:end], flat[2][start:end], flat[3][start:end])
+        threads = self.threads
         while True:
             try:
-                return self._handle.decode(
-                    flat[0][start:end], flat[1][start:end], flat[2][start:end], flat[3][start:end]
-                )
+                if threads is None:
+                    return self._handle.decode(*arrays)
+                threads.before(end - start)
+                wall, cpu = time.perf_counter(), time.process_time()
+                logits = self._handle.decode(*arrays)
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                threads.after(end - start, wall, cpu)
+                return logits
             except ContextFullError:
                 if self.on_full is None or not self.on_full():
                     raise
