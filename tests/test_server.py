@@ -245,6 +245,166 @@ def test_lcgen_extras(client: openai.OpenAI) -> None:
     assert fast.choices[0].message.content == plain
 
 
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {
+                "city": {"type": "string", "maxLength": 30},
+                "unit": {"enum": ["celsius", "fahrenheit"]},
+            },
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {
+    "type": "function",
+    "function": {
+        "name": "get_time",
+        "parameters": {
+            "type": "object",
+            "properties": {"zone": {"type": "string", "maxLength": 20}},
+            "required": ["zone"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _check_call(call: Any, tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The call's arguments, validated against the parameters of the function it names."""
+    assert call.type == "function" and call.id.startswith("call_")
+    (tool,) = [t for t in tools if t["function"]["name"] == call.function.name]
+    arguments = json.loads(call.function.arguments)
+    jsonschema.validate(arguments, tool["function"]["parameters"])
+    return arguments
+
+
+def test_tool_calls_required_named_and_streamed(client: openai.OpenAI) -> None:
+    tools = [WEATHER, TIME]
+    reply = chat(client, messages=ASK, tools=tools, tool_choice="required", max_tokens=60)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    _check_call(call, tools)
+    named = chat(
+        client,
+        messages=ASK,
+        tools=tools,
+        tool_choice={"type": "function", "function": {"name": "get_time"}},
+        max_tokens=60,
+    ).choices[0]
+    assert named.message.tool_calls[0].function.name == "get_time"
+    _check_call(named.message.tool_calls[0], tools)
+    # Sampled calls validate too.
+    for seed in range(4):
+        sampled = chat(
+            client,
+            messages=ASK,
+            tools=tools,
+            tool_choice="required",
+            max_tokens=80,
+            temperature=1.0,
+            seed=seed,
+        ).choices[0]
+        if sampled.finish_reason == "tool_calls":
+            _check_call(sampled.message.tool_calls[0], tools)
+        else:  # cut by max_tokens: text, never a broken call
+            assert sampled.finish_reason == "length" and sampled.message.tool_calls is None
+    stream = chat(
+        client, messages=ASK, tools=tools, tool_choice="required", max_tokens=60, stream=True
+    )
+    texts, chunks = streamed_texts(stream)
+    assert texts == {0: ""}  # the call comes whole in its last chunk, not as content
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == "tool_calls"
+    streamed = last.delta.tool_calls[0]
+    assert streamed.index == 0 and streamed.function.name == call.function.name
+    assert json.loads(streamed.function.arguments) == json.loads(call.function.arguments)
+
+
+def test_tool_choice_auto_and_none_and_a_whole_turn(client: openai.OpenAI) -> None:
+    tools = [WEATHER]
+    auto = chat(client, messages=ASK, tools=tools, max_tokens=60).choices[0]
+    if auto.message.tool_calls:  # the model chose to call: a valid call
+        assert auto.finish_reason == "tool_calls"
+        _check_call(auto.message.tool_calls[0], tools)
+    else:  # or text that does not start like a call
+        assert not auto.message.content.startswith("{")
+    for seed in range(4):
+        sampled = chat(
+            client, messages=ASK, tools=tools, max_tokens=80, temperature=1.0, seed=seed
+        ).choices[0]
+        if sampled.message.tool_calls:
+            _check_call(sampled.message.tool_calls[0], tools)
+        elif sampled.finish_reason != "length":
+            assert not sampled.message.content.startswith("{")
+    none = chat(client, messages=ASK, tools=tools, tool_choice="none", max_tokens=24).choices[0]
+    assert none.message.tool_calls is None
+    assert (
+        none.message.content == chat(client, messages=ASK, max_tokens=24).choices[0].message.content
+    )
+    # A whole turn: the call, its result, and the answer in text.
+    call = chat(client, messages=ASK, tools=tools, tool_choice="required", max_tokens=60)
+    message = call.choices[0].message
+    turn = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [message.tool_calls[0].model_dump()]},
+        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "18 C, sunny"},
+    ]
+    answer = chat(client, messages=turn, tools=tools, tool_choice="none", max_tokens=24)
+    assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
+
+
+def test_tool_prompt_tells_the_functions_and_writes_earlier_turns(model: lcgen.Model) -> None:
+    from lcgen.server import tools as server_tools
+    from lcgen.server.requests import ChatRequest
+
+    turn = [
+        {"role": "system", "content": "Be brief."},
+        *ASK,
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    ]
+    req = ChatRequest.model_validate(
+        {"model": NAME, "messages": turn, "tools": [WEATHER], "tool_choice": "auto"}
+    )
+    messages = server_tools.prompt_messages(
+        [m.as_dict() for m in req.messages], req.callable_tools(), req.tool_required
+    )
+    assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
+    assert messages[0]["content"].startswith("Be brief.\n\nYou can call these functions:")
+    assert '"name": "get_weather"' in messages[0]["content"]
+    assert json.loads(messages[2]["content"]) == {
+        "name": "get_weather",
+        "arguments": {"city": "Paris"},
+    }
+    assert messages[3]["content"] == "The function get_weather returned: 18 C"
+    model.chat_tokens(messages)  # the template takes them
+    grammar = server_tools.grammar(req.callable_tools(), required=False)
+    assert grammar.accepts(model, "It is sunny.")
+    assert grammar.accepts(
+        model, '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+    )
+    assert not grammar.accepts(model, '{"name": "get_weather", "arguments": {"town": "Oslo"}}')
+    assert not grammar.accepts(model, " {")
+
+
 def test_logit_bias_and_logprobs(client: openai.OpenAI, model: lcgen.Model) -> None:
     reply = chat(client, max_tokens=6, logprobs=True, top_logprobs=3).choices[0]
     entries = reply.logprobs.content
@@ -392,6 +552,23 @@ BAD = [
     (_body(response_format={"type": "xml"}), "response_format.type"),
     (_body(seed=-1), None),
     (_body(top_logprobs=99, logprobs=True), "top_logprobs"),
+    (_body(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools.0.function.name"),
+    (_body(tools=[{"type": "code"}]), "tools.0.type"),
+    (_body(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="always"), None),
+    (
+        _body(
+            tools=[{"type": "function", "function": {"name": "f"}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+        ),
+        "tool_choice",
+    ),
+    (
+        _body(tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]),
+        "tools",
+    ),
+    (_body(tools=[{"type": "function", "function": {"name": "f"}}], regex="a"), None),
+    (_body(messages=[{"role": "user"}]), "messages.0"),
+    (_body(messages=[{"role": "tool", "content": "1", "tool_calls": []}]), None),
 ]
 
 

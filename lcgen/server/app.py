@@ -22,6 +22,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import lcgen
+from lcgen.server import tools
 from lcgen.server.engine import Engine, Failed, Finished, Job, Piece, QueueFullError
 from lcgen.server.requests import (
     APIError,
@@ -59,12 +60,15 @@ class _Server:
     # endpoints -------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         req = await self._request(request, ChatRequest)
-        messages = [m.as_dict() for m in req.messages]
+        callable_tools = req.callable_tools()
+        messages = tools.prompt_messages(
+            [m.as_dict() for m in req.messages], callable_tools, req.tool_required
+        )
         try:
             prompt = await run_in_threadpool(self.model.chat_tokens, messages)
         except ValueError as exc:
             raise APIError(400, f"messages: {exc}", param="messages") from None
-        return await self._generate(request, req, [prompt], "chat")
+        return await self._generate(request, req, [prompt], "chat", bool(callable_tools))
 
     async def completions(self, request: Request) -> Response:
         req = await self._request(request, CompletionRequest)
@@ -176,7 +180,12 @@ class _Server:
 
     # answering -----------------------------------------------------------------------------
     async def _generate(
-        self, request: Request, req: AnyRequest, prompts: list[list[int]], kind: Kind
+        self,
+        request: Request,
+        req: AnyRequest,
+        prompts: list[list[int]],
+        kind: Kind,
+        calls_tools: bool = False,
     ) -> Response:
         loop = asyncio.get_running_loop()
         job = await run_in_threadpool(self._job, req, prompts, kind, loop)
@@ -184,7 +193,7 @@ class _Server:
             self.engine.submit(job)
         except QueueFullError as exc:
             raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
-        reply = Reply(kind, req.model, self.model, n_logprobs(req) is not None)
+        reply = Reply(kind, req.model, self.model, n_logprobs(req) is not None, calls_tools)
         count = _Count(prompts, req.n)
         if req.stream:
             events = self._events(job, reply, count, req.include_usage)
@@ -217,7 +226,7 @@ class _Server:
             async for item in job.items():
                 if isinstance(item, Piece):
                     entries = reply.take(outputs[item.index], item.chunk)
-                    event = reply.piece_chunk(item.index, item.chunk, entries)
+                    event = reply.piece_chunk(outputs[item.index], item.chunk, entries)
                     if event is not None:
                         yield json.dumps(event)
                 elif isinstance(item, Finished):

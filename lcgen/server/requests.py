@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 import lcgen
+from lcgen.server import tools as tooling
+from lcgen.server.tools import Tool, ToolCall, ToolChoice
 
 MAX_STOPS = 16
 MAX_N = 16
@@ -65,16 +67,34 @@ class TextPart(_Strict):
 
 
 class Message(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=tooling.MAX_TOOLS)] | None = None
+    tool_call_id: str | None = None
 
-    def as_dict(self) -> dict[str, str]:
-        text = self.content
+    @model_validator(mode="after")
+    def _check(self) -> Message:
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError(f"a {self.role} message needs content")
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only an assistant message has tool_calls")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        text = self.content or ""
         if not isinstance(text, str):
             text = "".join(part.text for part in text)
         # The chat templates know "system"; "developer" is OpenAI's newer name for it.
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out: dict[str, Any] = {
+            "role": "system" if self.role == "developer" else self.role,
+            "content": text,
+        }
+        if self.tool_calls:
+            out["tool_calls"] = self.tool_calls
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class JsonSchemaFormat(_Strict):
@@ -136,6 +156,24 @@ class ChatRequest(_Common):
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     response_format: ResponseFormat | None = None
+    tools: Annotated[list[Tool], Field(max_length=tooling.MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def callable_tools(self) -> list[Tool]:
+        """The tools this reply may call (see :func:`lcgen.server.tools.active`).
+
+        Raises:
+            APIError: 400, ``tool_choice`` names a function not in ``tools``.
+        """
+        try:
+            return tooling.active(self.tools, self.tool_choice)
+        except ValueError as exc:
+            raise APIError(400, f"tool_choice: {exc}", param="tool_choice") from None
+
+    @property
+    def tool_required(self) -> bool:
+        return self.tool_choice is not None and self.tool_choice not in ("auto", "none")
 
 
 class CompletionRequest(_Common):
@@ -237,9 +275,12 @@ def _logit_bias(bias: dict[str, float] | None, n_vocab: int) -> dict[int, float]
 
 def _constraint(req: ChatRequest | CompletionRequest) -> dict[str, Any]:
     """The one constraint given (response_format, grammar, regex or choice) as a grammar."""
+    callable_tools = req.callable_tools() if isinstance(req, ChatRequest) else []
+    required = isinstance(req, ChatRequest) and req.tool_required
     given: list[tuple[str, Any]] = [
         (name, value)
         for name, value in (
+            ("tools", (callable_tools, required) if callable_tools else None),
             ("response_format", _format_schema(req)),
             ("grammar", req.grammar),
             ("regex", req.regex),
@@ -260,6 +301,8 @@ def _constraint(req: ChatRequest | CompletionRequest) -> dict[str, Any]:
 
 
 def _compile(name: str, value: Any) -> lcgen.Grammar:
+    if name == "tools":
+        return tooling.grammar(*value)
     if name == "grammar":
         if "::=" in value:
             return lcgen.Grammar(value)

@@ -14,6 +14,7 @@ from typing import Any, Literal
 
 import lcgen
 from lcgen import Chunk
+from lcgen.server.tools import parse_call
 
 # lcgen's finish reasons as OpenAI's: "retries" (banned phrases or hooks rejected more than
 # max_retries candidates) is the closest OpenAI has to a refusal by a filter.
@@ -33,10 +34,17 @@ class Output:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
+    _call: dict[str, Any] | None = None
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
+
+    def tool_call(self) -> dict[str, Any] | None:
+        """The finished output as a tool call (one id however often asked), or None."""
+        if self._call is None:
+            self._call = parse_call(self.text)
+        return self._call
 
 
 class Reply:
@@ -47,14 +55,19 @@ class Reply:
         model_name: the model name the reply gives.
         model: for the text of tokens in log-probabilities.
         logprobs: whether the request asked for log-probabilities.
+        tools: whether a reply may be a tool call (one that starts with ``{``: streamed as
+            one ``tool_calls`` delta when it ends).
     """
 
-    def __init__(self, kind: Kind, model_name: str, model: lcgen.Model, logprobs: bool) -> None:
-        self.kind, self.model_name, self.model, self.with_logprobs = (
+    def __init__(
+        self, kind: Kind, model_name: str, model: lcgen.Model, logprobs: bool, tools: bool = False
+    ) -> None:
+        self.kind, self.model_name, self.model, self.with_logprobs, self.tools = (
             kind,
             model_name,
             model,
             logprobs,
+            tools,
         )
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -130,21 +143,29 @@ class Reply:
         return self._object([choice], True)
 
     def piece_chunk(
-        self, index: int, chunk: Chunk, entries: list[dict[str, Any]]
+        self, out: Output, chunk: Chunk, entries: list[dict[str, Any]]
     ) -> dict[str, Any] | None:
-        """A stream chunk with a piece's text (None when it has neither text nor entries)."""
-        if not chunk.text and not entries:
+        """A stream chunk with a piece's text (None when it has neither text nor entries, or
+        the output is a tool call, sent whole at its end). ``out`` has taken the chunk."""
+        if (not chunk.text and not entries) or (self.tools and out.text.startswith("{")):
             return None
-        choice = self._choice(index, chunk.text, entries, None)
+        choice = self._choice(out.index, chunk.text, entries, None)
         if self.kind == "chat":
             choice["delta"] = {"content": chunk.text}
         return self._object([choice], True)
 
     def end_chunk(self, out: Output) -> dict[str, Any]:
-        """A stream chunk that ends a choice (its finish reason)."""
+        """A stream chunk that ends a choice (its finish reason; a tool call whole)."""
+        call = out.tool_call() if self.tools else None
+        if call is not None:
+            choice = self._choice(out.index, "", [], "tool_calls")
+            choice["delta"] = {"tool_calls": [{"index": 0, **call}]}
+            return self._object([choice], True)
         choice = self._choice(out.index, "", [], out.finish_reason or "stop")
         if self.kind == "chat":
-            choice["delta"] = {}
+            # A tool call cut short is sent as the text it is.
+            text = out.text if self.tools and out.text.startswith("{") else None
+            choice["delta"] = {"content": text} if text else {}
         return self._object([choice], True)
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
@@ -155,9 +176,13 @@ class Reply:
         """The reply when it is not streamed."""
         choices = []
         for out in outputs:
-            choice = self._choice(out.index, out.text, [], out.finish_reason or "stop")
+            call = out.tool_call() if self.tools else None
+            reason = "tool_calls" if call is not None else out.finish_reason or "stop"
+            choice = self._choice(out.index, out.text, [], reason)
             choice["logprobs"] = self._logprobs_object(out.logprobs)
-            if self.kind == "chat":
+            if call is not None:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+            elif self.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": out.text}
             choices.append(choice)
         return {**self._object(choices, False), "usage": usage}

@@ -1,0 +1,190 @@
+"""Function calling: OpenAI's ``tools`` and ``tool_choice``, with calls that always parse.
+
+The model is told the functions in the system message and asked to call one by replying with
+only ``{"name": ..., "arguments": ...}``. The reply is constrained so that such a call is
+always valid: with ``tool_choice`` ``"required"`` or a named function it must be a call whose
+arguments validate against that function's ``parameters``; with ``"auto"`` it is either such a
+call (a reply that starts with ``{``) or text that does not start with ``{``. A reply that is
+a call comes back as ``tool_calls`` with ``finish_reason`` ``"tool_calls"``. One call per
+reply (``parallel_tool_calls`` is accepted; the model calls again in the next turn).
+
+Earlier turns go back into the prompt in the same shapes: an assistant's calls as those JSON
+objects, a tool's result as a user message naming the function (chat templates differ in the
+roles they know; every one knows ``user``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+import lcgen
+
+MAX_TOOLS = 128
+_TEXT_RULE = "lcgen-reply-text"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class FunctionDef(_Strict):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")]
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Strict):
+    name: str
+
+
+class NamedChoice(_Strict):
+    type: Literal["function"]
+    function: FunctionName
+
+
+ToolChoice = Literal["none", "auto", "required"] | NamedChoice
+
+
+class CalledFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(_Strict):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
+def active(tools: list[Tool] | None, choice: ToolChoice | None) -> list[Tool]:
+    """The tools the reply may call: none without tools or with ``tool_choice: "none"``, the
+    named one, or all.
+
+    Raises:
+        ValueError: the named function is not among the tools.
+    """
+    if not tools or choice == "none":
+        return []
+    if isinstance(choice, NamedChoice):
+        named = [t for t in tools if t.function.name == choice.function.name]
+        if not named:
+            names = [t.function.name for t in tools]
+            raise ValueError(f"names {choice.function.name!r}, which is not in tools {names}")
+        return named
+    return tools
+
+
+def instructions(tools: list[Tool], required: bool) -> str:
+    """The system message's text that tells the model the functions and how to call one."""
+    lines = ["You can call these functions:"]
+    for tool in tools:
+        fn = tool.function
+        entry: dict[str, Any] = {"name": fn.name}
+        if fn.description:
+            entry["description"] = fn.description
+        entry["parameters"] = fn.parameters or {"type": "object"}
+        lines.append(json.dumps(entry, ensure_ascii=False))
+    lines.append(
+        'To call a function, reply with only a JSON object: {"name": <the function\'s name>, '
+        '"arguments": <an object of its parameters>}.'
+        + (" Reply with a function call." if required else " Otherwise reply in text.")
+    )
+    return "\n".join(lines)
+
+
+def grammar(tools: list[Tool], required: bool) -> lcgen.Grammar:
+    """The reply's constraint: a call of one of ``tools``, or (unless ``required``) text that
+    does not start with ``{``.
+
+    Raises:
+        lcgen.GrammarError: a function's parameters are not a JSON Schema lcgen supports.
+    """
+    calls = []
+    for tool in tools:
+        params = tool.function.parameters or {"type": "object"}
+        calls.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool.function.name}, "arguments": params},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+        )
+    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    call = lcgen.Grammar.from_json_schema(schema)
+    if required:
+        return call
+    # The schema's grammar defines its root on the first line and never refers to it.
+    first, rest = call.gbnf.split("\n", 1)
+    assert first.startswith("root ::= ") and not re.search(rf"^{_TEXT_RULE} ", rest, re.M)
+    body = first.removeprefix("root ::= ")
+    return lcgen.Grammar(
+        f"root ::= ({body}) | {_TEXT_RULE}\n{rest}{_TEXT_RULE} ::= [^{{ \\t\\n\\r] .*\n"
+    )
+
+
+def prompt_messages(
+    messages: list[dict[str, Any]], tools: list[Tool], required: bool
+) -> list[dict[str, str]]:
+    """Messages for the chat template: the tools described in the (first) system message,
+    calls and results of earlier turns written out as text."""
+    names: dict[str, str] = {}  # call id -> function name
+    out: list[dict[str, str]] = []
+    for message in messages:
+        role, text = message["role"], message.get("content") or ""
+        if role == "assistant" and message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                names[call.id] = call.function.name
+                calls.append(_call_text(call))
+            text = "\n".join([text, *calls] if text else calls)
+        elif role == "tool":
+            name = names.get(message.get("tool_call_id") or "", "a function")
+            role, text = "user", f"The function {name} returned: {text}"
+        out.append({"role": role, "content": text})
+    if tools:
+        told = instructions(tools, required)
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{told}"}
+        else:
+            out.insert(0, {"role": "system", "content": told})
+    return out
+
+
+def _call_text(call: ToolCall) -> str:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        arguments = call.function.arguments
+    return json.dumps({"name": call.function.name, "arguments": arguments}, ensure_ascii=False)
+
+
+def parse_call(text: str) -> dict[str, Any] | None:
+    """The reply as an OpenAI tool call, or None when it is text (or a call cut short)."""
+    if not text.startswith("{"):
+        return None
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(value, dict) or set(value) != {"name", "arguments"}:
+        return None
+    return {
+        "id": "call_" + uuid.uuid4().hex[:24],
+        "type": "function",
+        "function": {
+            "name": value["name"],
+            "arguments": json.dumps(value["arguments"], ensure_ascii=False),
+        },
+    }
