@@ -39,7 +39,8 @@ Rows (:data:`ROWS`: name -> factory building the row from the workload; they run
   with the same GBNF, on ``--schemas`` schemas; ``constrained-gemma`` loads Gemma 3 270M
   itself, is left out (with a message) when it is not installed, and is not in ``--quick``'s
   default rows. ``grammar-rollback``: the grammar's checkpoint costs against a decoded token
-  (see :mod:`bench.constrained`).
+  (see :mod:`bench.constrained`). ``mask-gemma``: a full-vocabulary mask on Gemma 3, lcgen
+  beside llguidance when installed (see :mod:`bench.masks`).
 - ``speculate-copy``, ``speculate-free``, ``speculate-json``: speculative decoding with drafts
   looked up in the sequence's own tokens, against the same generation without and against
   llama-cpp-python's prompt lookup (see :mod:`bench.speculation`).
@@ -67,6 +68,7 @@ from bench import (
     checkpoints,
     constrained,
     continuous,
+    masks,
     rows,
     schema_compile,
     server,
@@ -117,6 +119,7 @@ ROWS: dict[str, RowFactory] = {
     **checkpoints.FACTORIES,
     **constrained.FACTORIES,
     **schema_compile.FACTORIES,
+    **masks.FACTORIES,
     **antislop.FACTORIES,
     **continuous.FACTORIES,
     **cache.FACTORIES,
@@ -126,7 +129,7 @@ ROWS: dict[str, RowFactory] = {
 }
 PROG = "python bench/run.py"
 # Load a second model or start servers: only when named under --quick.
-NOT_QUICK = ("constrained-gemma", *server.FACTORIES, *threads.FACTORIES)
+NOT_QUICK = ("constrained-gemma", *masks.FACTORIES, *server.FACTORIES, *threads.FACTORIES)
 DESCRIPTION = (
     "Benchmark lcgen against the raw llama.cpp loop and llama-cpp-python, its checkpoint "
     "operations (rewind, fork, save/load) and its grammar constraints against their targets."

@@ -262,6 +262,18 @@ def test_gemma_row_runs_on_its_own_model(tmp_path: Path, model_path: Path) -> No
     assert results["settings"]["skipped"] == {}
 
 
+def test_mask_row_walks_a_valid_instance_on_gemma(tmp_path: Path, model_path: Path) -> None:
+    try:
+        resolve(constrained.GEMMA_MODEL, download=False)
+    except lcgen.LcgenError:
+        pytest.skip(f"{constrained.GEMMA_MODEL} is not installed")
+    results = run_quick(tmp_path, model_path, "--rows", "mask-gemma")
+    figures = {r["implementation"]: r["median"] for r in results["rows"]}
+    assert 0 < figures["lcgen p50"] <= figures["lcgen p99"]
+    targets = {c["implementation"]: c["target"] for c in results["checks"]}
+    assert targets["lcgen p50"] == 0.2 and targets["lcgen p99"] == 2.0
+
+
 def test_rows_that_load_a_model_close_it_after_their_rounds() -> None:
     closed: list[str] = []
 
