@@ -16,6 +16,7 @@ from typing import Any, TypeVar, Unpack, overload
 
 import numpy as np
 
+from lcgen._native.cpu import performance_cores
 from lcgen._native.log import init, supports_gpu_offload
 from lcgen._native.model import ModelHandle, render_chat_template
 from lcgen.decoding import Chunk, GenerateOptions, Plan, Text, make_plan
@@ -90,14 +91,14 @@ def _check_threads(n_threads: int) -> int:
 
 
 def _default_threads() -> int:
-    """The physical cores this process may really use (CPU affinity, a cgroup CPU quota), at
-    most 8: more threads than cores slow llama.cpp many times over, and two threads on one
-    core's hardware threads gain little."""
+    """The physical cores this process may really use (CPU affinity, a cgroup CPU quota; on
+    macOS the performance cores), at most 8: more threads than cores slow llama.cpp many times
+    over, and two threads on one core's hardware threads gain little."""
     try:
         cpus = sorted(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         cpus = list(range(os.cpu_count() or 1))
-    cores = physical_cores(cpus)
+    cores = performance_cores() or physical_cores(cpus)
     return max(1, min(8, cores, _cgroup_quota() or cores))
 
 
@@ -264,6 +265,13 @@ class Model:
     def n_ctx(self) -> int:
         """The most tokens one sequence can hold."""
         return self.context.n_ctx
+
+    @property
+    def threads_now(self) -> int:
+        """The threads decodes use now: ``n_threads``, or fewer while an adaptive count finds
+        cores busy."""
+        tuner = self.context.threads
+        return self.n_threads if tuner is None else tuner.n
 
     @functools.cached_property
     def fingerprint(self) -> str:

@@ -472,6 +472,8 @@ def test_concurrent_clients_equal_serial_runs(client: openai.OpenAI, url: str) -
     state = health(url)
     assert state["queue"] == {"waiting": 0, "running": 0, "max": 64}
     assert state["slots"]["live"] == 0
+    threads = state["threads"]
+    assert threads["adaptive"] and 1 <= threads["now"] <= threads["max"]
 
 
 def test_disconnect_mid_stream_frees_the_slot(url: str) -> None:

@@ -4,6 +4,7 @@ rests on, checked on the real models: the logits do not depend on the thread cou
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -144,8 +145,10 @@ def test_the_default_is_adaptive_and_an_explicit_count_is_fixed(
 ) -> None:
     assert model.adaptive_threads and model.context.threads is not None
     assert model.context.threads.n_max == model.n_threads
+    assert model.threads_now == model.context.threads.n
     with lcgen.load(model_path, n_ctx=256, n_threads=1) as fixed:
         assert not fixed.adaptive_threads and fixed.context.threads is None
+        assert fixed.threads_now == fixed.n_threads == 1
 
 
 def test_physical_cores_count_hardware_threads_of_one_core_once(tmp_path: Path) -> None:
@@ -204,3 +207,25 @@ def test_logits_are_bit_identical_for_any_thread_count(name: str, model_path: Pa
     for other in results[1:]:
         assert np.array_equal(first[0], other[0])  # a batch of three sequences
         assert other[1] == first[1] and other[2] == first[2]  # a sampled run, its logprobs
+
+
+def test_macos_counts_its_performance_cores(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from lcgen._native import cpu
+
+    assert cpu.performance_cores() is None  # not macOS
+
+    class Libc:
+        def sysctlbyname(self, name: bytes, value: Any, size: Any, new: Any, n: int) -> int:
+            assert name == b"hw.perflevel0.physicalcpu"
+            value._obj.value = 6
+            return 0
+
+    monkeypatch.setattr(sys, "platform", "darwin")
+    monkeypatch.setattr(cpu.ctypes, "CDLL", lambda path: Libc())
+    assert cpu.performance_cores() == 6
+    monkeypatch.setattr(model_module, "performance_cores", lambda: 6)
+    monkeypatch.setattr(model_module.os, "sched_getaffinity", lambda pid: set(range(10)))
+    monkeypatch.setattr(model_module, "_cgroup_quota", lambda: None)
+    assert model_module._default_threads() == 6  # not the 10 CPUs

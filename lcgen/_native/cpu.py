@@ -13,6 +13,8 @@ slower). The verdict is remembered in lcgen's cache folder, per machine and mode
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import hashlib
 import json
 import os
@@ -146,3 +148,20 @@ def _store(key: str, verdict: bool) -> None:
         os.replace(tmp, path)
     with contextlib.suppress(OSError):
         tmp.unlink()
+
+
+def performance_cores() -> int | None:
+    """On macOS, the performance cores (``hw.perflevel0.physicalcpu``: llama.cpp's threads
+    wait for the slowest, so efficiency cores slow them down); None elsewhere or when the
+    system does not say."""
+    if sys.platform != "darwin":
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        value, size = ctypes.c_int(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_int))
+        rc = libc.sysctlbyname(
+            b"hw.perflevel0.physicalcpu", ctypes.byref(value), ctypes.byref(size), None, 0
+        )
+    except (OSError, AttributeError):
+        return None
+    return value.value if rc == 0 and value.value > 0 else None

@@ -100,6 +100,11 @@ class _Server:
                     "max": self.engine.max_queue,
                 },
                 "cache": dataclasses.asdict(stats),
+                "threads": {
+                    "max": self.model.n_threads,
+                    "now": self.model.threads_now,
+                    "adaptive": self.model.adaptive_threads,
+                },
             }
         )
 
