@@ -12,7 +12,8 @@ The public names, by layer (each layer imports only from those listed before it)
 - vocabulary: ``model.vocab``, a :class:`~lcgen.vocab.Vocab`.
 - constraints: :class:`Grammar`, :class:`GrammarState`.
 - one position: :class:`Generator`, :class:`GeneratorState`, :class:`SamplerConfig`,
-  :class:`Chunk`, :class:`Text`, :class:`GenerationStats`, the hook values :class:`Step`,
+  :class:`Chunk`, :class:`Text`, :class:`GenerationStats`, :class:`TokenLogprob`,
+  :class:`TopLogprob`, the hook values :class:`Step`,
   :class:`Override`, :class:`Resample`, :class:`Rewind`, and :class:`GenerateOptions` /
   :class:`Plan` / :func:`make_plan` (generation options made into a value).
 - live KV: :class:`Sequence`, :class:`Checkpoint`, :class:`SequenceStats`, the runs
@@ -43,6 +44,8 @@ from lcgen.decoding import (
     SamplerConfig,
     Step,
     Text,
+    TokenLogprob,
+    TopLogprob,
     make_plan,
 )
 from lcgen.errors import (
@@ -143,6 +146,8 @@ __all__ = [
     "StateFileError",
     "Step",
     "Text",
+    "TokenLogprob",
+    "TopLogprob",
     "check_draft_model",
     "continuous",
     "generate",

@@ -7,6 +7,7 @@ through the one :class:`~lcgen.runtime.Scheduler`, decoded together one batch pe
 
 from __future__ import annotations
 
+import codecs
 import functools
 import os
 from collections.abc import Iterable, Iterator, Mapping
@@ -20,9 +21,11 @@ from lcgen._native.cpu import performance_cores
 from lcgen._native.log import init, supports_gpu_offload
 from lcgen._native.model import ModelHandle, render_chat_template
 from lcgen.decoding import Chunk, GenerateOptions, Plan, Text, make_plan
-from lcgen.decoding.results import SchemaLike, check_complete, parse_structured
+from lcgen.decoding.generator import logprobs_of
+from lcgen.decoding.results import SchemaLike, TokenLogprob, check_complete, parse_structured
 from lcgen.runtime import Context, Run, Scheduler, Sequence
 from lcgen.runtime.kvstore import KVStore
+from lcgen.runtime.run import decode
 from lcgen.vocab import Vocab
 
 Message = Mapping[str, str]
@@ -35,6 +38,10 @@ DEFAULT_SLOTS = 32
 _MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ
 _MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS
 _MAX_SIZE = 2**31 - 1  # llama.cpp takes sizes as uint32; larger values would wrap
+
+
+# Tokens scored per decode by prompt_logprobs: each needs a row of logits (n_vocab floats).
+_SCORE_CHUNK = 64
 
 
 def _check_sizes(n_ctx: int, n_batch: int, n_seq_max: int | None) -> int:
@@ -453,6 +460,46 @@ class Model:
         for text in texts:
             check_complete(text, plan.constraint, self.vocab)
         return texts if schema is None else [parse_structured(t, schema) for t in texts]
+
+    def prompt_logprobs(self, prompt: str | Seq[int], *, top: int = 0) -> list[TokenLogprob]:
+        """The log-probability of each token of ``prompt`` given the tokens before it (the
+        first token has none: the list starts at the second; with a BOS token, at the first of
+        the text). For scoring, ranking continuations, perplexity.
+
+        Args:
+            prompt: text (tokenized as :meth:`generate` would) or token ids.
+            top: also give the ``top`` most likely tokens at each position.
+
+        Returns:
+            One :class:`TokenLogprob` per token after the first; their texts join to the text
+            after the first token.
+        """
+        top = _check_int("top", top, 0, self.n_vocab)
+        tokens = self.tokenize(prompt) if isinstance(prompt, str) else self.check_tokens(prompt)
+        if not tokens:
+            raise ValueError("the prompt is empty: there is nothing to score")
+        text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        out: list[TokenLogprob] = []
+        with Sequence(self, tokens[:1]) as seq:
+            before: np.ndarray | None = None  # the logits after the last token scored
+            for start in range(1, len(tokens), _SCORE_CHUNK):
+                chunk = tokens[start : start + _SCORE_CHUNK]
+                seq.draft(chunk)
+                rows = decode([seq])[0]
+                # The rows follow the pending token (the first chunk: the first token) and
+                # each draft token: with none pending, the one before the chunk came last time.
+                rows = rows if before is None else np.vstack([before[None], rows])
+                for i, token in enumerate(chunk):
+                    fields = logprobs_of(rows[i], token, top, self.vocab)
+                    piece = text.decode(self.vocab.piece(token))
+                    out.append(
+                        TokenLogprob(token, piece, fields["logprob"], fields["top_logprobs"])
+                    )
+                    seq.append_tokens([token])
+                    confirmed = seq.confirm_draft()
+                    assert confirmed, "a draft token was not kept"
+                before = rows[len(chunk)].copy()
+        return out
 
     def _generate_batch(self, prompts: list[list[int]], plan: Plan) -> list[Text]:
         """Every prompt through the scheduler: as many at once as slots allow, the rest queued,

@@ -171,3 +171,80 @@ def test_a_split_character_belongs_to_its_last_token(
         top = chunk.logprobs[0].top
         assert isinstance(top[0], TopLogprob) and top[0].token == token
         assert top[0].text == "\ufffd"  # one byte of a character, read alone
+
+
+# scoring a prompt ---------------------------------------------------------------------------
+# A scored prompt is decoded in batches of up to 64 tokens, a generation one token a step, and
+# cached cells sit where the pool had room: logits move between batch shapes and cell layouts
+# (measured here: up to 0.28 in log-probability, 0.03 on average), so comparisons across them
+# allow this much; the same shapes on an empty cache give the same bits.
+SHAPE_TOLERANCE = 0.35
+PASSAGE = "The capital of France is Paris. The capital of Germany is Berlin. " * 6
+
+
+def test_prompt_logprobs_score_every_token_after_the_first(model: lcgen.Model) -> None:
+    tokens = model.tokenize(PASSAGE)
+    decoded = model.context.n_decoded
+    scored = model.prompt_logprobs(PASSAGE, top=3)
+    assert model.context.n_decoded - decoded == len(tokens)  # each token decoded once
+    assert [e.token for e in scored] == tokens[1:]
+    assert "".join(e.text for e in scored) == model.detokenize(tokens[1:])
+    for entry in scored:
+        assert entry.logprob <= 0 and len(entry.top) == 3
+        assert [t.logprob for t in entry.top] == sorted(
+            (t.logprob for t in entry.top), reverse=True
+        )
+        assert entry.top[0].logprob >= entry.logprob
+    # The repeated sentences are predictable the second time round.
+    half = len(scored) // 2
+    assert sum(e.logprob for e in scored[half:]) > sum(e.logprob for e in scored[:half])
+    again = model.prompt_logprobs(tokens)  # ids or text alike
+    assert [e.token for e in again] == tokens[1:]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(again, scored, strict=True)) <= (
+        SHAPE_TOLERANCE
+    )
+
+
+def test_prompt_logprobs_agree_with_a_generation_and_across_chunks(
+    model: lcgen.Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompt = model.tokenize("The capital of France is")
+    out = model.generate("The capital of France is", max_tokens=12, temperature=0, logprobs=2)
+    scored = model.prompt_logprobs(prompt + list(out.tokens), top=2)[-len(out.tokens) :]
+    for made, score in zip(out.logprobs or [], scored, strict=True):
+        assert made.token == score.token
+        assert abs(made.logprob - score.logprob) <= SHAPE_TOLERANCE
+        if made.top[0].logprob - made.top[1].logprob > SHAPE_TOLERANCE:
+            assert score.top[0].token == made.token  # greedy's choice, where it is clear
+    whole = model.prompt_logprobs(PASSAGE)
+    monkeypatch.setattr(lcgen.model, "_SCORE_CHUNK", 5)  # chunk boundaries every 5 tokens
+    chunked = model.prompt_logprobs(PASSAGE)
+    assert [e.token for e in chunked] == [e.token for e in whole]
+    assert max(abs(a.logprob - b.logprob) for a, b in zip(whole, chunked, strict=True)) <= (
+        SHAPE_TOLERANCE
+    )
+
+
+def test_prompt_logprobs_repeat_bit_for_bit_whatever_the_small_chunks(
+    cold_model: lcgen.Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = cold_model.prompt_logprobs(PASSAGE, top=2)
+    assert cold_model.prompt_logprobs(PASSAGE, top=2) == first
+    # Batches of 2 to 6 tokens share llama.cpp's kernels with single tokens: chunks of 5 and
+    # of 1 give the same bits, each chunk's first token scored with the row the last left.
+    monkeypatch.setattr(lcgen.model, "_SCORE_CHUNK", 5)
+    fives = cold_model.prompt_logprobs(PASSAGE, top=2)
+    monkeypatch.setattr(lcgen.model, "_SCORE_CHUNK", 1)
+    assert cold_model.prompt_logprobs(PASSAGE, top=2) == fives
+
+
+def test_prompt_logprobs_refuse_what_cannot_be_scored(model: lcgen.Model) -> None:
+    with pytest.raises(ValueError, match="empty"):
+        model.prompt_logprobs([])
+    with pytest.raises(ValueError, match="top"):
+        model.prompt_logprobs("hi there", top=-1)
+    with pytest.raises(ValueError):
+        model.prompt_logprobs([1, model.n_vocab])
+    with pytest.raises(ValueError, match="context"):
+        model.prompt_logprobs("word " * (model.n_ctx + 5))
+    assert model.prompt_logprobs(model.tokenize("Hi")[:1]) == []

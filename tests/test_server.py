@@ -324,8 +324,8 @@ def test_tool_calls_required_named_and_streamed(client: openai.OpenAI) -> None:
     last = chunks[-1].choices[0]
     assert last.finish_reason == "tool_calls"
     streamed = last.delta.tool_calls[0]
-    assert streamed.index == 0 and streamed.function.name == call.function.name
-    assert json.loads(streamed.function.arguments) == json.loads(call.function.arguments)
+    assert streamed.index == 0
+    _check_call(streamed, tools)
 
 
 def test_tool_choice_auto_and_none_and_a_whole_turn(client: openai.OpenAI) -> None:
@@ -344,11 +344,13 @@ def test_tool_choice_auto_and_none_and_a_whole_turn(client: openai.OpenAI) -> No
             _check_call(sampled.message.tool_calls[0], tools)
         elif sampled.finish_reason != "length":
             assert not sampled.message.content.startswith("{")
-    none = chat(client, messages=ASK, tools=tools, tool_choice="none", max_tokens=24).choices[0]
-    assert none.message.tool_calls is None
-    assert (
-        none.message.content == chat(client, messages=ASK, max_tokens=24).choices[0].message.content
-    )
+    none = chat(client, messages=ASK, tools=tools, tool_choice="none", max_tokens=24)
+    assert none.choices[0].message.tool_calls is None
+    # "none" leaves the functions out of the prompt: the same prompt as without tools (found
+    # whole in the cache, all but the last token that gives the logits).
+    plain = chat(client, messages=ASK, max_tokens=24)
+    assert plain.usage.prompt_tokens == none.usage.prompt_tokens
+    assert plain.usage.prompt_tokens_details.cached_tokens == plain.usage.prompt_tokens - 1
     # A whole turn: the call, its result, and the answer in text.
     call = chat(client, messages=ASK, tools=tools, tool_choice="required", max_tokens=60)
     message = call.choices[0].message
@@ -403,6 +405,47 @@ def test_tool_prompt_tells_the_functions_and_writes_earlier_turns(model: lcgen.M
     )
     assert not grammar.accepts(model, '{"name": "get_weather", "arguments": {"town": "Oslo"}}')
     assert not grammar.accepts(model, " {")
+
+
+def test_completion_echo_scores_the_prompt(client: openai.OpenAI, model: lcgen.Model) -> None:
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    tokens = model.tokenize(prompt)
+    # Scoring alone, as evaluation harnesses ask: the prompt back with its log-probabilities.
+    scored = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0
+    )
+    choice = scored.choices[0]
+    assert choice.text == prompt and choice.finish_reason == "length"
+    assert scored.usage.completion_tokens == 0
+    lp = choice.logprobs
+    assert len(lp.tokens) == len(tokens) and lp.token_logprobs[0] is None
+    assert lp.top_logprobs[0] is None and len(lp.top_logprobs[1]) == 1
+    reference = [e.logprob for e in model.prompt_logprobs(tokens)]
+    assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], reference, strict=True)) < 0.35
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    # With a completion: the prompt, then the completion (its tokens after the prompt's).
+    echoed = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=1
+    )
+    text, elp = echoed.choices[0].text, echoed.choices[0].logprobs
+    assert text.startswith(prompt) and len(text) > len(prompt)
+    assert len(elp.tokens) == len(tokens) + echoed.usage.completion_tokens == len(tokens) + 4
+    assert elp.text_offset[len(tokens)] == len(prompt)  # the completion's first token
+    assert "".join(elp.tokens[len(tokens) :]) == text[len(prompt) :]
+    texts, _ = streamed_texts(
+        client.completions.create(
+            model=NAME, prompt=prompt, max_tokens=4, temperature=0, echo=True, stream=True
+        ),
+        "text",
+    )
+    assert texts[0].startswith(prompt) and len(texts[0]) > len(prompt)
+    only, _ = streamed_texts(
+        client.completions.create(
+            model=NAME, prompt=[prompt, "Hi"], max_tokens=0, echo=True, stream=True
+        ),
+        "text",
+    )
+    assert only == {0: prompt, 1: "Hi"}
 
 
 def test_logit_bias_and_logprobs(client: openai.OpenAI, model: lcgen.Model) -> None:
@@ -570,6 +613,7 @@ BAD = [
     ),
     (_body(tools=[{"type": "function", "function": {"name": "f"}}], regex="a"), None),
     (_body(messages=[{"role": "user"}]), "messages.0"),
+    (_body(max_tokens=0), "max_tokens"),
     (_body(messages=[{"role": "tool", "content": "1", "tool_calls": []}]), None),
 ]
 
@@ -596,6 +640,9 @@ def test_request_errors_have_their_status(url: str, model: lcgen.Model) -> None:
     )
     assert status == 400 and reply["error"]["code"] == "context_length_exceeded"
     assert str(model.n_ctx) in reply["error"]["message"]
+    scoring = {"model": NAME, "prompt": long, "max_tokens": 0, "echo": True, "logprobs": 1}
+    status, reply = request(url, "/v1/completions", json.dumps(scoring).encode())
+    assert status == 400 and str(model.n_ctx) in reply["error"]["message"], reply
     status, reply = request(url, "/v1/chat/completions", _body(model="gpt-4"))
     assert status == 404 and reply["error"]["code"] == "model_not_found"
     status, reply = request(url, "/v1/chat/completions", _body(), key=None)

@@ -5,7 +5,7 @@ return, and the :class:`Generator` (logits in, chunk out)."""
 from lcgen.decoding.generator import Generator, GeneratorState
 from lcgen.decoding.hooks import Override, Resample, Rewind, Step
 from lcgen.decoding.options import GenerateOptions, Plan, make_plan
-from lcgen.decoding.results import Chunk, GenerationStats, Text
+from lcgen.decoding.results import Chunk, GenerationStats, Text, TokenLogprob, TopLogprob
 from lcgen.decoding.sampling import SamplerConfig
 
 __all__ = [
@@ -21,5 +21,7 @@ __all__ = [
     "SamplerConfig",
     "Step",
     "Text",
+    "TokenLogprob",
+    "TopLogprob",
     "make_plan",
 ]

@@ -33,7 +33,7 @@ from lcgen.server.requests import (
     options,
     parse,
 )
-from lcgen.server.responses import Kind, Output, Reply, usage
+from lcgen.server.responses import Echo, Kind, Output, Reply, usage
 
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_MAX_BODY_BYTES = 1 << 20
@@ -76,7 +76,25 @@ class _Server:
         prompts = [await run_in_threadpool(self.model.tokenize, text) for text in texts]
         if not all(prompts):
             raise APIError(400, "prompt: a prompt is empty", param="prompt")
-        return await self._generate(request, req, prompts, "text")
+        echo = None
+        if req.echo:
+            top = n_logprobs(req)
+            echo = [
+                await run_in_threadpool(self._echo, text, tokens, top)
+                for text, tokens in zip(texts, prompts, strict=True)
+            ]
+        return await self._generate(request, req, prompts, "text", echo=echo)
+
+    def _echo(self, text: str, tokens: list[int], top: int | None) -> Echo:
+        """A prompt to echo: its text, and with log-probabilities each token's (the first has
+        none)."""
+        if top is None:
+            return text, None
+        try:
+            scored = self.model.prompt_logprobs(tokens, top=top)
+        except ValueError as exc:  # longer than the context
+            raise APIError(400, f"prompt: {exc}", param="prompt") from None
+        return text, (tokens[0], scored)
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
@@ -156,9 +174,9 @@ class _Server:
         prompts: list[list[int]],
         kind: Kind,
         loop: asyncio.AbstractEventLoop,
-    ) -> Job:
+    ) -> Job | None:
         """The request made into a job: its plan (the constraint compiled), one per choice,
-        the prompts checked against the context."""
+        the prompts checked against the context; None for ``max_tokens`` 0 (echo only)."""
         n_ctx, longest = self.model.n_ctx, max(map(len, prompts))
         limit = max_tokens(req)
         if limit is None:  # chat: up to the end of the context
@@ -172,6 +190,8 @@ class _Server:
                 param="messages" if kind == "chat" else "prompt",
                 code="context_length_exceeded",
             )
+        if limit == 0:
+            return None
         try:
             plan = lcgen.make_plan(max_tokens=limit, **options(req, self.model.n_vocab, self.draft))
         except (TypeError, ValueError, lcgen.LcgenError) as exc:
@@ -191,21 +211,31 @@ class _Server:
         prompts: list[list[int]],
         kind: Kind,
         calls_tools: bool = False,
+        echo: list[Echo] | None = None,
     ) -> Response:
         loop = asyncio.get_running_loop()
         job = await run_in_threadpool(self._job, req, prompts, kind, loop)
+        reply = Reply(kind, req.model, self.model, n_logprobs(req) is not None, calls_tools)
+        count = _Count(prompts, req.n)
+        outputs = [Output(i) for i in range(len(prompts) * req.n)]
+        if echo is not None:
+            for out in outputs:
+                reply.echo(out, *echo[out.index // req.n])
+        if job is None:  # max_tokens 0: the echoed prompts only
+            for out in outputs:
+                out.finish_reason = "length"
+            if req.stream:
+                return EventSourceResponse(self._echo_events(reply, outputs, count, req))
+            return JSONResponse(reply.whole(outputs, count.usage(outputs)))
         try:
             self.engine.submit(job)
         except QueueFullError as exc:
             raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
-        reply = Reply(kind, req.model, self.model, n_logprobs(req) is not None, calls_tools)
-        count = _Count(prompts, req.n)
         if req.stream:
-            events = self._events(job, reply, count, req.include_usage)
+            events = self._events(job, reply, outputs, count, req.include_usage)
             return EventSourceResponse(events, background=BackgroundTask(self.engine.cancel, job))
         watcher = asyncio.create_task(_cancel_on_disconnect(request, self.engine, job))
         try:
-            outputs = [Output(i) for i in range(job.n)]
             async for item in job.items():
                 if isinstance(item, Piece):
                     reply.take(outputs[item.index], item.chunk)
@@ -218,16 +248,29 @@ class _Server:
             self.engine.cancel(job)
         return JSONResponse(reply.whole(outputs, count.usage(outputs)))
 
+    async def _echo_events(
+        self, reply: Reply, outputs: list[Output], count: _Count, req: AnyRequest
+    ) -> AsyncIterator[str]:
+        """A streamed reply of echoed prompts only (max_tokens 0)."""
+        for out in outputs:
+            yield json.dumps(reply.echo_chunk(out))
+            yield json.dumps(reply.end_chunk(out))
+        if req.include_usage:
+            yield json.dumps(reply.usage_chunk(count.usage(outputs)))
+        yield "[DONE]"
+
     async def _events(
-        self, job: Job, reply: Reply, count: _Count, include_usage: bool
+        self, job: Job, reply: Reply, outputs: list[Output], count: _Count, include_usage: bool
     ) -> AsyncIterator[str]:
         """The server-sent events of a streamed reply, ``[DONE]`` last; leaving early (the
         client went away) cancels the job."""
-        outputs = [Output(i) for i in range(job.n)]
         try:
             if reply.kind == "chat":
                 for i in range(job.n):
                     yield json.dumps(reply.role_chunk(i))
+            for out in outputs:
+                if out.parts:  # an echoed prompt
+                    yield json.dumps(reply.echo_chunk(out))
             async for item in job.items():
                 if isinstance(item, Piece):
                     entries = reply.take(outputs[item.index], item.chunk)

@@ -179,6 +179,15 @@ class ChatRequest(_Common):
 class CompletionRequest(_Common):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_N)]
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
+    # 0 with echo: the prompt's log-probabilities alone (scoring, as evaluation harnesses do).
+    max_tokens: Annotated[int, Field(ge=0)] | None = None
+    echo: bool = False
+
+    @model_validator(mode="after")
+    def _check(self) -> CompletionRequest:
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens 0 generates nothing: it is for echo (the prompt scored)")
+        return self
 
 
 R = TypeVar("R", bound=_Strict)

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import lcgen
-from lcgen import Chunk
+from lcgen import Chunk, TokenLogprob
 from lcgen.server.tools import parse_call
 
 # lcgen's finish reasons as OpenAI's: "retries" (banned phrases or hooks rejected more than
@@ -21,6 +22,9 @@ from lcgen.server.tools import parse_call
 FINISH_REASONS = {"stop": "stop", "length": "length", "retries": "content_filter"}
 
 Kind = Literal["chat", "text"]
+# An echoed prompt (``echo`` on /v1/completions): its text and, with log-probabilities, its
+# first token and the log-probabilities of the others.
+Echo = tuple[str, tuple[int, list[TokenLogprob]] | None]
 
 
 @dataclass(slots=True)
@@ -84,10 +88,24 @@ class Reply:
             out.finish_reason = FINISH_REASONS[chunk.finish_reason]
         return entries
 
+    def echo(self, out: Output, text: str, scored: tuple[int, list[TokenLogprob]] | None) -> None:
+        """Start a choice with its echoed prompt (text and, when asked, log-probabilities:
+        none for the first token)."""
+        out.parts.append(text)
+        out.n_chars += len(text)
+        if self.with_logprobs and scored is not None:
+            first, rest = scored
+            lead = self.model.detokenize([first])
+            entry = {**self._token((first,)), "logprob": None, "top_logprobs": None}
+            out.logprobs += [{**entry, "text_offset": 0}, *self._entries(rest, len(lead))]
+
     def _logprobs(self, chunk: Chunk, offset: int) -> list[dict[str, Any]]:
         """An entry per token of the chunk."""
+        return self._entries(chunk.logprobs, offset)
+
+    def _entries(self, logprobs: Iterable[TokenLogprob], offset: int) -> list[dict[str, Any]]:
         entries = []
-        for each in chunk.logprobs:
+        for each in logprobs:
             top = [{**self._token((t.token,)), "logprob": t.logprob} for t in each.top]
             entry = {**self._token((each.token,)), "logprob": each.logprob, "top_logprobs": top}
             entries.append({**entry, "text_offset": offset})
@@ -121,7 +139,10 @@ class Reply:
             "tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
             "top_logprobs": [
-                {top["token"]: top["logprob"] for top in e["top_logprobs"]} for e in entries
+                None
+                if e["top_logprobs"] is None
+                else {top["token"]: top["logprob"] for top in e["top_logprobs"]}
+                for e in entries
             ],
             "text_offset": [e["text_offset"] for e in entries],
         }
@@ -153,6 +174,10 @@ class Reply:
         if self.kind == "chat":
             choice["delta"] = {"content": chunk.text}
         return self._object([choice], True)
+
+    def echo_chunk(self, out: Output) -> dict[str, Any]:
+        """A text stream's first chunk of a choice with an echoed prompt."""
+        return self._object([self._choice(out.index, out.text, list(out.logprobs), None)], True)
 
     def end_chunk(self, out: Output) -> dict[str, Any]:
         """A stream chunk that ends a choice (its finish reason; a tool call whole)."""
