@@ -6,10 +6,11 @@ process keeps one of two cores busy, 2 threads decode many times slower than 1 (
 ``threads-busy`` bench row). How many cores are free is measured, not guessed: the process's
 CPU time over a decode's wall time is the number of threads that really ran. With every thread
 on its own core that share is the thread count (waiting threads spin); when it falls short by
-half a core or more over several decodes, the count drops to the cores the threads got. While
-below the most, a decode now and then runs with one thread more, and the count goes up when
-those decodes got their cores and were faster; such probes back off while they lose. An idle
-machine pays nothing: no probe runs at the full count.
+half a core or more over several decodes, a few decodes try the cores the threads got. While
+below the most, a few decodes now and then try one thread more. Either way the count moves only
+when those decodes were faster (and, going up, got their cores); probes that lose back off, so
+a machine where the share misleads pays a bounded share of its time, and an idle one nothing
+(no probe runs at the full count while the threads get their cores).
 
 The count changes speed only: ggml's CPU kernels split work by rows, so the logits are
 bit-identical for any count (a tested invariant).
@@ -19,19 +20,27 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-KEEP = 8  # decodes whose CPU share decides a drop, and recent times kept per size class
-SHORT = 0.5  # a drop when the threads got this many cores fewer than they are
-# While below the most threads, a probe after PROBE_AFTER seconds of decoding, doubling up to
-# PROBE_AFTER_MAX while the probes lose, and never before PROBE_COST times what the last
-# probe took (a probe on a still busy machine can take a second: this bounds what probes cost).
+KEEP = 8  # decodes whose CPU share calls for fewer threads; recent times kept per size class
+SHORT = 0.5  # fewer threads are tried when the threads got this many cores fewer than they are
+# While below the most threads, a probe one thread up after PROBE_AFTER seconds of decoding,
+# doubling up to PROBE_AFTER_MAX while such probes lose, and never before PROBE_COST times what
+# the last probe took (a probe on a still busy machine can take a second: this bounds what
+# probes cost). A lost probe down waits the same way before the next.
 PROBE_AFTER = 0.25
 PROBE_AFTER_MAX = 8.0
 PROBE_COST = 30
 PROBE_CALLS = 4  # decodes a probe measures
 FASTER = 0.9  # a probe wins when its decodes take less than this share of the current ones
 STALLED = 2.0  # a probe decode this many times slower than the current ones ends the probe
+LATEST = 3  # decodes whose CPU share says how many cores the threads get now
+
+
+def _cores_used(decodes: Iterable[tuple[float, float]]) -> float:
+    """Cores used over (wall, CPU seconds) decodes: their CPU time over their wall time."""
+    pairs = list(decodes)
+    return sum(c for _, c in pairs) / max(sum(w for w, _ in pairs), 1e-9)
 
 
 def size_class(n_tokens: int) -> int:
@@ -58,22 +67,23 @@ class ThreadTuner:
         self._share: deque[tuple[float, float]] = deque(maxlen=KEEP)  # (wall, cpu) at self.n
         self._recent: dict[int, deque[float]] = {}  # size class -> recent wall seconds at self.n
         self._decoded = 0.0  # wall seconds of decoding since the last probe or change
-        self._wait = PROBE_AFTER  # seconds of decoding before the next probe
-        self._probe: list[tuple[int, float, float]] | None = None  # (size, wall, cpu) at n + 1
+        self._wait = PROBE_AFTER  # seconds of decoding before the next probe up
+        self._wait_down = 0.0  # ... and before the next probe down
+        self._target: int | None = None  # the count a probe tries
+        self._probe: list[tuple[int, float, float]] = []  # its decodes: (size, wall, cpu)
         self.probes = 0
         self.changes = 0
 
     def before(self, n_tokens: int) -> None:
         """Apply the thread count the next decode (of ``n_tokens`` tokens) uses."""
         if (
-            self._probe is None
+            self._target is None
             and self.n < self.n_max
             and self._decoded >= self._wait
             and self._recent.get(size_class(n_tokens))
         ):
-            self._probe = []
-            self.probes += 1
-        want = self.n if self._probe is None else self.n + 1
+            self._start_probe(self.n + 1)
+        want = self.n if self._target is None else self._target
         if want != self._applied:
             self._apply(want)
             self._applied = want
@@ -81,7 +91,7 @@ class ThreadTuner:
     def after(self, n_tokens: int, wall: float, cpu: float) -> None:
         """Record the wall and process CPU seconds the decode of ``n_tokens`` tokens took."""
         size = size_class(n_tokens)
-        if self._probe is not None:
+        if self._target is not None:
             self._probe.append((size, wall, cpu))
             current = self._recent.get(size)
             stalled = current and wall > STALLED * statistics.fmean(current)
@@ -91,36 +101,54 @@ class ThreadTuner:
         self._decoded += wall
         self._recent.setdefault(size, deque(maxlen=KEEP)).append(wall)
         self._share.append((wall, cpu))
-        if self.n > 1 and len(self._share) == KEEP:
-            got = sum(c for _, c in self._share) / max(sum(w for w, _ in self._share), 1e-9)
-            if got < self.n - SHORT:
-                self._set(max(1, min(self.n - 1, round(got))))
+        if (
+            self.n > 1
+            and len(self._share) == KEEP
+            and self._decoded >= self._wait_down
+            and _cores_used(self._share) < self.n - SHORT
+        ):
+            # How many cores the threads get now: the last few decodes (the window may reach
+            # back to before the load came).
+            got = _cores_used(list(self._share)[-LATEST:])
+            self._start_probe(max(1, min(self.n - 1, round(got))))
+
+    def _start_probe(self, target: int) -> None:
+        self._target, self._probe = target, []
+        self.probes += 1
 
     def _decide_probe(self) -> None:
-        probe, self._probe = self._probe or [], None
+        target, probe = self._target, self._probe
+        assert target is not None
+        self._target, self._probe = None, []
         pairs = [
             (wall, statistics.fmean(self._recent[size]))
             for size, wall, _ in probe
             if self._recent.get(size)
         ]
         took = sum(w for _, w, _ in probe)
-        got = sum(c for _, _, c in probe) / max(took, 1e-9)
+        got = _cores_used([(w, c) for _, w, c in probe])
         if (
             len(pairs) == len(probe) >= PROBE_CALLS
-            and got >= self.n + 1 - SHORT
+            and (target < self.n or got >= target - SHORT)
             and sum(w for w, _ in pairs) < FASTER * sum(c for _, c in pairs)
         ):
-            self._set(self.n + 1)
+            self._set(target)
             for size, seconds, _ in probe:
                 self._recent.setdefault(size, deque(maxlen=KEEP)).append(seconds)
+            return
+        backoff = PROBE_COST * took
+        if target > self.n:
+            self._wait = max(min(2 * self._wait, PROBE_AFTER_MAX), backoff)
         else:
-            self._wait = max(min(2 * self._wait, PROBE_AFTER_MAX), PROBE_COST * took)
-            self._decoded = 0.0
+            self._wait_down = max(
+                min(2 * max(self._wait_down, PROBE_AFTER / 2), PROBE_AFTER_MAX), backoff
+            )
+        self._decoded = 0.0
 
     def _set(self, n: int) -> None:
         self.n = n
         self.changes += 1
         self._share.clear()
         self._recent = {}
-        self._wait = PROBE_AFTER
+        self._wait, self._wait_down = PROBE_AFTER, 0.0
         self._decoded = 0.0
