@@ -17,6 +17,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any, cast
 
 import lcgen
 from bench.constrained import COMPANY, GEMMA_MODEL
@@ -70,7 +71,8 @@ def _llguidance_walk(model: lcgen.Model) -> Walk | None:
         )
     except ImportError:
         return None
-    tokenizer = lltokenizer_from_vocab(model._handle.vocab())
+    # llguidance types the pointer as llama-cpp-python's llama_vocab_p; it is that pointer.
+    tokenizer = lltokenizer_from_vocab(cast(Any, model._handle.vocab()))
     grammar = grammar_from("json_schema", json.dumps(COMPANY))
 
     def walk(tokens: list[int]) -> list[tuple[float, int]]:
