@@ -16,6 +16,7 @@ import importlib.util
 import json
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -72,7 +73,9 @@ def _llguidance_walk(model: lcgen.Model) -> Walk | None:
     except ImportError:
         return None
     # llguidance types the pointer as llama-cpp-python's llama_vocab_p; it is that pointer.
-    tokenizer = lltokenizer_from_vocab(cast(Any, model._handle.vocab()))
+    with warnings.catch_warnings():  # it reads each token through a deprecated name
+        warnings.simplefilter("ignore", DeprecationWarning)
+        tokenizer = lltokenizer_from_vocab(cast(Any, model._handle.vocab()))
     grammar = grammar_from("json_schema", json.dumps(COMPANY))
 
     def walk(tokens: list[int]) -> list[tuple[float, int]]:
