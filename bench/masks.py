@@ -73,9 +73,10 @@ def _llguidance_walk(model: lcgen.Model) -> Walk | None:
     except ImportError:
         return None
     # llguidance types the pointer as llama-cpp-python's llama_vocab_p; it is that pointer.
+    pointer = cast(Any, model.vocab.handle.vocab())
     with warnings.catch_warnings():  # it reads each token through a deprecated name
         warnings.simplefilter("ignore", DeprecationWarning)
-        tokenizer = lltokenizer_from_vocab(cast(Any, model._handle.vocab()))
+        tokenizer = lltokenizer_from_vocab(pointer)
     grammar = grammar_from("json_schema", json.dumps(COMPANY))
 
     def walk(tokens: list[int]) -> list[tuple[float, int]]:

@@ -175,11 +175,10 @@ class Model:
             prefixes share them (at most 256, ``n_ctx`` and ``n_batch``; None: 32 within those
             bounds; each slot costs one row of logits, n_vocab floats).
         n_gpu_layers: layers to offload; None offloads all when a GPU/Metal backend is built in.
-        n_threads: CPU threads, fixed; None adapts the count to the machine's load: at most
-            the physical cores this process may use (CPU affinity, a cgroup quota; at most 8;
-            on a CPU-only model), fewer
-            while other programs keep cores busy (measured as it decodes; the logits do not
-            depend on the count).
+        n_threads: CPU threads, fixed; None adapts the count to the machine's load (on a
+            model without GPU layers): at most the physical cores this process may use (CPU
+            affinity, a cgroup quota; at most 8), fewer while other programs keep cores busy
+            (measured as it decodes; the logits do not depend on the count).
         flash_attn: use flash attention; None lets llama.cpp decide (on where supported).
             Keep it on for exact rewinds: without it, a token's logits depend on the batch
             and on where its cells sit in the pool (measured). Off decodes faster on some CPUs
@@ -218,7 +217,6 @@ class Model:
         n_seq_max = _check_sizes(n_ctx, n_batch, n_seq_max)
         # The most threads; with adaptive_threads, decodes use the count measured fastest.
         self.n_threads = _check_threads(n_threads) if n_threads is not None else _default_threads()
-        self.adaptive_threads = n_threads is None
         init(verbose)
         self.path = Path(path)
         if n_gpu_layers is None:
@@ -240,7 +238,7 @@ class Model:
         self.n_gpu_layers = self._handle.n_offloaded
         # With layers on a GPU, the CPU threads wait for it: their share of a decode's time
         # says nothing about free cores.
-        self.adaptive_threads = self.adaptive_threads and self.n_gpu_layers == 0
+        self.adaptive_threads = n_threads is None and self.n_gpu_layers == 0
         self.backend = backend_summary(
             self._handle.devices, self.n_gpu_layers, self._handle.n_offloadable
         )

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import lcgen
 from lcgen import Chunk, TokenLogprob
-from lcgen.server.tools import parse_call
+from lcgen.server.tools import parse_call, starts_call
 
 # lcgen's finish reasons as OpenAI's: "retries" (banned phrases or hooks rejected more than
 # max_retries candidates) is the closest OpenAI has to a refusal by a filter.
@@ -168,12 +168,17 @@ class Reply:
     ) -> dict[str, Any] | None:
         """A stream chunk with a piece's text (None when it has neither text nor entries, or
         the output is a tool call, sent whole at its end). ``out`` has taken the chunk."""
-        if (not chunk.text and not entries) or (self.tools and out.text.startswith("{")):
+        if (not chunk.text and not entries) or self._holds_call(out):
             return None
         choice = self._choice(out.index, chunk.text, entries, None)
         if self.kind == "chat":
             choice["delta"] = {"content": chunk.text}
         return self._object([choice], True)
+
+    def _holds_call(self, out: Output) -> bool:
+        """Whether a choice's text is held back from the stream: a tool call, sent whole at
+        its end."""
+        return self.tools and starts_call(out.text)
 
     def echo_chunk(self, out: Output) -> dict[str, Any]:
         """A text stream's first chunk of a choice with an echoed prompt."""
@@ -189,8 +194,7 @@ class Reply:
         choice = self._choice(out.index, "", [], out.finish_reason or "stop")
         if self.kind == "chat":
             # A tool call cut short is sent as the text it is.
-            text = out.text if self.tools and out.text.startswith("{") else None
-            choice["delta"] = {"content": text} if text else {}
+            choice["delta"] = {"content": out.text} if self._holds_call(out) else {}
         return self._object([choice], True)
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:

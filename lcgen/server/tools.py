@@ -170,9 +170,15 @@ def _call_text(call: ToolCall) -> str:
     return json.dumps({"name": call.function.name, "arguments": arguments}, ensure_ascii=False)
 
 
+def starts_call(text: str) -> bool:
+    """Whether a reply (so far) is a call rather than text: calls start with ``{``, text
+    never does (see :func:`grammar`)."""
+    return text.startswith("{")
+
+
 def parse_call(text: str) -> dict[str, Any] | None:
     """The reply as an OpenAI tool call, or None when it is text (or a call cut short)."""
-    if not text.startswith("{"):
+    if not starts_call(text):
         return None
     try:
         value = json.loads(text)
