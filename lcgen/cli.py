@@ -214,6 +214,10 @@ def _prompt_tokens(model: lcgen.Model, args: argparse.Namespace) -> list[int]:
         prompt = prompt[:-1] if prompt.endswith("\n") else prompt
     if args.system is not None and not args.chat:
         raise ValueError("--system needs --chat (it is the chat's system message)")
+    if args.suffix is not None:
+        if args.chat:
+            raise ValueError("--suffix fills in the middle of text: it does not take --chat")
+        return model.infill_tokens(prompt, args.suffix)
     if not args.chat:
         return model.tokenize(prompt) if prompt else []
     messages = [{"role": "system", "content": args.system}] if args.system else []
@@ -644,6 +648,12 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("prompt", help="the prompt text; - reads it from stdin")
     p.add_argument("--chat", action="store_true", help="apply the model's chat template")
     p.add_argument("--system", default=None, help="a system message (with --chat)")
+    p.add_argument(
+        "--suffix",
+        default=None,
+        help="fill in the middle: generate the text between the prompt and this suffix (a "
+        "model with fill-in-the-middle tokens)",
+    )
     p.add_argument(
         "--quiet", action="store_true", help="no speed summary on stderr after the output"
     )

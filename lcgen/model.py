@@ -301,6 +301,19 @@ class Model:
         """Text to token ids (see :meth:`lcgen.vocab.Vocab.tokenize`)."""
         return self.vocab.tokenize(text, add_bos=add_bos, special=special)
 
+    def infill_tokens(self, prefix: str, suffix: str) -> list[int]:
+        """The prompt asking a fill-in-the-middle model for the text between ``prefix`` and
+        ``suffix`` (see :meth:`lcgen.vocab.Vocab.infill`); ``generate(prefix, suffix=...)``
+        uses it, and so can :meth:`sequence`.
+
+        Raises:
+            ValueError: the model declares no fill-in-the-middle tokens.
+        """
+        return self.vocab.infill(prefix, suffix)
+
+    def _prompt(self, prompt: str, suffix: str | None) -> str | list[int]:
+        return prompt if suffix is None else self.infill_tokens(prompt, suffix)
+
     def detokenize(self, tokens: Iterable[int], *, special: bool = False) -> str:
         """Token ids to text (invalid UTF-8 becomes U+FFFD)."""
         return self.vocab.detokenize(tokens, special=special)
@@ -392,12 +405,19 @@ class Model:
         return Sequence(self, tokens, seed=seed)
 
     def stream(
-        self, prompt: str, *, schema: SchemaLike | None = None, **options: Unpack[GenerateOptions]
+        self,
+        prompt: str,
+        *,
+        schema: SchemaLike | None = None,
+        suffix: str | None = None,
+        **options: Unpack[GenerateOptions],
     ) -> Iterator[Chunk]:
         """Generate from ``prompt``, yielding a :class:`Chunk` per token.
 
         Args:
             prompt: the prompt text.
+            suffix: fill in the middle: generate the text between ``prompt`` and ``suffix``
+                (a model with fill-in-the-middle tokens; see :meth:`infill_tokens`).
             schema: constrain the output to JSON valid for this JSON Schema / pydantic model.
             **options: max_tokens (256), stop, include_stop, stop_tokens, sampler, temperature
                 (0: greedy), top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed,
@@ -409,26 +429,41 @@ class Model:
             SlotsExhaustedError: every sequence slot is in use.
             GrammarError: the constraint cannot be built or enforced.
         """
-        with self.sequence(prompt) as seq:
+        with self.sequence(self._prompt(prompt, suffix)) as seq:
             yield from seq.stream(schema=schema, **options)
 
     @overload
     def generate(
-        self, prompt: str, *, schema: type[_M], **options: Unpack[GenerateOptions]
+        self,
+        prompt: str,
+        *,
+        schema: type[_M],
+        suffix: str | None = None,
+        **options: Unpack[GenerateOptions],
     ) -> _M: ...
     @overload
     def generate(
-        self, prompt: str, *, schema: Mapping[str, Any], **options: Unpack[GenerateOptions]
+        self,
+        prompt: str,
+        *,
+        schema: Mapping[str, Any],
+        suffix: str | None = None,
+        **options: Unpack[GenerateOptions],
     ) -> Any: ...
     @overload
-    def generate(self, prompt: str, **options: Unpack[GenerateOptions]) -> Text: ...
+    def generate(
+        self, prompt: str, *, suffix: str | None = None, **options: Unpack[GenerateOptions]
+    ) -> Text: ...
     @overload
-    def generate(self, prompt: list[str], **options: Unpack[GenerateOptions]) -> list[Any]: ...
+    def generate(
+        self, prompt: list[str], *, suffix: str | None = None, **options: Unpack[GenerateOptions]
+    ) -> list[Any]: ...
     def generate(
         self,
         prompt: str | list[str],
         *,
         schema: SchemaLike | None = None,
+        suffix: str | None = None,
         **options: Unpack[GenerateOptions],
     ) -> Any:
         """Generate text; a list of prompts is decoded together, one batch per step.
@@ -437,6 +472,8 @@ class Model:
             prompt: a prompt, or a list of prompts (queued when there are more than free slots).
             schema: a JSON Schema dict or a pydantic model class: the output is constrained to
                 it and returned parsed (a dict, or a validated instance).
+            suffix: fill in the middle: generate the text between each prompt and ``suffix``
+                (a model with fill-in-the-middle tokens; see :meth:`infill_tokens`).
             **options: see :meth:`stream`.
 
         Returns:
@@ -449,12 +486,15 @@ class Model:
                 partial text is on the exception.
         """
         if isinstance(prompt, str):
-            with self.sequence(prompt) as seq:
+            with self.sequence(self._prompt(prompt, suffix)) as seq:
                 return seq.generate(schema=schema, **options)
         if not isinstance(prompt, list | tuple) or not all(isinstance(p, str) for p in prompt):
             raise TypeError(f"a prompt is a str or a list of str, got {prompt!r}")
         plan = make_plan(schema=schema, **options)
-        texts = self._generate_batch([self.tokenize(p) for p in prompt], plan)
+        tokens = [
+            self.tokenize(p) if suffix is None else self.infill_tokens(p, suffix) for p in prompt
+        ]
+        texts = self._generate_batch(tokens, plan)
         for text in texts:
             check_complete(text, plan.constraint, self.vocab)
         return texts if schema is None else [parse_structured(t, schema) for t in texts]

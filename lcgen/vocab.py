@@ -32,6 +32,7 @@ class Vocab:
         self._handle = handle
         self.n_vocab = handle.n_vocab
         self.bos, self.eos, self.eot, self.add_bos = handle.special_tokens()
+        self.fim_prefix, self.fim_suffix, self.fim_middle = handle.fim_tokens()
         self._pieces: list[bytes | None] = [None] * self.n_vocab  # special tokens shown
         self._special: list[bool | None] = [None] * self.n_vocab  # text hidden unless shown
         self._eog: dict[int, bool] = {}
@@ -64,6 +65,39 @@ class Vocab:
         if wants_bos and self.bos >= 0 and tokens[:1] != [self.bos]:
             tokens.insert(0, self.bos)
         return tokens
+
+    @property
+    def has_infill(self) -> bool:
+        """Whether the model declares fill-in-the-middle markers (prefix, suffix, middle)."""
+        return min(self.fim_prefix, self.fim_suffix, self.fim_middle) >= 0
+
+    def infill(self, prefix: str, suffix: str) -> list[int]:
+        """The prompt that asks for the text between ``prefix`` and ``suffix``: the model's
+        markers around both, in prefix-suffix-middle order (as llama.cpp's server writes it);
+        the generation that follows is the middle.
+
+        Raises:
+            ValueError: the model declares no fill-in-the-middle markers.
+            TypeError: ``prefix`` or ``suffix`` is not a str.
+        """
+        if not self.has_infill:
+            raise ValueError(
+                "this model declares no fill-in-the-middle tokens (GGUF keys "
+                "tokenizer.ggml.fim_pre_token_id, fim_suf_token_id, fim_mid_token_id): use a "
+                "code model trained for infilling"
+            )
+        for name, text in (("prefix", prefix), ("suffix", suffix)):
+            if not isinstance(text, str):
+                raise TypeError(f"the infill {name} must be a str, got {type(text).__name__}")
+        head = [self.bos] if self.add_bos and self.bos >= 0 else []
+        return [
+            *head,
+            self.fim_prefix,
+            *self.tokenize(prefix, add_bos=False),
+            self.fim_suffix,
+            *self.tokenize(suffix, add_bos=False),
+            self.fim_middle,
+        ]
 
     def detokenize(self, tokens: Iterable[int], *, special: bool = False) -> str:
         """Token ids to text (invalid UTF-8 becomes U+FFFD)."""

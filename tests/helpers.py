@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,3 +35,70 @@ def llama_cpp_python(model: lcgen.Model, path: Path, **options: Any) -> Any:
 
     with extra_cpu_buffers(model.extra_cpu_buffers):
         return llama_cpp.Llama(model_path=str(path), verbose=False, **options)
+
+
+def gguf_with_keys(source: Path, target: Path, keys: dict[str, int]) -> Path:
+    """A copy of the GGUF ``source`` at ``target`` with uint32 header keys added (say, token
+    ids the file does not declare); the tensor data moves by whole alignment units."""
+    import mmap
+    import struct
+
+    from lcgen._native.gguf import _Reader
+
+    with open(source, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as data:
+        reader = _Reader(data, str(source))
+        reader.at = 8  # magic, version
+        n_tensors, n_kv = reader.u64(), reader.u64()
+        kv_start, alignment = reader.at, 32
+        for _ in range(n_kv):
+            key = reader.string()
+            value = reader.value(int(reader.take("<I", 4)))
+            if key == "general.alignment":
+                alignment = int(value)  # type: ignore[arg-type]
+        kv_end = reader.at
+        for _ in range(n_tensors):  # name, n_dims, dims, type, offset (into the data)
+            reader.string()
+            n_dims = int(reader.take("<I", 4))
+            reader.at += 8 * n_dims + 4 + 8
+        infos_end = reader.at
+        added = b"".join(
+            struct.pack("<Q", len(k)) + k.encode() + struct.pack("<II", 4, v)
+            for k, v in keys.items()
+        )
+        head = b"".join(
+            [
+                data[:8],
+                struct.pack("<QQ", n_tensors, n_kv + len(keys)),
+                data[kv_start:kv_end],
+                added,
+                data[kv_end:infos_end],
+            ]
+        )
+        with open(target, "wb") as out:
+            out.write(head + b"\0" * (-len(head) % alignment))
+            out.write(data[-(-infos_end // alignment) * alignment :])
+    return target
+
+
+@contextlib.contextmanager
+def running(app: Any) -> Iterator[str]:
+    """Serve the ASGI ``app`` on a free port of 127.0.0.1 (uvicorn in a thread) until the
+    block ends; yields its URL."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()

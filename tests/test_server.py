@@ -16,7 +16,6 @@ import resource
 import socket
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -28,7 +27,7 @@ from typing import Any
 import jsonschema
 import openai
 import pytest
-import uvicorn
+from helpers import running
 
 import lcgen
 import lcgen.server
@@ -40,27 +39,6 @@ USER = [{"role": "user", "content": "Name three colors."}]
 
 
 # a server in a thread --------------------------------------------------------------------
-@contextlib.contextmanager
-def running(app: Any) -> Iterator[str]:
-    """Serve ``app`` on a free port of 127.0.0.1 until the block ends; yields its URL."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=30)
-        sock.close()
-
-
 @pytest.fixture(scope="module")
 def url(model: lcgen.Model) -> Iterator[str]:
     with running(create_app(model, model_name=NAME, api_key=KEY)) as base:

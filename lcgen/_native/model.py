@@ -170,6 +170,16 @@ class ModelHandle:
         )
 
     @_locked
+    def fim_tokens(self) -> tuple[int, int, int]:
+        """(prefix, suffix, middle) fill-in-the-middle markers; a missing one is -1."""
+        v = self.vocab()
+        return (
+            int(C.llama_vocab_fim_pre(v)),
+            int(C.llama_vocab_fim_suf(v)),
+            int(C.llama_vocab_fim_mid(v)),
+        )
+
+    @_locked
     def is_eog(self, token: int) -> bool:
         return bool(C.llama_vocab_is_eog(self.vocab(), token))
 

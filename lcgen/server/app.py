@@ -73,7 +73,10 @@ class _Server:
     async def completions(self, request: Request) -> Response:
         req = await self._request(request, CompletionRequest)
         texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        prompts = [await run_in_threadpool(self.model.tokenize, text) for text in texts]
+        if req.suffix is not None:
+            prompts = [await run_in_threadpool(self._infill, text, req.suffix) for text in texts]
+        else:
+            prompts = [await run_in_threadpool(self.model.tokenize, text) for text in texts]
         if not all(prompts):
             raise APIError(400, "prompt: a prompt is empty", param="prompt")
         echo = None
@@ -84,6 +87,12 @@ class _Server:
                 for text, tokens in zip(texts, prompts, strict=True)
             ]
         return await self._generate(request, req, prompts, "text", echo=echo)
+
+    def _infill(self, prefix: str, suffix: str) -> list[int]:
+        try:
+            return self.model.infill_tokens(prefix, suffix)
+        except ValueError as exc:
+            raise APIError(400, f"suffix: {exc}", param="suffix") from None
 
     def _echo(self, text: str, tokens: list[int], top: int | None) -> Echo:
         """A prompt to echo: its text, and with log-probabilities each token's (the first has

@@ -182,11 +182,15 @@ class CompletionRequest(_Common):
     # 0 with echo: the prompt's log-probabilities alone (scoring, as evaluation harnesses do).
     max_tokens: Annotated[int, Field(ge=0)] | None = None
     echo: bool = False
+    # Fill in the middle: the completion is the text between the prompt and the suffix.
+    suffix: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens 0 generates nothing: it is for echo (the prompt scored)")
+        if self.echo and self.suffix is not None:
+            raise ValueError("echo cannot be used with suffix (the prompt is not text then)")
         return self
 
 
