@@ -62,13 +62,17 @@ class _Server:
         req = await self._request(request, ChatRequest)
         callable_tools = req.callable_tools()
         messages = tools.prompt_messages(
-            [m.as_dict() for m in req.messages], callable_tools, req.tool_required
+            [m.as_dict() for m in req.messages],
+            callable_tools,
+            req.tool_required,
+            req.tool_parallel,
         )
         try:
             prompt = await run_in_threadpool(self.model.chat_tokens, messages)
         except ValueError as exc:
             raise APIError(400, f"messages: {exc}", param="messages") from None
-        return await self._generate(request, req, [prompt], "chat", bool(callable_tools))
+        tool_mode = (bool(callable_tools), req.tool_parallel)
+        return await self._generate(request, req, [prompt], "chat", tool_mode)
 
     async def completions(self, request: Request) -> Response:
         req = await self._request(request, CompletionRequest)
@@ -219,12 +223,13 @@ class _Server:
         req: AnyRequest,
         prompts: list[list[int]],
         kind: Kind,
-        calls_tools: bool = False,
+        tool_mode: tuple[bool, bool] = (False, False),
         echo: list[Echo] | None = None,
     ) -> Response:
+        """Answer ``req``; ``tool_mode``: whether the reply may be tool calls, and several."""
         loop = asyncio.get_running_loop()
         job = await run_in_threadpool(self._job, req, prompts, kind, loop)
-        reply = Reply(kind, req.model, self.model, n_logprobs(req) is not None, calls_tools)
+        reply = Reply(kind, req.model, self.model, n_logprobs(req) is not None, *tool_mode)
         count = _Count(prompts, req.n)
         outputs = [Output(i) for i in range(len(prompts) * req.n)]
         if echo is not None:

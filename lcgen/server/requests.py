@@ -175,6 +175,11 @@ class ChatRequest(_Common):
     def tool_required(self) -> bool:
         return self.tool_choice is not None and self.tool_choice not in ("auto", "none")
 
+    @property
+    def tool_parallel(self) -> bool:
+        """Whether the reply may call several functions (OpenAI's default: yes)."""
+        return self.parallel_tool_calls is not False
+
 
 class CompletionRequest(_Common):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_N)]
@@ -288,12 +293,17 @@ def _logit_bias(bias: dict[str, float] | None, n_vocab: int) -> dict[int, float]
 
 def _constraint(req: ChatRequest | CompletionRequest) -> dict[str, Any]:
     """The one constraint given (response_format, grammar, regex or choice) as a grammar."""
-    callable_tools = req.callable_tools() if isinstance(req, ChatRequest) else []
-    required = isinstance(req, ChatRequest) and req.tool_required
+    callable_tools, required, parallel = [], False, False
+    if isinstance(req, ChatRequest):
+        callable_tools, required, parallel = (
+            req.callable_tools(),
+            req.tool_required,
+            req.tool_parallel,
+        )
     given: list[tuple[str, Any]] = [
         (name, value)
         for name, value in (
-            ("tools", (callable_tools, required) if callable_tools else None),
+            ("tools", (callable_tools, required, parallel) if callable_tools else None),
             ("response_format", _format_schema(req)),
             ("grammar", req.grammar),
             ("regex", req.regex),

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import lcgen
 from lcgen import Chunk, TokenLogprob
-from lcgen.server.tools import parse_call, starts_call
+from lcgen.server.tools import parse_calls, starts_call
 
 # lcgen's finish reasons as OpenAI's: "retries" (banned phrases or hooks rejected more than
 # max_retries candidates) is the closest OpenAI has to a refusal by a filter.
@@ -38,17 +38,17 @@ class Output:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0
-    _call: dict[str, Any] | None = None
+    _calls: list[dict[str, Any]] | None = None
 
     @property
     def text(self) -> str:
         return "".join(self.parts)
 
-    def tool_call(self) -> dict[str, Any] | None:
-        """The finished output as a tool call (one id however often asked), or None."""
-        if self._call is None:
-            self._call = parse_call(self.text)
-        return self._call
+    def tool_calls(self, parallel: bool) -> list[dict[str, Any]] | None:
+        """The finished output as tool calls (the same ids however often asked), or None."""
+        if self._calls is None:
+            self._calls = parse_calls(self.text, parallel)
+        return self._calls
 
 
 class Reply:
@@ -59,20 +59,27 @@ class Reply:
         model_name: the model name the reply gives.
         model: for the text of tokens in log-probabilities.
         logprobs: whether the request asked for log-probabilities.
-        tools: whether a reply may be a tool call (one that starts with ``{``: streamed as
-            one ``tool_calls`` delta when it ends).
+        tools: whether a reply may be tool calls (they start with ``{``: streamed as one
+            ``tool_calls`` delta when the reply ends).
+        parallel: whether a reply may be several calls (a JSON array: it starts with ``[``).
     """
 
     def __init__(
-        self, kind: Kind, model_name: str, model: lcgen.Model, logprobs: bool, tools: bool = False
+        self,
+        kind: Kind,
+        model_name: str,
+        model: lcgen.Model,
+        logprobs: bool,
+        tools: bool = False,
+        parallel: bool = False,
     ) -> None:
-        self.kind, self.model_name, self.model, self.with_logprobs, self.tools = (
+        self.kind, self.model_name, self.model, self.with_logprobs = (
             kind,
             model_name,
             model,
             logprobs,
-            tools,
         )
+        self.tools, self.parallel = tools, parallel
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -178,22 +185,25 @@ class Reply:
     def _holds_call(self, out: Output) -> bool:
         """Whether a choice's text is held back from the stream: a tool call, sent whole at
         its end."""
-        return self.tools and starts_call(out.text)
+        return self.tools and starts_call(out.text, self.parallel)
+
+    def _calls(self, out: Output) -> list[dict[str, Any]] | None:
+        return out.tool_calls(self.parallel) if self.tools else None
 
     def echo_chunk(self, out: Output) -> dict[str, Any]:
         """A text stream's first chunk of a choice with an echoed prompt."""
         return self._object([self._choice(out.index, out.text, list(out.logprobs), None)], True)
 
     def end_chunk(self, out: Output) -> dict[str, Any]:
-        """A stream chunk that ends a choice (its finish reason; a tool call whole)."""
-        call = out.tool_call() if self.tools else None
-        if call is not None:
+        """A stream chunk that ends a choice (its finish reason; tool calls whole)."""
+        calls = self._calls(out)
+        if calls is not None:
             choice = self._choice(out.index, "", [], "tool_calls")
-            choice["delta"] = {"tool_calls": [{"index": 0, **call}]}
+            choice["delta"] = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
             return self._object([choice], True)
         choice = self._choice(out.index, "", [], out.finish_reason or "stop")
         if self.kind == "chat":
-            # A tool call cut short is sent as the text it is.
+            # Tool calls cut short are sent as the text they are.
             choice["delta"] = {"content": out.text} if self._holds_call(out) else {}
         return self._object([choice], True)
 
@@ -205,12 +215,12 @@ class Reply:
         """The reply when it is not streamed."""
         choices = []
         for out in outputs:
-            call = out.tool_call() if self.tools else None
-            reason = "tool_calls" if call is not None else out.finish_reason or "stop"
+            calls = self._calls(out)
+            reason = "tool_calls" if calls is not None else out.finish_reason or "stop"
             choice = self._choice(out.index, out.text, [], reason)
             choice["logprobs"] = self._logprobs_object(out.logprobs)
-            if call is not None:
-                choice["message"] = {"role": "assistant", "content": None, "tool_calls": [call]}
+            if calls is not None:
+                choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
             elif self.kind == "chat":
                 choice["message"] = {"role": "assistant", "content": out.text}
             choices.append(choice)

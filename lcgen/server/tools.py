@@ -1,16 +1,16 @@
 """Function calling: OpenAI's ``tools`` and ``tool_choice``, with calls that always parse.
 
 The model is told the functions in the system message and asked to call one by replying with
-only ``{"name": ..., "arguments": ...}``. The reply is constrained so that such a call is
-always valid: with ``tool_choice`` ``"required"`` or a named function it must be a call whose
-arguments validate against that function's ``parameters``; with ``"auto"`` it is either such a
-call (a reply that starts with ``{``) or text that does not start with ``{``. A reply that is
-a call comes back as ``tool_calls`` with ``finish_reason`` ``"tool_calls"``. One call per
-reply (``parallel_tool_calls`` is accepted; the model calls again in the next turn).
+only ``{"name": ..., "arguments": ...}``, or several at once with a JSON array of those (unless
+``parallel_tool_calls`` is false). The reply is constrained so that every call is valid: with
+``tool_choice`` ``"required"`` or a named function it must be calls whose arguments validate
+against their function's ``parameters``; with ``"auto"`` it is either such calls (a reply that
+starts with ``{``, or ``[`` for several) or text that starts with neither. A reply that is
+calls comes back as ``tool_calls`` with ``finish_reason`` ``"tool_calls"``.
 
-Earlier turns go back into the prompt in the same shapes: an assistant's calls as those JSON
-objects, a tool's result as a user message naming the function (chat templates differ in the
-roles they know; every one knows ``user``).
+Earlier turns go back into the prompt in the same shapes: an assistant's calls as that JSON,
+a tool's result as a user message naming the function (chat templates differ in the roles
+they know; every one knows ``user``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field
 import lcgen
 
 MAX_TOOLS = 128
+MAX_PARALLEL = 16  # calls in one reply
 _TEXT_RULE = "lcgen-reply-text"
 
 
@@ -85,8 +86,8 @@ def active(tools: list[Tool] | None, choice: ToolChoice | None) -> list[Tool]:
     return tools
 
 
-def instructions(tools: list[Tool], required: bool) -> str:
-    """The system message's text that tells the model the functions and how to call one."""
+def instructions(tools: list[Tool], required: bool, parallel: bool = False) -> str:
+    """The system message's text that tells the model the functions and how to call them."""
     lines = ["You can call these functions:"]
     for tool in tools:
         fn = tool.function
@@ -98,14 +99,16 @@ def instructions(tools: list[Tool], required: bool) -> str:
     lines.append(
         'To call a function, reply with only a JSON object: {"name": <the function\'s name>, '
         '"arguments": <an object of its parameters>}.'
+        + (" To call several at once, reply with only a JSON array of them." if parallel else "")
         + (" Reply with a function call." if required else " Otherwise reply in text.")
     )
     return "\n".join(lines)
 
 
-def grammar(tools: list[Tool], required: bool) -> lcgen.Grammar:
-    """The reply's constraint: a call of one of ``tools``, or (unless ``required``) text that
-    does not start with ``{``.
+def grammar(tools: list[Tool], required: bool, parallel: bool = False) -> lcgen.Grammar:
+    """The reply's constraint: a call of one of ``tools`` (or, with ``parallel``, a JSON array
+    of 1 to ``MAX_PARALLEL`` calls), or (unless ``required``) text that does not start as
+    calls do.
 
     Raises:
         lcgen.GrammarError: a function's parameters are not a JSON Schema lcgen supports.
@@ -121,7 +124,11 @@ def grammar(tools: list[Tool], required: bool) -> lcgen.Grammar:
                 "additionalProperties": False,
             }
         )
-    schema = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    one: dict[str, Any] = calls[0] if len(calls) == 1 else {"anyOf": calls}
+    schema = one
+    if parallel:
+        several = {"type": "array", "items": one, "minItems": 1, "maxItems": MAX_PARALLEL}
+        schema = {"anyOf": [one, several]}
     call = lcgen.Grammar.from_json_schema(schema)
     if required:
         return call
@@ -129,13 +136,14 @@ def grammar(tools: list[Tool], required: bool) -> lcgen.Grammar:
     first, rest = call.gbnf.split("\n", 1)
     assert first.startswith("root ::= ") and not re.search(rf"^{_TEXT_RULE} ", rest, re.M)
     body = first.removeprefix("root ::= ")
+    not_a_call = "[^{\\[ \\t\\n\\r]" if parallel else "[^{ \\t\\n\\r]"
     return lcgen.Grammar(
-        f"root ::= ({body}) | {_TEXT_RULE}\n{rest}{_TEXT_RULE} ::= [^{{ \\t\\n\\r] .*\n"
+        f"root ::= ({body}) | {_TEXT_RULE}\n{rest}{_TEXT_RULE} ::= {not_a_call} .*\n"
     )
 
 
 def prompt_messages(
-    messages: list[dict[str, Any]], tools: list[Tool], required: bool
+    messages: list[dict[str, Any]], tools: list[Tool], required: bool, parallel: bool = False
 ) -> list[dict[str, str]]:
     """Messages for the chat template: the tools described in the (first) system message,
     calls and results of earlier turns written out as text."""
@@ -147,14 +155,15 @@ def prompt_messages(
             calls = []
             for call in message["tool_calls"]:
                 names[call.id] = call.function.name
-                calls.append(_call_text(call))
-            text = "\n".join([text, *calls] if text else calls)
+                calls.append(_call_value(call))
+            written = json.dumps(calls[0] if len(calls) == 1 else calls, ensure_ascii=False)
+            text = f"{text}\n{written}" if text else written
         elif role == "tool":
             name = names.get(message.get("tool_call_id") or "", "a function")
             role, text = "user", f"The function {name} returned: {text}"
         out.append({"role": role, "content": text})
     if tools:
-        told = instructions(tools, required)
+        told = instructions(tools, required, parallel)
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{told}"}
         else:
@@ -162,35 +171,41 @@ def prompt_messages(
     return out
 
 
-def _call_text(call: ToolCall) -> str:
+def _call_value(call: ToolCall) -> dict[str, Any]:
     try:
         arguments = json.loads(call.function.arguments)
     except json.JSONDecodeError:
         arguments = call.function.arguments
-    return json.dumps({"name": call.function.name, "arguments": arguments}, ensure_ascii=False)
+    return {"name": call.function.name, "arguments": arguments}
 
 
-def starts_call(text: str) -> bool:
-    """Whether a reply (so far) is a call rather than text: calls start with ``{``, text
-    never does (see :func:`grammar`)."""
-    return text.startswith("{")
+def starts_call(text: str, parallel: bool) -> bool:
+    """Whether a reply (so far) is calls rather than text: calls start with ``{``, or with
+    ``parallel`` ``[`` for several; text does not start so (see :func:`grammar`)."""
+    return text.startswith(("{", "[") if parallel else "{")
 
 
-def parse_call(text: str) -> dict[str, Any] | None:
-    """The reply as an OpenAI tool call, or None when it is text (or a call cut short)."""
-    if not starts_call(text):
+def parse_calls(text: str, parallel: bool) -> list[dict[str, Any]] | None:
+    """The reply as OpenAI tool calls, or None when it is text (or calls cut short)."""
+    if not starts_call(text, parallel):
         return None
     try:
         value = json.loads(text)
     except json.JSONDecodeError:
         return None
-    if not isinstance(value, dict) or set(value) != {"name", "arguments"}:
+    values = value if isinstance(value, list) else [value]
+    if not values or not all(
+        isinstance(v, dict) and set(v) == {"name", "arguments"} for v in values
+    ):
         return None
-    return {
-        "id": "call_" + uuid.uuid4().hex[:24],
-        "type": "function",
-        "function": {
-            "name": value["name"],
-            "arguments": json.dumps(value["arguments"], ensure_ascii=False),
-        },
-    }
+    return [
+        {
+            "id": "call_" + uuid.uuid4().hex[:24],
+            "type": "function",
+            "function": {
+                "name": v["name"],
+                "arguments": json.dumps(v["arguments"], ensure_ascii=False),
+            },
+        }
+        for v in values
+    ]
