@@ -1,11 +1,12 @@
 """JSON Schema to GBNF, exactly: every text the grammar allows is JSON that validates.
 
 The grammar may allow less than the schema (a fixed property order, canonical string escapes,
-numbers without exponents where bounded, whitespace of at most 24 characters, no extra keys
-where patterns or property names make them hard to tell apart), never more. A keyword lcgen
-cannot enforce raises :class:`~lcgen.errors.GrammarError` naming it and where it is, instead
-of being dropped; unknown keywords are annotations, ignored as the specification says (a
-likely misspelling of a keyword warns).
+numbers without exponents where bounded, whitespace of at most 24 characters, fewer extra
+keys where ``patternProperties`` meets a ``propertyNames`` that says more than a pattern or
+where telling keys apart by their patterns would take an automaton of over 512 states), never
+more. A keyword lcgen cannot enforce raises :class:`~lcgen.errors.GrammarError` naming it and
+where it is, instead of being dropped; unknown keywords are annotations, ignored as the
+specification says (a likely misspelling of a keyword warns).
 
 How: every schema is first *flattened* into alternatives, each a conjunction of plain schemas
 without applicators: ``allOf`` joins conjunctions, ``anyOf``/``oneOf`` and ``if``/``then``/

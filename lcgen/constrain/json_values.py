@@ -17,6 +17,7 @@ from typing import Any
 
 import jsonschema
 
+from lcgen.constrain import automaton
 from lcgen.constrain import gbnf as g
 from lcgen.constrain import json_rules as spec
 from lcgen.constrain.regex import regex_to_gbnf
@@ -398,10 +399,10 @@ class ValueCompiler:
         kvs = [(n in required, self.member(n, s, f"{path}/properties/{n}")) for n, s in allowed]
         extra_kvs = []
         for key, value in extras:
-            key_expr = self.key_not_in(names) if key is None else key
-            extra_kvs.append(
-                f'{key_expr} ws ":" ws {self.visit(value, f"{path}/additionalProperties")} ws'
-            )
+            with contextlib.suppress(Unsatisfiable):  # no such key then
+                value_expr = self.visit(value, f"{path}/additionalProperties")
+                key_expr = self.key_not_in(names) if key is None else key
+                extra_kvs.append(f'{key_expr} ws ":" ws {value_expr} ws')
         extra = self.named("extra", g.alternatives(extra_kvs)) if extra_kvs else None
         if sum(r for r, _ in kvs) > (high if high is not None else math.inf):
             raise Unsatisfiable(f"more properties are required than maxProperties at {path}")
@@ -436,6 +437,10 @@ class ValueCompiler:
         if not with_patterns and not key_rules:
             value = self.all_of([self.additional(m) for m in conj])
             return [] if value is False else [(None, value)]
+        if with_patterns:
+            exact = self.pattern_extras(conj, names, key_rules)
+            if exact is not None:
+                return exact
         if len(with_patterns) + len(key_rules) > 1:
             return []  # keys that several rules judge: only the declared ones (fewer, never more)
         if key_rules:  # keys spelled by propertyNames, their values as any extra's
@@ -463,6 +468,42 @@ class ValueCompiler:
                     key_expr = self.visit(self.all_of([key, {"type": "string"}]), path)
                     out.append((key_expr, value))
         return out
+
+    def pattern_extras(
+        self, conj: Conj, names: list[str], key_rules: list[Any]
+    ) -> list[tuple[str | None, Any]] | None:
+        """The extra keys split by the patterns they match, each class's values satisfying the
+        schemas of exactly those patterns (or ``additionalProperties`` where none matches).
+        None where that cannot be built exactly (too many automaton states, propertyNames
+        saying more than patterns): the caller then narrows."""
+        required = _key_patterns(key_rules)
+        if required is None:
+            return None
+        patterns = list(dict.fromkeys(p for m in conj for p in m.get("patternProperties", {})))
+        try:
+            dfa, classes = automaton.partition(patterns, names, required)
+        except GrammarError:
+            return None
+        by_value: dict[str, tuple[Any, set[int]]] = {}  # classes whose values agree share a key
+        for matched, states in sorted(classes.items(), key=lambda kv: sorted(kv[0])):
+            value = self.all_of(
+                [s for m in conj for s in self.extra_schemas(m, {patterns[i] for i in matched})]
+            )
+            if value is not False:
+                text = json.dumps(value, sort_keys=True, default=str)
+                by_value.setdefault(text, (value, set()))[1].update(states)
+        out: list[tuple[str | None, Any]] = []
+        for value, ends in by_value.values():
+            body = automaton.to_gbnf(dfa, ends, self.rules, "pkey")
+            if body is not None:
+                out.append((f'"\\"" {body} "\\""', value))
+        return out
+
+    def extra_schemas(self, member: dict[str, Any], matched: set[str]) -> list[Any]:
+        """What ``member`` says about the value of a key that is none of the declared
+        properties and matches exactly the patterns ``matched``."""
+        own = [s for p, s in member.get("patternProperties", {}).items() if p in matched]
+        return own or [self.additional(member)]
 
     def member(self, name: str, schema: Any, path: str) -> str:
         self.prim("ws")
@@ -534,3 +575,19 @@ class ValueCompiler:
         others = g.subtract(others, g.SURROGATES)
         options.append(f"{g.char_class(others)} ({raw})*")
         return self.rules.add("key", " | ".join(options))
+
+
+def _key_patterns(rules: list[Any]) -> list[str] | None:
+    """The patterns of ``propertyNames`` schemas that say nothing else about a key (None when
+    one says more)."""
+    patterns = []
+    for rule in rules:
+        if rule is True:
+            continue
+        if not isinstance(rule, dict) or rule.get("type", "string") != "string":
+            return None
+        if set(rule) & spec.CONSTRAINING - {"type", "pattern"}:
+            return None
+        if "pattern" in rule:
+            patterns.append(rule["pattern"])
+    return patterns

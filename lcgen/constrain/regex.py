@@ -300,6 +300,19 @@ def without_empty(node: Node) -> Node | None:
     return None
 
 
+def branches(pattern: str) -> list[tuple[Node, Anchor | None, Anchor | None]]:
+    """The top-level alternatives of ``pattern``, each as (body without anchors, its start
+    anchor, its end anchor).
+
+    Raises:
+        GrammarError: an invalid pattern, a construct outside the subset, or an anchor that is
+            not at an end of a top-level alternative.
+    """
+    tree = parse(pattern)
+    options = tree.options if isinstance(tree, Alt) else (tree,)
+    return [_strip_anchors(option, pattern) for option in options]
+
+
 def _strip_anchors(branch: Node, pattern: str) -> tuple[Node, Anchor | None, Anchor | None]:
     items = list(branch.items) if isinstance(branch, Seq) else [branch]
     start = end = None
@@ -416,12 +429,9 @@ def regex_to_gbnf(pattern: str, *, json_string: bool = False, search: bool = Fal
     Raises:
         GrammarError: an invalid pattern, or a construct outside the subset.
     """
-    tree = parse(pattern)
     emitter = Emitter(json_string)
-    branches = tree.options if isinstance(tree, Alt) else (tree,)
     options = []
-    for branch in branches:
-        body, start, end = _strip_anchors(branch, pattern)
+    for body, start, end in branches(pattern):
         parts = [emitter.emit(body)]
         if search and start is None:
             parts.insert(0, emitter.any_text())
