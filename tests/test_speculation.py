@@ -415,3 +415,14 @@ def test_bad_speculation_options_are_named(
 ) -> None:
     with pytest.raises(error, match=match):
         lcgen.make_plan(**options)  # type: ignore[arg-type]
+
+
+def test_draft_caps_default_by_how_drafts_are_made(model: lcgen.Model) -> None:
+    # Prompt lookup drafts cost nothing to make: long ones by default; a draft model decodes
+    # each draft token in turn: short ones. A given num_draft wins either way.
+    ngram = lcgen.make_plan(speculate="ngram").speculation
+    assert ngram is not None and ngram.num_draft == 64
+    drafted = lcgen.make_plan(speculate=model).speculation
+    assert drafted is not None and drafted.num_draft == 8
+    given = lcgen.make_plan(speculate="ngram", num_draft=5).speculation
+    assert given is not None and given.num_draft == 5

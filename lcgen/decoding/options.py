@@ -20,7 +20,7 @@ from lcgen.constrain import Grammar
 from lcgen.decoding.hooks import BannedPhrases, Hook, Validator
 from lcgen.decoding.results import SchemaLike
 from lcgen.decoding.sampling import SamplerConfig
-from lcgen.decoding.speculation import MAX_DRAFT, Speculation
+from lcgen.decoding.speculation import MAX_DRAFT, MODEL_DRAFT, NGRAM_DRAFT, Speculation
 from lcgen.decoding.text import NO_STOPS, Stops
 
 DEFAULT_MAX_TOKENS = 256
@@ -133,7 +133,8 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
             (``"ngram"``: verify drafts looked up in the sequence's own tokens, several
             tokens per step, the output what it would be without; or a draft
             :class:`lcgen.Model` with the same vocabulary, loaded apart from this one),
-            num_draft (8: the most tokens in one draft), fast_forward (True: where a
+            num_draft (the most tokens in one draft: 64 for ``"ngram"``, 8 for a draft
+            model), fast_forward (True: where a
             constraint allows only one text next, its tokens are appended without sampling
             and decoded in one batch; runs with hooks, validators, banned phrases or logprobs
             sample every token).
@@ -284,7 +285,9 @@ def _backtracking(options: GenerateOptions) -> Backtracking | None:
 
 def _speculation(options: GenerateOptions) -> Speculation | None:
     method: Any = options.get("speculate")
-    num_draft = _int("num_draft", options.get("num_draft", 8), low=1, high=MAX_DRAFT)
+    given = options.get("num_draft")
+    if given is not None:
+        given = _int("num_draft", given, low=1, high=MAX_DRAFT)
     if method is None:
         return None
     if isinstance(method, str):
@@ -292,9 +295,9 @@ def _speculation(options: GenerateOptions) -> Speculation | None:
             raise ValueError(
                 f"speculate must be 'ngram', a draft lcgen.Model or None, got {method!r}"
             )
-        return Speculation("ngram", num_draft)
+        return Speculation("ngram", NGRAM_DRAFT if given is None else given)
     if not (hasattr(method, "vocab") and hasattr(method, "context")):
         raise TypeError(
             f"speculate must be 'ngram', a draft lcgen.Model or None, got {type(method).__name__}"
         )
-    return Speculation("model", num_draft, method)
+    return Speculation("model", MODEL_DRAFT if given is None else given, method)

@@ -17,6 +17,12 @@ import numpy as np
 NGRAM_MAX = 4  # the longest suffix looked up
 NGRAM_MIN = 2  # the shortest (single tokens match too often to be worth a draft)
 MAX_DRAFT = 64
+# Default caps. A prompt-lookup draft costs nothing to make, and a long one verified in one
+# batch pays off where text is copied (measured on the 2-core CPU: 64 against 8 took the
+# copy-heavy bench from 1.3-1.4x to 1.6-1.7x, with free text and JSON unchanged). A draft
+# model decodes each draft token in turn, so its drafts stay short.
+NGRAM_DRAFT = MAX_DRAFT
+MODEL_DRAFT = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +37,7 @@ class Speculation:
     """
 
     method: str = "ngram"
-    num_draft: int = 8
+    num_draft: int = NGRAM_DRAFT
     draft: Any = None
 
 
