@@ -426,3 +426,18 @@ def test_draft_caps_default_by_how_drafts_are_made(model: lcgen.Model) -> None:
     assert drafted is not None and drafted.num_draft == 8
     given = lcgen.make_plan(speculate="ngram", num_draft=5).speculation
     assert given is not None and given.num_draft == 5
+
+
+def test_draft_length_restarts_short_after_a_miss_and_doubles_back() -> None:
+    from lcgen.decoding.speculation import AdaptiveLength
+
+    policy = AdaptiveLength(64)
+    lengths = []
+    for drafted_accepted in [(64, 64), (64, 47), (4, 4), (8, 8), (16, 2), (2, 0)]:
+        lengths.append(policy.next_length(room=1000))
+        policy.feedback(*drafted_accepted)
+    # a whole draft keeps the cap; a miss part way restarts at 4 (never the 47 taken, which
+    # would send a long draft after text that has most likely left its source)
+    assert lengths == [64, 64, 4, 8, 16, 2]
+    assert [policy.next_length(room=1000) for _ in range(3)] == [0, 0, 1]  # paused 2 steps
+    assert policy.next_length(room=0) == 0
