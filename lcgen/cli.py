@@ -53,6 +53,8 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--repeat-penalty", type=float, default=None)
+    p.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI's, per occurrence")
+    p.add_argument("--presence-penalty", type=float, default=None, help="OpenAI's, once per token")
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     p.add_argument(
         "--token-healing",
@@ -118,6 +120,8 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
         "top_p": args.top_p,
         "min_p": args.min_p,
         "repeat_penalty": args.repeat_penalty,
+        "frequency_penalty": args.frequency_penalty,
+        "presence_penalty": args.presence_penalty,
         "seed": args.seed,
         "stop": [unescape(stop) for stop in args.stop] if args.stop else None,
         "token_healing": args.token_healing,

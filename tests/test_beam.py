@@ -89,5 +89,9 @@ def test_beam_arguments(model: lcgen.Model) -> None:
         generate.text(model, beams=2, temperature=0.7)
     with pytest.raises(ValueError, match="beams must be"):
         generate.text(model, beams=0)
+    with pytest.raises(ValueError, match=r"\['presence_penalty'\]"):
+        generate.text(model, beams=2, presence_penalty=0.5)
+    with pytest.raises(ValueError, match=r"\['repeat_penalty', 'frequency_penalty'\]"):
+        generate.text(model, beams=2, repeat_penalty=1.2, frequency_penalty=0.5)
     with pytest.raises(ValueError, match="num_samples=2"):
         continuous(generate.text(model, beams=2, max_tokens=2))("x", num_samples=2)

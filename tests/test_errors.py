@@ -111,6 +111,8 @@ def test_bad_token_ids(model: lcgen.Model) -> None:
         ("min_p", 1.0),
         ("repeat_penalty", 0.0),
         ("repeat_last_n", -1),
+        ("frequency_penalty", float("nan")),
+        ("presence_penalty", float("inf")),
     ],
 )
 def test_bad_sampler_settings(field: str, value: float) -> None:

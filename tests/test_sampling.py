@@ -7,6 +7,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+import lcgen
 from lcgen.decoding.sampling import SamplerConfig, new_rng, sample
 
 
@@ -44,8 +45,49 @@ def test_repeat_penalty_lowers_recent_tokens() -> None:
     assert sample(logits, SamplerConfig(repeat_penalty=1.5), new_rng(0), recent=[0]) == 1
 
 
+def test_frequency_and_presence_penalties_follow_llama_cpp() -> None:
+    from lcgen.decoding.sampling import _adjusted_logits
+
+    logits = np.array([3.0, 2.5, 2.0, -1.0], dtype=np.float32)
+    cfg = SamplerConfig(repeat_penalty=2.0, frequency_penalty=0.25, presence_penalty=0.5)
+    out = _adjusted_logits(logits, cfg, recent=[0, 0, 0, 3, 1])
+    # repeat first (divide positive, multiply negative), then count * frequency + presence
+    expected = [3.0 / 2 - 3 * 0.25 - 0.5, 2.5 / 2 - 0.25 - 0.5, 2.0, -1.0 * 2 - 0.25 - 0.5]
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+    assert cfg.penalizes and not SamplerConfig().penalizes
+    assert not SamplerConfig(presence_penalty=1.0, repeat_last_n=0).penalizes
+    # greedy: the penalized token loses; a negative presence penalty favours what came before
+    assert sample(logits, SamplerConfig(frequency_penalty=0.3), new_rng(0), recent=[0] * 2) == 1
+    assert sample(logits, SamplerConfig(presence_penalty=-1.5), new_rng(0), recent=[2]) == 2
+    assert sample(logits, SamplerConfig(presence_penalty=1.0), new_rng(0), recent=[]) == 0
+
+
 @pytest.mark.parametrize("temperature", [0.5, 1.0])
 def test_top_p_keeps_the_nucleus(temperature: float) -> None:
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))
     cfg = SamplerConfig(temperature=temperature, top_k=0, top_p=0.8, min_p=0.0)
     assert {sample(logits, cfg, new_rng(s)) for s in range(200)} == {0, 1}
+
+
+def test_penalties_in_a_real_generation_follow_the_recent_tokens(model: lcgen.Model) -> None:
+    # Every greedy token is the argmax of the raw logits minus the penalties of the last 16
+    # tokens (prompt included), computed here on its own; and they change what is generated.
+    seen: list[tuple[np.ndarray, int]] = []
+
+    def record(step: lcgen.Step) -> None:
+        seen.append((step.logits, step.token))
+
+    options = {"max_tokens": 24, "temperature": 0.0, "repeat_last_n": 16}
+    penalties = {"frequency_penalty": 0.7, "presence_penalty": 0.4}
+    with model.sequence("one one one one one one") as seq:
+        history = list(seq.tokens)
+        out = seq.generate(hooks=[record], **options, **penalties)  # type: ignore[arg-type]
+    assert len(seen) == len(out.tokens) > 0
+    for logits, token in seen:
+        ids, counts = np.unique(history[-16:], return_counts=True)
+        adjusted = np.array(logits, dtype=np.float32)
+        adjusted[ids] -= counts * 0.7 + 0.4
+        assert token == int(np.argmax(adjusted))
+        history.append(token)
+    plain = model.generate("one one one one one one", **options)  # type: ignore[call-overload]
+    assert plain.tokens != out.tokens

@@ -537,6 +537,15 @@ def test_completion_echo_scores_the_prompt(client: openai.OpenAI, model: lcgen.M
     assert only == {0: prompt, 1: "Hi"}
 
 
+def test_frequency_and_presence_penalties(client: openai.OpenAI, model: lcgen.Model) -> None:
+    prompt = "one one one one one one"
+    options = {"max_tokens": 12, "temperature": 0, "frequency_penalty": 1.5, "presence_penalty": 1}
+    text = client.completions.create(model=NAME, prompt=prompt, **options).choices[0].text
+    assert text == model.generate(prompt, **options)  # type: ignore[call-overload]
+    plain = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
+    assert plain.choices[0].text != text
+
+
 def test_logit_bias_and_logprobs(client: openai.OpenAI, model: lcgen.Model) -> None:
     reply = chat(client, max_tokens=6, logprobs=True, top_logprobs=3).choices[0]
     entries = reply.logprobs.content
@@ -668,13 +677,14 @@ BAD = [
     (json.dumps({"model": NAME, "max_tokens": 4}).encode(), "messages"),
     (_body(max_tokens="four"), "max_tokens"),
     (_body(max_tokens=0), "max_tokens"),
+    (_body(presence_penalty=2.5), "presence_penalty"),
+    (_body(frequency_penalty="high"), "frequency_penalty"),
     (_body(temperature="hot"), "temperature"),
     (_body(temperature=9), "temperature"),
     (_body(n=0), "n"),
     (_body(stop=[1, 2]), "stop.str"),
     (_body(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role"),
     (_body(messages="hello"), "messages"),
-    (_body(frequency_penalty=0.5), "frequency_penalty"),
     (_body(logit_bias={"abc": 1}), "logit_bias"),
     (_body(logit_bias={"99999999": 1}), "logit_bias"),
     (_body(grammar="root ::= (("), "grammar"),

@@ -105,8 +105,20 @@ def _check_beams(
             f"beam search does not take {sorted(_BACKTRACK_OPTIONS & options.keys())} (hooks, "
             "validators and banned phrases need one sequence to rewind)"
         )
-    if options.get("repeat_penalty") not in (None, 1.0) or options.get("token_healing"):
-        raise ValueError("beam search supports neither repeat_penalty nor token_healing")
+    penalties = [
+        name
+        for name, off in (
+            ("repeat_penalty", 1.0),
+            ("frequency_penalty", 0),
+            ("presence_penalty", 0),
+        )
+        if options.get(name) not in (None, off)
+    ]
+    if penalties or options.get("token_healing"):
+        raise ValueError(
+            "beam search supports neither penalties (repeat, frequency, presence) nor "
+            f"token_healing; got {penalties or ['token_healing']}"
+        )
     if options.get("speculate") is not None:
         raise ValueError(
             f"beam search does not speculate (speculate={options['speculate']!r}): each step "

@@ -42,6 +42,8 @@ class GenerateOptions(TypedDict, total=False):
     top_p: float | None
     min_p: float | None
     repeat_penalty: float | None
+    frequency_penalty: float | None
+    presence_penalty: float | None
     repeat_last_n: int | None
     seed: int | None
     logit_bias: Mapping[int, float] | None
@@ -126,7 +128,8 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
     Args:
         schema: constrain the output to JSON valid for this JSON Schema dict / pydantic model.
         **options: max_tokens (256), stop, include_stop, stop_tokens, sampler, temperature
-            (0: greedy), top_k, top_p, min_p, repeat_penalty, repeat_last_n, seed, logit_bias,
+            (0: greedy), top_k, top_p, min_p, repeat_penalty, frequency_penalty,
+            presence_penalty, repeat_last_n, seed, logit_bias,
             logprobs, token_healing, grammar, choice, regex (at most one constraint, schema
             included), json_whitespace ("flexible" or "compact", for schema), hooks,
             validators, banned, banned_ignore_case, max_retries, lookback, speculate
@@ -172,6 +175,8 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
         top_p=options.get("top_p"),
         min_p=options.get("min_p"),
         repeat_penalty=options.get("repeat_penalty"),
+        frequency_penalty=options.get("frequency_penalty"),
+        presence_penalty=options.get("presence_penalty"),
         repeat_last_n=options.get("repeat_last_n"),
         seed=options.get("seed"),
         logit_bias=tuple(bias.items()) if bias else None,

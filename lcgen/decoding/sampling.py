@@ -7,11 +7,21 @@ so settings carried over from llama.cpp behave the same.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
+
+_NUMBERS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repeat_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -24,7 +34,11 @@ class SamplerConfig:
         top_p: keep the smallest set of tokens whose probability sums to at least top_p.
         min_p: drop tokens less likely than min_p times the most likely one.
         repeat_penalty: divide positive (multiply negative) logits of recent tokens; 1 is off.
-        repeat_last_n: how many recent tokens the repeat penalty looks at.
+        frequency_penalty: subtracted from a recent token's logit once per time it occurs
+            (OpenAI's ``frequency_penalty``); 0 is off.
+        presence_penalty: subtracted once from the logit of every recent token (OpenAI's
+            ``presence_penalty``); 0 is off.
+        repeat_last_n: how many recent tokens the penalties look at.
         seed: makes sampling reproducible; None draws a fresh seed.
         logit_bias: added to the logits of the given token ids (-inf bans a token).
     """
@@ -34,6 +48,8 @@ class SamplerConfig:
     top_p: float = 0.95
     min_p: float = 0.05
     repeat_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     repeat_last_n: int = 64
     seed: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -44,10 +60,13 @@ class SamplerConfig:
     )
 
     def __post_init__(self) -> None:
-        for name in ("temperature", "top_p", "min_p", "repeat_penalty"):
+        for name in _NUMBERS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
                 raise TypeError(f"{name} must be a number, got {value!r}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)!r}")
         for name in ("top_k", "repeat_last_n"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
@@ -81,6 +100,12 @@ class SamplerConfig:
     def is_greedy(self) -> bool:
         return self.temperature == 0
 
+    @property
+    def penalizes(self) -> bool:
+        """Whether recent tokens change the logits (a repeat, frequency or presence penalty)."""
+        active = (self.repeat_penalty != 1.0, self.frequency_penalty, self.presence_penalty)
+        return self.repeat_last_n > 0 and any(active)
+
     def with_options(self, **options: Any) -> SamplerConfig:
         """A copy with the given fields replaced; options that are None are ignored."""
         return dataclasses.replace(self, **{k: v for k, v in options.items() if v is not None})
@@ -108,14 +133,19 @@ def top_ids(logits: np.ndarray, n: int) -> np.ndarray:
 
 
 def _adjusted_logits(logits: np.ndarray, cfg: SamplerConfig, recent: Iterable[int]) -> np.ndarray:
-    if not cfg.logit_bias and cfg.repeat_penalty == 1.0:
+    if not cfg.logit_bias and not cfg.penalizes:
         return logits
     out = np.array(logits, dtype=np.float32, copy=True)
-    if cfg.repeat_penalty != 1.0 and cfg.repeat_last_n > 0:
-        ids = np.unique(np.fromiter(recent, dtype=np.int64))
+    if cfg.penalizes:
+        # llama.cpp's penalties sampler: the repeat penalty, then the frequency and presence
+        # penalties, over the recent tokens.
+        ids, counts = np.unique(np.fromiter(recent, dtype=np.int64), return_counts=True)
         if ids.size:
             vals = out[ids]
-            out[ids] = np.where(vals > 0, vals / cfg.repeat_penalty, vals * cfg.repeat_penalty)
+            if cfg.repeat_penalty != 1.0:
+                vals = np.where(vals > 0, vals / cfg.repeat_penalty, vals * cfg.repeat_penalty)
+            vals = vals - (counts * cfg.frequency_penalty + cfg.presence_penalty)
+            out[ids] = vals
     for tok, bias in cfg.logit_bias:
         out[tok] += bias
     return out
@@ -147,12 +177,12 @@ def sample(
         logits: the model's logits over the vocabulary, shape (n_vocab,).
         cfg: the sampler settings.
         rng: the random generator (unused when greedy, so greedy leaves its state untouched).
-        recent: the tokens the repeat penalty looks at (the last ``repeat_last_n``).
+        recent: the tokens the penalties look at (the last ``repeat_last_n``).
 
     Returns:
         The chosen token id.
     """
-    if cfg.is_greedy and cfg.repeat_penalty == 1.0 and cfg.only_bans:
+    if cfg.is_greedy and not cfg.penalizes and cfg.only_bans:
         # Biases that only lower logits leave the raw argmax standing unless it carries one.
         best = int(np.argmax(logits))
         if best not in cfg.biased:

@@ -187,7 +187,8 @@ class Sequence(TokenSequence):
         Args:
             schema: constrain the output to JSON valid for this JSON Schema / pydantic model.
             **options: max_tokens (256), stop, include_stop, stop_tokens, sampler,
-                temperature (0: greedy), top_k, top_p, min_p, repeat_penalty, repeat_last_n,
+                temperature (0: greedy), top_k, top_p, min_p, repeat_penalty,
+                frequency_penalty, presence_penalty, repeat_last_n,
                 seed, logit_bias, logprobs, token_healing, grammar, choice, regex, hooks,
                 validators, banned, banned_ignore_case, max_retries, lookback (see
                 :func:`lcgen.decoding.make_plan`). A ``seed`` reseeds the sequence's RNG;

@@ -129,6 +129,8 @@ class _Common(_Strict):
     top_p: Probability | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     user: str | None = None
     # lcgen's controls
     top_k: Annotated[int, Field(ge=0)] | None = None
@@ -239,6 +241,8 @@ def options(
         "top_k": req.top_k,
         "min_p": req.min_p,
         "repeat_penalty": req.repeat_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "presence_penalty": req.presence_penalty,
         "token_healing": req.token_healing,
         "fast_forward": req.fast_forward,
         "logprobs": n_logprobs(req),
