@@ -1,6 +1,6 @@
 """JSON Schema to GBNF, exactly: every text the grammar allows is JSON that validates.
 
-The grammar may allow less than the schema (a fixed property order, canonical string escapes,
+The grammar may allow less than the schema (a fixed property order, canonical escapes of ASCII,
 numbers without exponents where bounded, whitespace of at most 24 characters, fewer extra
 keys where ``patternProperties`` meets a ``propertyNames`` that says more than a pattern or
 where telling keys apart by their patterns would take an automaton of over 512 states), never

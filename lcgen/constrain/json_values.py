@@ -17,7 +17,7 @@ from typing import Any
 
 import jsonschema
 
-from lcgen.constrain import automaton
+from lcgen.constrain import automaton, escapes
 from lcgen.constrain import gbnf as g
 from lcgen.constrain import json_rules as spec
 from lcgen.constrain.regex import regex_to_gbnf
@@ -179,6 +179,8 @@ class ValueCompiler:
             whole = number == number.to_integral_value()
             text = str(int(number)) if whole else format(number.normalize(), "f")
             return f'{g.literal(text)} ("." "0"+)?' if whole else f'{g.literal(text)} "0"*'
+        if isinstance(value, str) and not value.isascii():
+            return f'"\\"" {escapes.literal(value)} "\\""'
         return g.literal(json.dumps(value, ensure_ascii=False))
 
     def string(self, conj: Conj, path: str) -> str:

@@ -9,7 +9,8 @@ lookaround, word boundaries, flags, possessive quantifiers, atomic groups, condi
 :class:`~lcgen.errors.GrammarError` naming it.
 
 Two encodings of the matched characters: plain text, or the body of a JSON string (for JSON
-Schema ``pattern``), where each character is written in one canonical JSON form.
+Schema ``pattern``), where each character is written in its canonical JSON form, or as a
+``\\uXXXX`` escape when it is not ASCII (as ``json.dumps`` writes it).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import warnings
 from dataclasses import dataclass
 
 from lcgen.constrain import gbnf as g
+from lcgen.constrain.escapes import escapes
 from lcgen.errors import GrammarError
 
 # NUL ends a token piece inside llama.cpp's grammar (a C string): it can never be generated raw.
@@ -366,6 +368,9 @@ class Emitter:
         if raw:
             single = len(raw) == 1 and raw[0][0] == raw[0][1]
             options.append(g.literal(chr(raw[0][0])) if single else g.char_class(raw))
+            escaped = escapes(raw)  # non-ASCII characters also as \uXXXX (json.dumps' way)
+            if escaped is not None:
+                options.append(escaped)
         for lo, hi in g.intersect(writable, _JSON_ESCAPED):
             options += [g.literal(json.dumps(chr(cp))[1:-1]) for cp in range(lo, hi + 1)]
         return g.alternatives(options)
