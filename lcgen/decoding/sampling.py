@@ -34,13 +34,13 @@ class SamplerConfig:
         top_p: keep the smallest set of tokens whose probability sums to at least top_p.
         min_p: drop tokens less likely than min_p times the most likely one.
         repeat_penalty: divide positive (multiply negative) logits of recent tokens; 1 is off.
-        frequency_penalty: subtracted from a recent token's logit once per time it occurs
-            (OpenAI's ``frequency_penalty``); 0 is off.
-        presence_penalty: subtracted once from the logit of every recent token (OpenAI's
-            ``presence_penalty``); 0 is off.
         repeat_last_n: how many recent tokens the penalties look at.
         seed: makes sampling reproducible; None draws a fresh seed.
         logit_bias: added to the logits of the given token ids (-inf bans a token).
+        frequency_penalty: subtracted from a recent token's logit once per time it occurs
+            (OpenAI's ``frequency_penalty``), after the repeat penalty; 0 is off.
+        presence_penalty: subtracted once from the logit of every recent token (OpenAI's
+            ``presence_penalty``); 0 is off.
     """
 
     temperature: float = 0.0
@@ -48,11 +48,11 @@ class SamplerConfig:
     top_p: float = 0.95
     min_p: float = 0.05
     repeat_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
     repeat_last_n: int = 64
     seed: int | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     # Derived: whether every bias only lowers a logit, and which tokens carry one.
     only_bans: bool = dataclasses.field(default=True, init=False, repr=False, compare=False)
     biased: frozenset[int] = dataclasses.field(
