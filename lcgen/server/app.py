@@ -10,6 +10,7 @@ import hmac
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 from typing import Any, TypeVar
 
 from sse_starlette import EventSourceResponse
@@ -71,16 +72,16 @@ class _Server:
             prompt = await run_in_threadpool(self.model.chat_tokens, messages)
         except ValueError as exc:
             raise APIError(400, f"messages: {exc}", param="messages") from None
-        tool_mode = (bool(callable_tools), req.tool_parallel)
-        return await self._generate(request, req, [prompt], "chat", tool_mode)
+        return await self._generate(
+            request, req, [prompt], "chat", tools=bool(callable_tools), parallel=req.tool_parallel
+        )
 
     async def completions(self, request: Request) -> Response:
         req = await self._request(request, CompletionRequest)
         texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        if req.suffix is not None:
-            prompts = [await run_in_threadpool(self._infill, text, req.suffix) for text in texts]
-        else:
-            prompts = [await run_in_threadpool(self.model.tokenize, text) for text in texts]
+        suffix = req.suffix
+        tokens_of = self.model.tokenize if suffix is None else partial(self._infill, suffix=suffix)
+        prompts = [await run_in_threadpool(tokens_of, text) for text in texts]
         if not all(prompts):
             raise APIError(400, "prompt: a prompt is empty", param="prompt")
         echo = None
@@ -223,13 +224,16 @@ class _Server:
         req: AnyRequest,
         prompts: list[list[int]],
         kind: Kind,
-        tool_mode: tuple[bool, bool] = (False, False),
+        *,
+        tools: bool = False,
+        parallel: bool = False,
         echo: list[Echo] | None = None,
     ) -> Response:
-        """Answer ``req``; ``tool_mode``: whether the reply may be tool calls, and several."""
+        """Answer ``req``; ``tools``: whether the reply may be tool calls, ``parallel``:
+        several (see :class:`Reply`)."""
         loop = asyncio.get_running_loop()
         job = await run_in_threadpool(self._job, req, prompts, kind, loop)
-        reply = Reply(kind, req.model, self.model, n_logprobs(req) is not None, *tool_mode)
+        reply = Reply(kind, req.model, self.model, n_logprobs(req) is not None, tools, parallel)
         count = _Count(prompts, req.n)
         outputs = [Output(i) for i in range(len(prompts) * req.n)]
         if echo is not None:

@@ -29,6 +29,11 @@ MAX_PARALLEL = 16  # calls in one reply
 _TEXT_RULE = "lcgen-reply-text"
 
 
+def _call_starts(parallel: bool) -> str:
+    """The characters a reply that is calls starts with: ``{`` (one), ``[`` (several)."""
+    return "{[" if parallel else "{"
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid")
 
@@ -136,7 +141,7 @@ def grammar(tools: list[Tool], required: bool, parallel: bool = False) -> lcgen.
     first, rest = call.gbnf.split("\n", 1)
     assert first.startswith("root ::= ") and not re.search(rf"^{_TEXT_RULE} ", rest, re.M)
     body = first.removeprefix("root ::= ")
-    not_a_call = "[^{\\[ \\t\\n\\r]" if parallel else "[^{ \\t\\n\\r]"
+    not_a_call = "[^" + _call_starts(parallel).replace("[", "\\[") + " \\t\\n\\r]"
     return lcgen.Grammar(
         f"root ::= ({body}) | {_TEXT_RULE}\n{rest}{_TEXT_RULE} ::= {not_a_call} .*\n"
     )
@@ -182,7 +187,7 @@ def _call_value(call: ToolCall) -> dict[str, Any]:
 def starts_call(text: str, parallel: bool) -> bool:
     """Whether a reply (so far) is calls rather than text: calls start with ``{``, or with
     ``parallel`` ``[`` for several; text does not start so (see :func:`grammar`)."""
-    return text.startswith(("{", "[") if parallel else "{")
+    return text.startswith(tuple(_call_starts(parallel)))
 
 
 def parse_calls(text: str, parallel: bool) -> list[dict[str, Any]] | None:
