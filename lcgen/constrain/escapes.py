@@ -9,7 +9,6 @@ constant, a property name), these let the escaped form through as well as the ra
 from __future__ import annotations
 
 import functools
-import json
 
 from lcgen.constrain import gbnf as g
 
@@ -86,22 +85,3 @@ def _hex_range(lo: int, hi: int, width: int) -> str:
 
 def _join(head: str, tail: str) -> str:
     return head if tail == '""' else f"{head} {tail}"
-
-
-def literal(text: str) -> str:
-    """A JSON string's body spelling ``text`` (as ``json.dumps`` does without ``ensure_ascii``),
-    each non-ASCII character also as its escape."""
-    body = json.dumps(text, ensure_ascii=False)[1:-1]
-    parts, plain = [], ""
-    for ch in body:
-        more = escapes(((ord(ch), ord(ch)),))
-        if more is None:
-            plain += ch
-            continue
-        if plain:
-            parts.append(g.literal(plain))
-            plain = ""
-        parts.append(f"({g.literal(ch)} | {more})")
-    if plain or not parts:
-        parts.append(g.literal(plain))
-    return " ".join(parts)

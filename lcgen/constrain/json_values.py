@@ -17,10 +17,10 @@ from typing import Any
 
 import jsonschema
 
-from lcgen.constrain import automaton, escapes
+from lcgen.constrain import automaton
 from lcgen.constrain import gbnf as g
 from lcgen.constrain import json_rules as spec
-from lcgen.constrain.regex import regex_to_gbnf
+from lcgen.constrain.regex import json_string_literal, regex_to_gbnf
 from lcgen.errors import GrammarError
 
 Conj = list[dict[str, Any]]  # a conjunction of plain (applicator-free) schemas
@@ -180,7 +180,7 @@ class ValueCompiler:
             text = str(int(number)) if whole else format(number.normalize(), "f")
             return f'{g.literal(text)} ("." "0"+)?' if whole else f'{g.literal(text)} "0"*'
         if isinstance(value, str) and not value.isascii():
-            return f'"\\"" {escapes.literal(value)} "\\""'
+            return f'"\\"" {json_string_literal(value)} "\\""'
         return g.literal(json.dumps(value, ensure_ascii=False))
 
     def string(self, conj: Conj, path: str) -> str:

@@ -422,6 +422,19 @@ def _merge_literals(parts: list[str]) -> list[str]:
     return merged
 
 
+def json_string_literal(text: str) -> str:
+    """A GBNF expression for the body of a JSON string holding exactly ``text``, each character
+    written as :class:`Emitter` writes it there (canonical, non-ASCII ones raw or escaped).
+
+    Raises:
+        GrammarError: ``text`` holds a lone surrogate (no JSON string spells one raw).
+    """
+    for ch in text:
+        if 0xD800 <= ord(ch) <= 0xDFFF:
+            raise GrammarError(f"a literal contains the lone surrogate U+{ord(ch):04X}")
+    return Emitter(json_string=True).emit(Seq(tuple(_char(ord(ch)) for ch in text)))
+
+
 def regex_to_gbnf(pattern: str, *, json_string: bool = False, search: bool = False) -> str:
     """A GBNF expression for the strings ``pattern`` matches.
 
