@@ -617,9 +617,21 @@ def test_concurrent_clients_equal_serial_runs(client: openai.OpenAI, url: str) -
     assert threads["adaptive"] and 1 <= threads["now"] <= threads["max"]
 
 
-def test_disconnect_mid_stream_frees_the_slot(url: str) -> None:
+def endless(model: lcgen.Model) -> dict[str, float]:
+    """A logit_bias that bans every end-of-generation token: the reply runs to max_tokens."""
+    return {str(token): -100.0 for token in model.vocab.eog_set}
+
+
+def test_disconnect_mid_stream_frees_the_slot(url: str, model: lcgen.Model) -> None:
     body = json.dumps(
-        {"model": NAME, "messages": USER, "max_tokens": 3000, "stream": True, "temperature": 1}
+        {
+            "model": NAME,
+            "messages": USER,
+            "max_tokens": 3000,
+            "stream": True,
+            "temperature": 1,
+            "logit_bias": endless(model),
+        }
     )
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
@@ -646,7 +658,9 @@ def test_full_queue_answers_429(model_path: Path) -> None:
         long = {"model": NAME, "messages": USER, "max_tokens": 900, "stream": True}
         streams = []
         for running_now in (1, 2, 2):  # two take the slots, the third waits for one
-            streams.append(tiny.chat.completions.create(temperature=1, **long))
+            streams.append(
+                tiny.chat.completions.create(temperature=1, logit_bias=endless(small), **long)
+            )
             wait_for(base, lambda q, n=running_now: q["running"] == n and q["waiting"] <= 1)
         assert health(base)["queue"]["waiting"] == 1
         with pytest.raises(openai.RateLimitError) as info:
