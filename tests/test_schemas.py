@@ -14,6 +14,7 @@ import functools
 import json
 import uuid
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Generic, Literal, TypeVar
@@ -452,11 +453,29 @@ CASES = [
         [5, 35, 12],
     ),
     Case(
-        "multipleOf-cents",  # integers only: float division calls 1.11 no multiple of 0.01
+        "multipleOf-cents",
         {"type": "number", "multipleOf": 0.01},
-        [1, -20, 300],
-        [0.001],
-        bad_texts=["1.11", "2.5"],
+        [1, -20, 300, 1.11, 19.99, -0.07],
+        [0.001, 2.555],
+        bad_texts=["1.110", "1e-2"],  # at most two places, no exponent: fewer, never more
+    ),
+    Case(
+        "multipleOf-decimal-step",
+        {"type": "number", "multipleOf": 1.5},
+        [0, 3, 4.5, -7.5, 150],
+        [1, 2.25, 1.6],
+    ),
+    Case(
+        "multipleOf-listed",
+        {"type": "number", "multipleOf": 0.25, "exclusiveMinimum": 0, "maximum": 2},
+        [0.25, 1, 1.75, 2],
+        [0, 0.3, 2.25],
+    ),
+    Case(
+        "multipleOf-cents-bounded",
+        {"type": "number", "multipleOf": 0.01, "minimum": -5.5, "maximum": 1000},
+        [-5.5, -5.49, 0, 999.99, 1000],
+        [-5.51, 1000.01, 0.001],
     ),
     Case("not-string", {"not": {"type": "string"}}, [1, None, [], {}], ["x"]),
     Case(
@@ -589,9 +608,19 @@ def _serializations(value: Any) -> list[str]:
     ]
 
 
+def _exact_multiple_of(
+    validator: Any, step: float, instance: Any, schema: dict[str, Any]
+) -> Iterator[jsonschema.ValidationError]:
+    """``multipleOf`` in decimal arithmetic, as the specification says (``jsonschema``
+    divides in floating point: 19.99 / 0.01 is 1998.9999999999998 there)."""
+    if validator.is_type(instance, "number") and Decimal(repr(instance)) % Decimal(repr(step)):
+        yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {step!r}")
+
+
 def _is_valid(schema: dict[str, Any] | bool, value: Any) -> bool:
     cls = jsonschema.validators.validator_for(schema if isinstance(schema, dict) else {})
-    return bool(cls(schema, format_checker=FORMATS).is_valid(value))
+    exact = jsonschema.validators.extend(cls, {"multipleOf": _exact_multiple_of})
+    return bool(exact(schema, format_checker=FORMATS).is_valid(value))
 
 
 @functools.cache
@@ -745,6 +774,62 @@ def test_number_ranges_are_exact(
     assert grammar.accepts(model, text) == _is_valid(schema, json.loads(text)), text
 
 
+STEPS = ["0.01", "0.001", "0.0001", "0.25", "1.5", "0.3", "2.5", "0.05", "0.125", "7", "0.5"]
+
+
+@HYPOTHESIS
+@given(
+    step=st.sampled_from(STEPS),
+    integer=st.booleans(),
+    lo=st.none() | st.integers(-400, 400),  # quarters: the same value as a double
+    hi=st.none() | st.integers(-400, 400),
+    x=st.decimals(-200, 200, places=4),
+    k=st.none() | st.integers(-800, 800),  # x = k * step instead
+)
+def test_multiples_are_exact(
+    model: lcgen.Model,
+    step: str,
+    integer: bool,
+    lo: int | None,
+    hi: int | None,
+    x: Decimal,
+    k: int | None,
+) -> None:
+    """Every text the grammar accepts is an exact multiple within the bounds; every such text
+    written without an exponent and with no more places than the step is accepted where the
+    step is a power of ten, the multiples can be listed, or only a lower bound <= 0 is set."""
+    schema: dict[str, Any] = {"type": "integer" if integer else "number"}
+    schema["multipleOf"] = float(step) if "." in step else int(step)
+    if lo is not None:
+        schema["minimum"] = lo / 4
+    if hi is not None:
+        schema["maximum"] = hi / 4
+    try:
+        grammar = Grammar.from_json_schema(schema)
+    except lcgen.GrammarError as exc:
+        assert "no" in str(exc) or "multipleOf" in str(exc), exc
+        return
+    if k is not None:
+        x = k * Decimal(step)
+    text = format(x.normalize(), "f")
+    text = "0" if text == "-0" else text
+    valid = (
+        x % Decimal(step) == 0
+        and (not integer or x == x.to_integral_value())
+        and (lo is None or x >= Decimal(lo) / 4)
+        and (hi is None or x <= Decimal(hi) / 4)
+    )
+    accepted = grammar.accepts(model, text)
+    assert not accepted or valid, (schema, text)
+    places = max(0, -Decimal(step).as_tuple().exponent)  # type: ignore[operator]
+    written = max(0, -x.normalize().as_tuple().exponent)  # type: ignore[operator]
+    power_of_ten = Decimal(step).as_tuple().digits == (1,)  # any bounds: a decimal range
+    listed = lo is not None and hi is not None and Decimal(hi - lo) / 4 / Decimal(step) < 256
+    unsigned = hi is None and (lo is None or (lo <= 0 and x >= 0))  # digit by digit
+    if valid and written <= places and (power_of_ten or listed or unsigned):
+        assert accepted, (schema, text)
+
+
 @HYPOTHESIS
 @given(
     low=st.integers(0, 4),
@@ -769,7 +854,8 @@ def test_string_lengths_are_exact(
 @pytest.mark.parametrize(
     ("schema", "named"),
     [
-        ({"type": "number", "multipleOf": 1.5}, "multipleOf"),
+        ({"type": "number", "multipleOf": 1.5, "maximum": 10**6}, "multipleOf 1.5 with"),
+        ({"type": "number", "multipleOf": 0.0000123}, "multipleOf 0.0000123"),
         ({"type": "integer", "multipleOf": 7, "maximum": 10**9}, "multipleOf"),
         ({"not": {"pattern": "^a"}}, "not of pattern"),
         ({"type": "object", "unevaluatedProperties": False}, "'unevaluatedProperties'"),
@@ -887,7 +973,7 @@ def test_pydantic_rejects_what_it_cannot_enforce() -> None:
         tags: set[str]
 
     class Even(pydantic.BaseModel):
-        n: float = pydantic.Field(multiple_of=1.5)
+        n: float = pydantic.Field(multiple_of=1.5, ge=0, le=10**6)
 
     with pytest.raises(lcgen.GrammarError, match="uniqueItems"):
         Grammar.from_pydantic(Tagged)

@@ -298,12 +298,18 @@ def _next_side(side: _Side, digit: int) -> _Side | Literal[False]:
 
 
 class _Fractions:
-    """Named rules for fraction digit strings d1 d2 ... such that 0.d1d2... meets two bounds."""
+    """Named rules for fraction digit strings d1 d2 ... such that 0.d1d2... meets two bounds,
+    at most ``places`` digits long (None: any length)."""
 
-    def __init__(self, rules: RuleSet, need_fraction: bool) -> None:
+    def __init__(self, rules: RuleSet, need_fraction: bool, places: int | None) -> None:
         self.rules = rules
         self.need_fraction = need_fraction
-        self.names: dict[tuple[_Side, _Side], str | None] = {}
+        self.places = places
+        self.names: dict[tuple[_Side, _Side, int | None], str | None] = {}
+
+    def any(self, left: int | None) -> str:
+        """One to ``left`` digits."""
+        return "[0-9]+" if left is None else repeat("[0-9]", 1, left)
 
     def part(self, lo: _Side, hi: _Side) -> str | None:
         """The optional ``"." digits`` part of a number; None when no fraction fits."""
@@ -311,17 +317,19 @@ class _Fractions:
         if nlo is False or nhi is False:
             return None
         lo, hi = nlo, nhi
-        digits = self.nonempty(lo, hi)
+        digits = self.nonempty(lo, hi, self.places)
         if _zero_ok(lo) and _zero_ok(hi) and not self.need_fraction:
             return f'("." {digits})?' if digits else '""'
         return f'"." {digits}' if digits else None
 
-    def nonempty(self, lo: _Side, hi: _Side) -> str | None:
-        key = (lo, hi)
+    def nonempty(self, lo: _Side, hi: _Side, left: int | None) -> str | None:
+        if left == 0:
+            return None
+        key = (lo, hi, left)
         if key in self.names:
             return self.names[key]
         if lo is None and hi is None:
-            return "[0-9]+"
+            return self.any(left)
         name = self.rules.reserve("frac")
         self.names[key] = name
         by_next: dict[tuple[_Side, _Side], list[int]] = {}
@@ -332,10 +340,14 @@ class _Fractions:
         options = []
         for (nlo, nhi), digits in by_next.items():
             cls = "[" + "".join(str(d) for d in digits) + "]"
-            rest = self.nonempty(nlo, nhi)
+            rest = self.nonempty(nlo, nhi, None if left is None else left - 1)
             if _zero_ok(nlo) and _zero_ok(nhi):
-                optional = "[0-9]*" if rest == "[0-9]+" else f"{rest}?"
-                options.append(f"{cls} {optional}" if rest else cls)
+                if not rest:
+                    options.append(cls)
+                elif rest == "[0-9]+":
+                    options.append(f"{cls} [0-9]*")
+                else:
+                    options.append(f"{cls} {_group_repeat(rest)}?")
             elif rest:
                 options.append(f"{cls} {rest}")
         if not options:
@@ -346,6 +358,11 @@ class _Fractions:
         return name
 
 
+def _group_repeat(expr: str) -> str:
+    """``expr`` made safe to follow with ``?``."""
+    return f"({expr})" if "{" in expr else expr
+
+
 def _split(value: Decimal) -> tuple[int, str]:
     """(integer part, fraction digits without trailing zeros) of a non-negative decimal."""
     whole = int(value)
@@ -354,12 +371,14 @@ def _split(value: Decimal) -> tuple[int, str]:
     return whole, fraction
 
 
-def _nonneg_decimal(rules: RuleSet, lo: Bound, hi: Bound | None, need_fraction: bool) -> str | None:
+def _nonneg_decimal(
+    rules: RuleSet, lo: Bound, hi: Bound | None, need_fraction: bool, places: int | None
+) -> str | None:
     """Decimal texts (``int`` or ``int.digits``) of values in the range, lo >= 0."""
-    fr = _Fractions(rules, need_fraction)
+    fr = _Fractions(rules, need_fraction, places)
     a, fa = _split(lo[0])
     lo_side: _Side = (fa, "gt" if lo[1] else "ge")
-    any_fraction = '"." [0-9]+' if need_fraction else '("." [0-9]+)?'
+    any_fraction = f'"." {fr.any(places)}' if need_fraction else f'("." {fr.any(places)})?'
     if hi is None:
         options = [f"{literal(str(a))} {fr.part(lo_side, None)}"]
         options.append(f"{_group(natural_range(a + 1, None) or '')} {any_fraction}")
@@ -386,10 +405,14 @@ def _nonneg_decimal(rules: RuleSet, lo: Bound, hi: Bound | None, need_fraction: 
 
 
 def decimal_range(
-    rules: RuleSet, lo: Bound | None, hi: Bound | None, need_fraction: bool = False
+    rules: RuleSet,
+    lo: Bound | None,
+    hi: Bound | None,
+    need_fraction: bool = False,
+    places: int | None = None,
 ) -> str:
-    """Numbers written ``-?int(.digits)?`` (``-?int.digits`` when ``need_fraction``) whose
-    value lies between the bounds.
+    """Numbers written ``-?int(.digits)?`` (``-?int.digits`` when ``need_fraction``; at most
+    ``places`` digits after the point) whose value lies between the bounds.
 
     Raises:
         GrammarError: no number lies between the bounds.
@@ -398,13 +421,13 @@ def decimal_range(
     options = []
     if hi is None or hi[0] > 0 or (hi[0] == 0 and not hi[1]):
         low = lo if lo is not None and lo[0] >= 0 else (zero, False)
-        positive = _nonneg_decimal(rules, low, hi, need_fraction)
+        positive = _nonneg_decimal(rules, low, hi, need_fraction, places)
         if positive:
             options.append(positive)
     if lo is None or lo[0] < 0:
         m_lo = (-hi[0], hi[1]) if hi is not None and hi[0] < 0 else (zero, True)
         m_hi = (-lo[0], lo[1]) if lo is not None else None
-        negative = _nonneg_decimal(rules, m_lo, m_hi, need_fraction)
+        negative = _nonneg_decimal(rules, m_lo, m_hi, need_fraction, places)
         if negative:
             options.append(f'"-" {_group(negative)}')
     if not options:

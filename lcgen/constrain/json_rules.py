@@ -168,6 +168,15 @@ def bound(schema: dict[str, Any], key: str, exclusive_key: str) -> g.Bound | Non
     return max(candidates) if lower else min(candidates, key=lambda b: (b[0], not b[1]))
 
 
+def within(value: Decimal, lo: g.Bound | None, hi: g.Bound | None) -> bool:
+    """Whether ``value`` and the double a JSON parser reads it as both lie within the bounds."""
+    return all(
+        (lo is None or x > lo[0] or (x == lo[0] and not lo[1]))
+        and (hi is None or x < hi[0] or (x == hi[0] and not hi[1]))
+        for x in (value, Decimal(float(value)))
+    )
+
+
 def as_float(bound: g.Bound | None, upper: bool) -> g.Bound | None:
     """The bound as the decimal text of a double: a text within it parses to a float within
     the original bound (json parses fractions as doubles, which round)."""

@@ -36,6 +36,28 @@ def count(schema: dict[str, Any], key: str, default: int = 0) -> int:
     return int(schema.get(key, default))
 
 
+MAX_LISTED = 256  # multiples within bounds written out as literals
+MAX_STEP_STATES = 256  # divisibility states (residues times places) of one multipleOf
+
+
+def _common_step(steps: list[Decimal]) -> tuple[int, int]:
+    """(unit, scale) with unit / 10**scale the least common multiple of the steps, unit not a
+    multiple of 10 unless scale is 0."""
+    scale = max(max(0, -int(s.normalize().as_tuple().exponent)) for s in steps)
+    unit = math.lcm(*(int(s.scaleb(scale)) for s in steps))
+    while scale and unit % 10 == 0:
+        unit, scale = unit // 10, scale - 1
+    return unit, scale
+
+
+def _plain(value: Decimal) -> str:
+    """``value`` as JSON writes it without an exponent: no trailing zeros after the point."""
+    text = format(value, "f")
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return "0" if text == "-0" else text
+
+
 class Unsatisfiable(GrammarError):
     """No value of one alternative validates (other alternatives may)."""
 
@@ -220,16 +242,22 @@ class ValueCompiler:
         highs = [b for m in conj if (b := spec.bound(m, "maximum", "exclusiveMaximum"))]
         lo = max(lows) if lows else None
         hi = min(highs, key=lambda b: (b[0], not b[1])) if highs else None
-        steps = {Decimal(str(m["multipleOf"])) for m in conj if "multipleOf" in m}
         lo_int = None if lo is None else math.floor(lo[0]) + 1 if lo[1] or lo[0] % 1 else int(lo[0])
         hi_int = None if hi is None else math.ceil(hi[0]) - 1 if hi[1] or hi[0] % 1 else int(hi[0])
+        places = None  # digits after the point: any
+        steps = [Decimal(str(m["multipleOf"])) for m in conj if "multipleOf" in m]
         if steps:
-            return self.multiples(steps, lo_int, hi_int, integer, path)
+            unit, scale = _common_step(steps)
+            if integer or scale == 0:  # x is a multiple iff x * 10**scale is one of unit
+                return self.multiples(unit // math.gcd(unit, 10**scale), lo_int, hi_int, path)
+            if unit != 1:
+                return self.decimal_multiples(unit, scale, lo, hi, lo_int, hi_int, path)
+            places = scale  # a step of 10**-scale: every number written with <= scale places
         options = []
         if lo_int is None or hi_int is None or lo_int <= hi_int:
             options.append(g.integer_range(lo_int, hi_int))
         if not integer:
-            if lo is None and hi is None:
+            if lo is None and hi is None and places is None:
                 return self.prim("number")
             with contextlib.suppress(GrammarError):  # no fraction fits: integers only
                 options.append(
@@ -238,6 +266,7 @@ class ValueCompiler:
                         spec.as_float(lo, False),
                         spec.as_float(hi, True),
                         need_fraction=True,
+                        places=places,
                     )
                 )
         if not options:
@@ -246,37 +275,94 @@ class ValueCompiler:
             )
         return g.alternatives(options)
 
-    def multiples(
-        self, steps: set[Decimal], lo: int | None, hi: int | None, integer: bool, path: str
-    ) -> str:
-        """Numbers that are multiples of every step: integers only (fewer, never more: for a
-        step of 0.01, 1.11 is a multiple, but validators that divide in floating point say it
-        is not, so only integers are written)."""
-        whole = [s for s in steps if s == s.to_integral_value()]
-        step = math.lcm(*(int(s) for s in whole)) if whole else 1
-        fractions = [s for s in steps if s not in whole]
-        if (whole and fractions) or any((1 / s) % 1 for s in fractions):
-            raise GrammarError(
-                f"multipleOf {', '.join(map(str, sorted(steps)))} at {path} is not supported"
-            )
+    def multiples(self, step: int, lo: int | None, hi: int | None, path: str) -> str:
+        """The integers in [lo, hi] that are multiples of ``step``."""
         if step == 1:
             return g.integer_range(lo, hi)
         if lo is not None and hi is not None:
             first, last = -(-lo // step) * step, hi // step * step
             if first > last:
                 raise Unsatisfiable(f"no multiple of {step} lies within the bounds at {path}")
-            if (last - first) // step < 256:
+            if (last - first) // step < MAX_LISTED:
                 return g.alternatives(g.literal(str(v)) for v in range(first, last + 1, step))
-        if hi is not None or (lo is not None and lo > 0) or step > 100:
+        if hi is not None or (lo is not None and lo > 0):
             raise GrammarError(f"multipleOf {step} with these bounds (at {path}) is not supported")
-        # Divisibility by step, digit by digit: state r is "the digits so far are r mod step".
-        states = [self.rules.reserve(f"mod{step}-{r}") for r in range(step)]
-        for r, name in enumerate(states):
-            moves = [f"[{d}] {states[(10 * r + d) % step]}" for d in range(10)]
-            self.rules.define(name, " | ".join(moves + (['""'] if r == 0 else [])))
-        starts = " | ".join(f"[{d}] {states[d % step]}" for d in range(1, 10))
-        sign = '"-"? ' if lo is None else ""
-        return f'("0" | {sign}({starts}))'
+        return self.divisible(step, 0, signed=lo is None, path=path)
+
+    def decimal_multiples(
+        self,
+        unit: int,
+        scale: int,
+        lo: g.Bound | None,
+        hi: g.Bound | None,
+        lo_int: int | None,
+        hi_int: int | None,
+        path: str,
+    ) -> str:
+        """Numbers that are exact multiples of unit / 10**scale, a step that is no power of ten
+        (decimal arithmetic, as the specification says: 4.5 is a multiple of 1.5)."""
+        step = Decimal(unit).scaleb(-scale)
+        if lo is not None and hi is not None:
+            first, last = math.ceil(lo[0] / step), math.floor(hi[0] / step)
+            if last - first < MAX_LISTED:
+                texts = [_plain(n * step) for n in range(first, last + 1)]
+                inside = [t for t in texts if spec.within(Decimal(t), lo, hi)]
+                if not inside:
+                    raise Unsatisfiable(f"no multiple of {step} lies within the bounds at {path}")
+                return g.alternatives(map(g.literal, inside))
+        if hi is None and (lo is None or lo[0] < 0 or lo == (Decimal(0), False)):
+            return self.divisible(unit, scale, signed=lo is None, path=path)
+        # Bounded on both sides with too many multiples to list: the integer ones (fewer).
+        try:
+            return self.multiples(unit // math.gcd(unit, 10**scale), lo_int, hi_int, path)
+        except GrammarError:
+            raise GrammarError(
+                f"multipleOf {step} with these bounds (at {path}) is not supported"
+            ) from None
+
+    def divisible(self, unit: int, scale: int, signed: bool, path: str) -> str:
+        """Texts ``-?int(.digits)?`` (at most ``scale`` digits after the point) whose value
+        times 10**scale is a multiple of ``unit``, digit by digit: the state is the value of
+        the digits so far mod ``unit`` and how many of them follow the point (None: none yet)."""
+        if unit * (scale + 1) > MAX_STEP_STATES:
+            raise GrammarError(
+                f"multipleOf {Decimal(unit).scaleb(-scale)} at {path} is not supported"
+            )
+        names: dict[tuple[int, int | None], str] = {}
+
+        def ends(r: int, after: int | None) -> bool:
+            return after != 0 and r * 10 ** (scale - (after or 0)) % unit == 0
+
+        @functools.cache
+        def live(r: int, after: int | None) -> bool:
+            if after is None or ends(r, after):
+                return True  # the integer part can always grow to a multiple
+            return after < scale and any(live((10 * r + d) % unit, after + 1) for d in range(10))
+
+        def state(r: int, after: int | None) -> str:
+            if (r, after) not in names:
+                names[r, after] = self.rules.reserve(f"multiple-{r}")
+                options = digits(r, after, range(10)) if after is None or after < scale else []
+                if after is None and scale and live(r, 0):
+                    options.append(f'"." {state(r, 0)}')
+                if ends(r, after):
+                    options.append('""')
+                self.rules.define(names[r, after], " | ".join(options))
+            return names[r, after]
+
+        def digits(r: int, after: int | None, allowed: range) -> list[str]:
+            """One more digit: grouped by the state it leads to."""
+            step = None if after is None else after + 1
+            targets: dict[int, list[int]] = {}
+            for d in allowed:
+                if live(nxt := (10 * r + d) % unit, step):
+                    targets.setdefault(nxt, []).append(d)
+            return [f"[{''.join(map(str, ds))}] {state(n, step)}" for n, ds in targets.items()]
+
+        zero = f' ("." {state(0, 0)})?' if scale else ""
+        first = g.alternatives(digits(0, None, range(1, 10)))
+        sign = '"-"? ' if signed else ""
+        return f'{sign}("0"{zero} | {first})'  # "-0" too: zero is a multiple
 
     # arrays -----------------------------------------------------------------------------------
     def array(self, conj: Conj, path: str) -> str:
