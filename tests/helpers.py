@@ -7,9 +7,11 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import numpy as np
 
 import lcgen
@@ -102,3 +104,30 @@ def running(app: Any) -> Iterator[str]:
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+def _exact_multiple_of(
+    validator: Any, step: float, instance: Any, schema: dict[str, Any]
+) -> Iterator[jsonschema.ValidationError]:
+    if validator.is_type(instance, "number") and Fraction(repr(instance)) % Fraction(repr(step)):
+        yield jsonschema.ValidationError(f"{instance!r} is not a multiple of {step!r}")
+
+
+def validator(schema: Any, format_checker: jsonschema.FormatChecker | None = None) -> Any:
+    """``jsonschema``'s validator of ``schema`` with ``multipleOf`` in decimal arithmetic, as
+    the specification says (``jsonschema`` divides in floating point: 19.99 / 0.01 is
+    1998.9999999999998 there)."""
+    cls = jsonschema.validators.validator_for(schema if isinstance(schema, dict) else {})
+    exact = jsonschema.validators.extend(cls, {"multipleOf": _exact_multiple_of})
+    return exact(schema, format_checker=format_checker)
+
+
+def validate(
+    instance: Any, schema: Any, format_checker: jsonschema.FormatChecker | None = None
+) -> None:
+    """``jsonschema.validate`` with :func:`validator`'s ``multipleOf``."""
+    error = jsonschema.exceptions.best_match(
+        validator(schema, format_checker).iter_errors(instance)
+    )
+    if error is not None:
+        raise error

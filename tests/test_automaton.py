@@ -8,8 +8,8 @@ import json
 import re
 from typing import Any
 
-import jsonschema
 import pytest
+from helpers import validator
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_schemas import random_walk
@@ -155,7 +155,7 @@ SCHEMAS: list[tuple[dict[str, Any], list[Any], list[Any]]] = [
 
 
 def _valid(schema: dict[str, Any], value: Any) -> bool:
-    return bool(jsonschema.validators.validator_for(schema)(schema).is_valid(value))
+    return bool(validator(schema).is_valid(value))
 
 
 @pytest.mark.parametrize(("schema", "valid", "invalid"), SCHEMAS)

@@ -8,11 +8,10 @@ import re
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import numpy as np
 import pydantic
 import pytest
-from helpers import first_logits
+from helpers import first_logits, validate
 from test_schemas import CASES, FORMATS
 
 import lcgen
@@ -41,7 +40,7 @@ def test_every_output_validates(model: lcgen.Model, case: Any) -> None:
             state = lcgen.Grammar.from_json_schema(case.schema).state(model)
             assert state.accepts_text(exc.text, complete=False)
             continue
-        jsonschema.validate(value, case.schema, format_checker=FORMATS)
+        validate(value, case.schema, format_checker=FORMATS)
 
 
 class Pet(pydantic.BaseModel):
@@ -67,7 +66,7 @@ def test_pydantic_schema_returns_validated_instances(model: lcgen.Model) -> None
 def test_bounded_schemas_complete(model: lcgen.Model, name: str) -> None:
     (case,) = [c for c in SCHEMAS if c.name == name]
     value = model.generate(prompt_for(case.schema), schema=case.schema, max_tokens=128)
-    jsonschema.validate(value, case.schema, format_checker=FORMATS)
+    validate(value, case.schema, format_checker=FORMATS)
 
 
 def test_incomplete_output_carries_the_partial_text(model: lcgen.Model) -> None:
@@ -163,7 +162,7 @@ def test_gemma_schema_output_validates(tmp_path: Path) -> None:
             value = gemma.generate(
                 prompt_for(schema), schema=schema, max_tokens=60, temperature=0.8, seed=seed
             )
-            jsonschema.validate(value, schema)
+            validate(value, schema)
 
 
 def test_rejected_token_is_replaced_by_the_best_allowed_one(model: lcgen.Model) -> None:

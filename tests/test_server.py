@@ -24,10 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import jsonschema
 import openai
 import pytest
-from helpers import running
+from helpers import running, validate
 
 import lcgen
 import lcgen.server
@@ -167,7 +166,7 @@ def test_json_schema_response_format_validates(client: openai.OpenAI) -> None:
         },
     ).choices[0]
     assert reply.finish_reason == "stop"
-    jsonschema.validate(json.loads(reply.message.content), schema)
+    validate(json.loads(reply.message.content), schema)
     sampled = chat(
         client,
         messages=[{"role": "user", "content": "Describe a person as JSON."}],
@@ -259,7 +258,7 @@ def _check_call(call: Any, tools: list[dict[str, Any]]) -> dict[str, Any]:
     assert call.type == "function" and call.id.startswith("call_")
     (tool,) = [t for t in tools if t["function"]["name"] == call.function.name]
     arguments = json.loads(call.function.arguments)
-    jsonschema.validate(arguments, tool["function"]["parameters"])
+    validate(arguments, tool["function"]["parameters"])
     return arguments
 
 
