@@ -17,6 +17,12 @@ MAX_CODEPOINT = 0x10FFFF
 SURROGATES = ((0xD800, 0xDFFF),)
 # llama.cpp turns a bounded repetition above this into an unbounded one, silently.
 MAX_REPEAT = 2000
+# An unbounded number is written with at most this many digits before the point and after it:
+# every 64-bit integer, and every double as Python writes it without an exponent (17
+# significant digits from 1e-4 up: 20 places). A small model that starts repeating a digit
+# has to end the number instead of filling max_tokens (llama.cpp's own converter allows 16).
+MAX_DIGITS = 20
+MAX_PLACES = 20
 
 Ranges = tuple[tuple[int, int], ...]
 
@@ -235,7 +241,8 @@ def natural_range(lo: int, hi: int | None) -> str | None:
         b = 10**n_digits - 1 if hi is None else min(hi, 10**n_digits - 1)
         options.append(_same_length(str(a), str(b)))
     if hi is None:
-        options.append(f"[1-9] {repeat('[0-9]', len(str(lo)), None)}")
+        longest = max(len(str(lo)), MAX_DIGITS - 1)
+        options.append(f"[1-9] {repeat('[0-9]', len(str(lo)), longest)}")
     return alternatives(options)
 
 
@@ -299,17 +306,13 @@ def _next_side(side: _Side, digit: int) -> _Side | Literal[False]:
 
 class _Fractions:
     """Named rules for fraction digit strings d1 d2 ... such that 0.d1d2... meets two bounds,
-    at most ``places`` digits long (None: any length)."""
+    at most ``places`` digits long."""
 
-    def __init__(self, rules: RuleSet, need_fraction: bool, places: int | None) -> None:
+    def __init__(self, rules: RuleSet, need_fraction: bool, places: int) -> None:
         self.rules = rules
         self.need_fraction = need_fraction
         self.places = places
-        self.names: dict[tuple[_Side, _Side, int | None], str | None] = {}
-
-    def any(self, left: int | None) -> str:
-        """One to ``left`` digits."""
-        return "[0-9]+" if left is None else repeat("[0-9]", 1, left)
+        self.names: dict[tuple[_Side, _Side, int], str | None] = {}
 
     def part(self, lo: _Side, hi: _Side) -> str | None:
         """The optional ``"." digits`` part of a number; None when no fraction fits."""
@@ -322,14 +325,14 @@ class _Fractions:
             return f'("." {digits})?' if digits else '""'
         return f'"." {digits}' if digits else None
 
-    def nonempty(self, lo: _Side, hi: _Side, left: int | None) -> str | None:
+    def nonempty(self, lo: _Side, hi: _Side, left: int) -> str | None:
         if left == 0:
             return None
         key = (lo, hi, left)
         if key in self.names:
             return self.names[key]
         if lo is None and hi is None:
-            return self.any(left)
+            return repeat("[0-9]", 1, left)
         name = self.rules.reserve("frac")
         self.names[key] = name
         by_next: dict[tuple[_Side, _Side], list[int]] = {}
@@ -340,14 +343,14 @@ class _Fractions:
         options = []
         for (nlo, nhi), digits in by_next.items():
             cls = "[" + "".join(str(d) for d in digits) + "]"
-            rest = self.nonempty(nlo, nhi, None if left is None else left - 1)
+            rest = self.nonempty(nlo, nhi, left - 1)
             if _zero_ok(nlo) and _zero_ok(nhi):
                 if not rest:
                     options.append(cls)
-                elif rest == "[0-9]+":
-                    options.append(f"{cls} [0-9]*")
+                elif nlo is None and nhi is None:  # any digits
+                    options.append(f"{cls} {repeat('[0-9]', 0, left - 1)}")
                 else:
-                    options.append(f"{cls} {_group_repeat(rest)}?")
+                    options.append(f"{cls} {rest}?")
             elif rest:
                 options.append(f"{cls} {rest}")
         if not options:
@@ -356,11 +359,6 @@ class _Fractions:
             return None
         self.rules.define(name, " | ".join(options))
         return name
-
-
-def _group_repeat(expr: str) -> str:
-    """``expr`` made safe to follow with ``?``."""
-    return f"({expr})" if "{" in expr else expr
 
 
 def _split(value: Decimal) -> tuple[int, str]:
@@ -372,13 +370,14 @@ def _split(value: Decimal) -> tuple[int, str]:
 
 
 def _nonneg_decimal(
-    rules: RuleSet, lo: Bound, hi: Bound | None, need_fraction: bool, places: int | None
+    rules: RuleSet, lo: Bound, hi: Bound | None, need_fraction: bool, places: int
 ) -> str | None:
     """Decimal texts (``int`` or ``int.digits``) of values in the range, lo >= 0."""
     fr = _Fractions(rules, need_fraction, places)
     a, fa = _split(lo[0])
     lo_side: _Side = (fa, "gt" if lo[1] else "ge")
-    any_fraction = f'"." {fr.any(places)}' if need_fraction else f'("." {fr.any(places)})?'
+    digits = repeat("[0-9]", 1, places)
+    any_fraction = f'"." {digits}' if need_fraction else f'("." {digits})?'
     if hi is None:
         options = [f"{literal(str(a))} {fr.part(lo_side, None)}"]
         options.append(f"{_group(natural_range(a + 1, None) or '')} {any_fraction}")
@@ -409,7 +408,7 @@ def decimal_range(
     lo: Bound | None,
     hi: Bound | None,
     need_fraction: bool = False,
-    places: int | None = None,
+    places: int = MAX_PLACES,
 ) -> str:
     """Numbers written ``-?int(.digits)?`` (``-?int.digits`` when ``need_fraction``; at most
     ``places`` digits after the point) whose value lies between the bounds.

@@ -244,7 +244,7 @@ class ValueCompiler:
         hi = min(highs, key=lambda b: (b[0], not b[1])) if highs else None
         lo_int = None if lo is None else math.floor(lo[0]) + 1 if lo[1] or lo[0] % 1 else int(lo[0])
         hi_int = None if hi is None else math.ceil(hi[0]) - 1 if hi[1] or hi[0] % 1 else int(hi[0])
-        places = None  # digits after the point: any
+        places = g.MAX_PLACES
         steps = [Decimal(str(m["multipleOf"])) for m in conj if "multipleOf" in m]
         if steps:
             unit, scale = _common_step(steps)
@@ -257,7 +257,7 @@ class ValueCompiler:
         if lo_int is None or hi_int is None or lo_int <= hi_int:
             options.append(g.integer_range(lo_int, hi_int))
         if not integer:
-            if lo is None and hi is None and places is None:
+            if lo is None and hi is None and not steps:
                 return self.prim("number")
             with contextlib.suppress(GrammarError):  # no fraction fits: integers only
                 options.append(
