@@ -13,6 +13,13 @@ from typing import Any
 from lcgen.constrain import gbnf as g
 from lcgen.errors import GrammarError
 
+Conj = list[dict[str, Any]]  # a conjunction of plain (applicator-free) schemas
+
+
+class Unsatisfiable(GrammarError):
+    """No value of one alternative validates (other alternatives may)."""
+
+
 ANNOTATIONS = frozenset(
     ["title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
      "writeOnly", "discriminator", "contentEncoding", "contentMediaType", "$defs",

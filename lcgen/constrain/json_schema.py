@@ -29,12 +29,11 @@ from urllib.parse import unquote
 import jsonschema
 
 from lcgen.constrain import json_rules as spec
+from lcgen.constrain.json_rules import Conj, Unsatisfiable
 from lcgen.constrain.json_values import (
     FALSE,
     NOT_IN,
     SYNTHETIC,
-    Conj,
-    Unsatisfiable,
     ValueCompiler,
     count,
     first_satisfiable,

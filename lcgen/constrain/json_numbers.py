@@ -1,0 +1,171 @@
+"""GBNF for the numbers of one conjunction of plain JSON Schemas (part of
+:mod:`lcgen.constrain.json_values`): ranges, and ``multipleOf`` in exact decimal arithmetic, as
+the specification says (19.99 is a multiple of 0.01, 4.5 of 1.5)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from decimal import Decimal
+
+from lcgen.constrain import gbnf as g
+from lcgen.constrain import json_rules as spec
+from lcgen.constrain.json_rules import Conj, Unsatisfiable
+from lcgen.errors import GrammarError
+
+MAX_LISTED = 256  # multiples within bounds written out as literals
+MAX_STEP_STATES = 256  # divisibility states (residues times places) of one multipleOf
+
+
+def _common_step(steps: list[Decimal]) -> tuple[int, int]:
+    """(unit, scale) with unit / 10**scale the least common multiple of the steps, unit not a
+    multiple of 10 unless scale is 0."""
+    scale = max(max(0, -int(s.normalize().as_tuple().exponent)) for s in steps)
+    unit = math.lcm(*(int(s.scaleb(scale)) for s in steps))
+    while scale and unit % 10 == 0:
+        unit, scale = unit // 10, scale - 1
+    return unit, scale
+
+
+def _plain(value: Decimal) -> str:
+    """``value`` as JSON writes it without an exponent: no trailing zeros after the point."""
+    text = format(value, "f")
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return "0" if text == "-0" else text
+
+
+class NumberRules:
+    """Number rules, added to ``rules``."""
+
+    def __init__(self, rules: g.RuleSet) -> None:
+        self.rules = rules
+
+    def number(self, conj: Conj, path: str, integer: bool) -> str | None:
+        """The numbers (integers) the conjunction allows; None: every JSON number."""
+        lows = [b for m in conj if (b := spec.bound(m, "minimum", "exclusiveMinimum"))]
+        highs = [b for m in conj if (b := spec.bound(m, "maximum", "exclusiveMaximum"))]
+        lo = max(lows) if lows else None
+        hi = min(highs, key=lambda b: (b[0], not b[1])) if highs else None
+        lo_int = None if lo is None else math.floor(lo[0]) + 1 if lo[1] or lo[0] % 1 else int(lo[0])
+        hi_int = None if hi is None else math.ceil(hi[0]) - 1 if hi[1] or hi[0] % 1 else int(hi[0])
+        places = g.MAX_PLACES
+        steps = [Decimal(str(m["multipleOf"])) for m in conj if "multipleOf" in m]
+        if steps:
+            unit, scale = _common_step(steps)
+            if integer or scale == 0:  # x is a multiple iff x * 10**scale is one of unit
+                return self.multiples(unit // math.gcd(unit, 10**scale), lo_int, hi_int, path)
+            if unit != 1:
+                return self.decimal_multiples(unit, scale, lo, hi, lo_int, hi_int, path)
+            places = scale  # a step of 10**-scale: every number written with <= scale places
+        options = []
+        if lo_int is None or hi_int is None or lo_int <= hi_int:
+            options.append(g.integer_range(lo_int, hi_int))
+        if not integer:
+            if lo is None and hi is None and not steps:
+                return None
+            with contextlib.suppress(GrammarError):  # no fraction fits: integers only
+                options.append(
+                    g.decimal_range(
+                        self.rules,
+                        spec.as_float(lo, False),
+                        spec.as_float(hi, True),
+                        need_fraction=True,
+                        places=places,
+                    )
+                )
+        if not options:
+            raise Unsatisfiable(
+                f"no {'integer' if integer else 'number'} satisfies the bounds at {path}"
+            )
+        return g.alternatives(options)
+
+    def multiples(self, step: int, lo: int | None, hi: int | None, path: str) -> str:
+        """The integers in [lo, hi] that are multiples of ``step``."""
+        if step == 1:
+            return g.integer_range(lo, hi)
+        if lo is not None and hi is not None:
+            first, last = -(-lo // step) * step, hi // step * step
+            if first > last:
+                raise Unsatisfiable(f"no multiple of {step} lies within the bounds at {path}")
+            if (last - first) // step < MAX_LISTED:
+                return g.alternatives(g.literal(str(v)) for v in range(first, last + 1, step))
+        if hi is not None or (lo is not None and lo > 0):
+            raise GrammarError(f"multipleOf {step} with these bounds (at {path}) is not supported")
+        return self.divisible(step, 0, signed=lo is None, path=path)
+
+    def decimal_multiples(
+        self,
+        unit: int,
+        scale: int,
+        lo: g.Bound | None,
+        hi: g.Bound | None,
+        lo_int: int | None,
+        hi_int: int | None,
+        path: str,
+    ) -> str:
+        """Numbers that are exact multiples of unit / 10**scale, a step that is no power of ten
+        (decimal arithmetic, as the specification says: 4.5 is a multiple of 1.5)."""
+        step = Decimal(unit).scaleb(-scale)
+        if lo is not None and hi is not None:
+            first, last = math.ceil(lo[0] / step), math.floor(hi[0] / step)
+            if last - first < MAX_LISTED:
+                texts = [_plain(n * step) for n in range(first, last + 1)]
+                inside = [t for t in texts if spec.within(Decimal(t), lo, hi)]
+                if not inside:
+                    raise Unsatisfiable(f"no multiple of {step} lies within the bounds at {path}")
+                return g.alternatives(map(g.literal, inside))
+        if hi is None and (lo is None or lo[0] < 0 or lo == (Decimal(0), False)):
+            return self.divisible(unit, scale, signed=lo is None, path=path)
+        # Bounded on both sides with too many multiples to list: the integer ones (fewer).
+        try:
+            return self.multiples(unit // math.gcd(unit, 10**scale), lo_int, hi_int, path)
+        except GrammarError:
+            raise GrammarError(
+                f"multipleOf {step} with these bounds (at {path}) is not supported"
+            ) from None
+
+    def divisible(self, unit: int, scale: int, signed: bool, path: str) -> str:
+        """Texts ``-?int(.digits)?`` (at most ``scale`` digits after the point) whose value
+        times 10**scale is a multiple of ``unit``, digit by digit: the state is the value of
+        the digits so far mod ``unit`` and how many of them follow the point (None: none yet)."""
+        if unit * (scale + 1) > MAX_STEP_STATES:
+            raise GrammarError(
+                f"multipleOf {Decimal(unit).scaleb(-scale)} at {path} is not supported"
+            )
+        names: dict[tuple[int, int | None], str] = {}
+
+        def ends(r: int, after: int | None) -> bool:
+            return after != 0 and r * 10 ** (scale - (after or 0)) % unit == 0
+
+        @functools.cache
+        def live(r: int, after: int | None) -> bool:
+            if after is None or ends(r, after):
+                return True  # the integer part can always grow to a multiple
+            return after < scale and any(live((10 * r + d) % unit, after + 1) for d in range(10))
+
+        def state(r: int, after: int | None) -> str:
+            if (r, after) not in names:
+                names[r, after] = self.rules.reserve(f"multiple-{r}")
+                options = digits(r, after, range(10)) if after is None or after < scale else []
+                if after is None and scale and live(r, 0):
+                    options.append(f'"." {state(r, 0)}')
+                if ends(r, after):
+                    options.append('""')
+                self.rules.define(names[r, after], " | ".join(options))
+            return names[r, after]
+
+        def digits(r: int, after: int | None, allowed: range) -> list[str]:
+            """One more digit: grouped by the state it leads to."""
+            step = None if after is None else after + 1
+            targets: dict[int, list[int]] = {}
+            for d in allowed:
+                if live(nxt := (10 * r + d) % unit, step):
+                    targets.setdefault(nxt, []).append(d)
+            return [f"[{''.join(map(str, ds))}] {state(n, step)}" for n, ds in targets.items()]
+
+        zero = f' ("." {state(0, 0)})?' if scale else ""
+        first = g.alternatives(digits(0, None, range(1, 10)))
+        sign = '"-"? ' if signed else ""
+        return f'{sign}("0"{zero} | {first})'  # "-0" too: zero is a multiple
