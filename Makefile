@@ -42,8 +42,6 @@ lint: $(SETUP)
 	$(VENV)/bin/mypy lcgen bench
 
 bench: $(TEST_SETUP)
-	# The mask-gemma row measures llguidance's masks beside lcgen's (the bench only).
-	$(PY) -m pip install --quiet llguidance==1.9.1
 	$(PY) bench/run.py
 
 # 10,000 random operation sequences against the re-decoding reference (about an hour).

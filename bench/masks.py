@@ -1,6 +1,8 @@
 """The mask-gemma row: what a full-vocabulary mask costs on Gemma 3's 262k vocabulary, step by
-step along a JSON text, with lcgen's engine (llama.cpp's grammar) and, side by side when it is
-installed (``make bench`` installs it), llguidance on the same vocabulary and schema.
+step along a JSON text, with lcgen's engine (llama.cpp's grammar) and, side by side (the test
+extras install it), llguidance on the same vocabulary: with the schema compiled by llguidance
+itself, and with lcgen's own grammar of the schema translated to Lark
+(:mod:`lcgen.constrain.lark`, the same language exactly).
 
 A mask is what a constraint costs when the sampled token is refused (lcgen samples first and
 checks that one token; only then is the whole vocabulary masked), for every step of a
@@ -24,11 +26,13 @@ import lcgen
 from bench.constrained import COMPANY, GEMMA_MODEL
 from bench.harness import Bench, Check, Lazy, Row, RowFactory, SkipRow, at_most
 from bench.runners import Sample, Workload
+from lcgen.constrain.lark import to_lark
 from lcgen.registry import resolve
 
 # The constraints issue's targets for a full mask on Gemma 3 inside a JSON string.
 MAX_P50_MS = 0.2
 MAX_P99_MS = 2.0
+LCGEN_LARK = "llguidance, lcgen's grammar"
 OPEN = 1000  # steps with more tokens allowed than this are "open"
 INSTANCE = {
     "company": "Acme Tools",
@@ -61,7 +65,7 @@ def _lcgen_walk(model: lcgen.Model) -> Walk:
     return walk
 
 
-def _llguidance_walk(model: lcgen.Model) -> Walk | None:
+def _llguidance_walks(model: lcgen.Model) -> dict[str, Walk]:
     try:
         import numpy as np
         from llguidance import LLMatcher, grammar_from
@@ -71,29 +75,35 @@ def _llguidance_walk(model: lcgen.Model) -> Walk | None:
             fill_next_token_bitmask,
         )
     except ImportError:
-        return None
+        return {}
     # llguidance types the pointer as llama-cpp-python's llama_vocab_p; it is that pointer.
     pointer = cast(Any, model.vocab.handle.vocab())
     with warnings.catch_warnings():  # it reads each token through a deprecated name
         warnings.simplefilter("ignore", DeprecationWarning)
         tokenizer = lltokenizer_from_vocab(pointer)
-    grammar = grammar_from("json_schema", json.dumps(COMPANY))
 
-    def walk(tokens: list[int]) -> list[tuple[float, int]]:
-        matcher = LLMatcher(tokenizer, grammar, log_level=0)
-        bitmask = allocate_token_bitmask(1, model.n_vocab)
-        steps = []
-        for token in tokens:
-            start = time.perf_counter()
-            fill_next_token_bitmask(matcher, bitmask, 0)
-            seconds = time.perf_counter() - start
-            bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[: model.n_vocab]
-            steps.append((seconds, int(bits.sum())))
-            if not matcher.consume_token(token):
-                raise RuntimeError(f"llguidance refused token {token} of a valid instance")
-        return steps
+    def walk_of(grammar: str) -> Walk:
+        def walk(tokens: list[int]) -> list[tuple[float, int]]:
+            matcher = LLMatcher(tokenizer, grammar, log_level=0)
+            bitmask = allocate_token_bitmask(1, model.n_vocab)
+            steps = []
+            for token in tokens:
+                start = time.perf_counter()
+                fill_next_token_bitmask(matcher, bitmask, 0)
+                seconds = time.perf_counter() - start
+                bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[: model.n_vocab]
+                steps.append((seconds, int(bits.sum())))
+                if not matcher.consume_token(token):
+                    raise RuntimeError(f"llguidance refused token {token} of a valid instance")
+            return steps
 
-    return walk
+        return walk
+
+    ours = lcgen.Grammar.from_json_schema(COMPANY)
+    return {
+        "llguidance": walk_of(grammar_from("json_schema", json.dumps(COMPANY))),
+        LCGEN_LARK: walk_of(grammar_from("lark", to_lark(ours.gbnf, ours.root))),
+    }
 
 
 def _percentiles(steps: list[tuple[float, int]]) -> tuple[float, float]:
@@ -104,11 +114,7 @@ def _percentiles(steps: list[tuple[float, int]]) -> tuple[float, float]:
 def _load(bench: Bench) -> tuple[lcgen.Model, dict[str, Walk]]:
     del bench
     model = lcgen.load(GEMMA_MODEL, n_ctx=256, cache=False)
-    walks = {"lcgen": _lcgen_walk(model)}
-    other = _llguidance_walk(model)
-    if other is not None:
-        walks["llguidance"] = other
-    return model, walks
+    return model, {"lcgen": _lcgen_walk(model), **_llguidance_walks(model)}
 
 
 def mask_row(work: Workload) -> Row:
@@ -131,20 +137,28 @@ def mask_row(work: Workload) -> Row:
             out[f"{name} p99"] = Sample(p99, 1)
         return out
 
-    names = ["lcgen", "llguidance"] if importlib.util.find_spec("llguidance") else ["lcgen"]
+    names = ["lcgen"]
+    if importlib.util.find_spec("llguidance"):
+        names += ["llguidance", LCGEN_LARK]
     units = {f"{name} {p}": "ms" for name in names for p in ("p50", "p99")}
     checks = [
         Check("lcgen p50", target=at_most(MAX_P50_MS)),
         Check("lcgen p99", target=at_most(MAX_P99_MS)),
     ]
     if "llguidance" in names:
-        checks.append(Check("lcgen p50", "llguidance p50"))
+        checks += [
+            Check("lcgen p50", "llguidance p50"),
+            Check(f"{LCGEN_LARK} p50", target=at_most(MAX_P50_MS)),
+            Check(f"{LCGEN_LARK} p99", target=at_most(MAX_P99_MS)),
+        ]
     return Row(
         "mask-gemma",
         f"ms for one full-vocabulary mask on {GEMMA_MODEL}'s 262k vocabulary, at each step of "
         "a valid COMPANY JSON text where more than 1,000 tokens are allowed (inside strings "
         "and numbers), on a fresh state: lcgen (llama.cpp's grammar) and llguidance 1.9.1 "
-        "(JSON schema compiled by itself, same vocabulary); median and 99th percentile of a walk",
+        "(same vocabulary) with the JSON schema compiled by itself, and with lcgen's grammar "
+        "of the schema translated to Lark (lcgen.constrain.lark: the same language); median "
+        "and 99th percentile of a walk",
         units,
         round_,
         tuple(checks),
