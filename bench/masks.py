@@ -65,22 +65,28 @@ def _lcgen_walk(model: lcgen.Model) -> Walk:
     return walk
 
 
+def llguidance_tokenizer(model: lcgen.Model) -> Any:
+    """llguidance's tokenizer of the model's vocabulary (llguidance must be installed)."""
+    from llguidance.llamacpp import lltokenizer_from_vocab
+
+    # llguidance types the pointer as llama-cpp-python's llama_vocab_p; it is that pointer.
+    pointer = cast(Any, model.vocab.handle.vocab())
+    with warnings.catch_warnings():  # it reads each token through a deprecated name
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return lltokenizer_from_vocab(pointer)
+
+
 def _llguidance_walks(model: lcgen.Model) -> dict[str, Walk]:
     try:
         import numpy as np
         from llguidance import LLMatcher, grammar_from
-        from llguidance.llamacpp import lltokenizer_from_vocab
         from llguidance.numpy import (
             allocate_token_bitmask,
             fill_next_token_bitmask,
         )
     except ImportError:
         return {}
-    # llguidance types the pointer as llama-cpp-python's llama_vocab_p; it is that pointer.
-    pointer = cast(Any, model.vocab.handle.vocab())
-    with warnings.catch_warnings():  # it reads each token through a deprecated name
-        warnings.simplefilter("ignore", DeprecationWarning)
-        tokenizer = lltokenizer_from_vocab(pointer)
+    tokenizer = llguidance_tokenizer(model)
 
     def walk_of(grammar: str) -> Walk:
         def walk(tokens: list[int]) -> list[tuple[float, int]]:

@@ -206,6 +206,21 @@ class Vocab:
                 found.setdefault(piece[0], token)
         return found
 
+    def spell(self, data: bytes) -> list[int]:
+        """Tokens whose pieces join to ``data``: its tokenization, else one token per byte.
+
+        Raises:
+            LookupError: neither spells it (the vocabulary lacks a single-byte token it needs).
+        """
+        tokens = self.tokenize(data.decode("utf-8"), add_bos=False)
+        if b"".join(self.special_piece(t) for t in tokens) == data:
+            return tokens
+        by_byte = self.byte_tokens
+        missing = sorted({b for b in data if b not in by_byte})
+        if missing:
+            raise LookupError(f"the vocabulary has no tokens for bytes {bytes(missing)!r}")
+        return [by_byte[b] for b in data]
+
     def tokens_extending(self, prefix: bytes) -> np.ndarray:
         """Ids of the tokens whose text starts with ``prefix`` or starts it (token healing).
 

@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import json
 import re
-import warnings
 from collections.abc import Iterator
-from typing import Any, cast
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from llguidance import LLMatcher
-from llguidance.llamacpp import lltokenizer_from_vocab
 
 import lcgen
+from bench.masks import llguidance_tokenizer
 from bench.schema_compile import SUITE, suite_groups
 from lcgen.constrain import Grammar, GrammarState
 from lcgen.constrain.lark import parse, to_lark
@@ -27,9 +26,7 @@ from tests.test_grammar import BUNDLED
 
 @pytest.fixture(scope="module")
 def tokenizer(model: lcgen.Model) -> Any:
-    with warnings.catch_warnings():  # llguidance reads each token through a deprecated name
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return lltokenizer_from_vocab(cast(Any, model.vocab.handle.vocab()))
+    return llguidance_tokenizer(model)
 
 
 def _verdicts(
@@ -39,7 +36,7 @@ def _verdicts(
     compiled = LLMatcher.grammar_from_lark(to_lark(grammar.gbnf, grammar.root))
     for text in texts:
         with GrammarState(grammar, model) as state:
-            tokens = state._spell(text.encode("utf-8"))
+            tokens = model.vocab.spell(text.encode("utf-8"))
             matcher = LLMatcher(tokenizer, compiled, log_level=0)
             assert not matcher.is_error(), matcher.get_error()
             ours = theirs = True

@@ -478,23 +478,14 @@ class GrammarState:
                 f"the text nests brackets {depth} deep, over the bound of {MAX_TEXT_NESTING} "
                 "(llama.cpp's grammar check slows with the square of the depth)"
             )
-        tokens = self._spell(text.encode("utf-8"))
+        try:
+            tokens = self._vocab.spell(text.encode("utf-8"))
+        except LookupError as exc:
+            raise GrammarError(str(exc)) from None
         with self.clone() as walker:
             if not all(walker.try_accept(t) for t in tokens):
                 return False
             return walker.is_complete or not complete
-
-    def _spell(self, data: bytes) -> list[int]:
-        """Tokens whose pieces join to ``data``: its tokenization, else one token per byte."""
-        vocab = self._vocab
-        tokens = vocab.tokenize(data.decode("utf-8"), add_bos=False)
-        if b"".join(vocab.special_piece(t) for t in tokens) == data:
-            return tokens
-        by_byte = vocab.byte_tokens
-        missing = sorted({b for b in data if b not in by_byte})
-        if missing:
-            raise GrammarError(f"the vocabulary has no tokens for bytes {bytes(missing)!r}")
-        return [by_byte[b] for b in data]
 
     def clone(self) -> GrammarState:
         """An independent copy of this state (for a checkpoint or a fork)."""

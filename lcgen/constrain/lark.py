@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from lcgen.errors import GrammarError
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]+")
-_RULE_START = re.compile(r"[a-zA-Z0-9_-]+[ \t]*::=")
 _ESCAPES = {"n": 10, "r": 13, "t": 9, "\\": 92, '"': 34, "[": 91, "]": 93}
 _HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
 _QUOTE, _BACKSLASH = 0x22, 0x5C
