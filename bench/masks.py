@@ -1,38 +1,41 @@
 """The mask-gemma row: what a full-vocabulary mask costs on Gemma 3's 262k vocabulary, step by
-step along a JSON text, with lcgen's engine (llama.cpp's grammar) and, side by side (the test
-extras install it), llguidance on the same vocabulary: with the schema compiled by llguidance
-itself, and with lcgen's own grammar of the schema translated to Lark
-(:mod:`lcgen.constrain.lark`, the same language exactly).
+step along a JSON text: lcgen's ``GrammarState.allowed()`` (llguidance's mask of lcgen's grammar
+translated to Lark, made to read as llama.cpp's), the same state's mask by llama.cpp's grammar
+(what lcgen used before, and still uses for grammars that do not translate), and llguidance with
+the schema compiled by itself, on the same vocabulary.
 
 A mask is what a constraint costs when the sampled token is refused (lcgen samples first and
 checks that one token; only then is the whole vocabulary masked), for every step of a
 constrained beam, and for a constrained token's alternatives in log-probabilities. Each round
-walks the tokens of one valid instance of the bench's COMPANY schema, computing the mask on
-each fresh state (after the previous token), and reports the median and 99th percentile over
-the open steps (more than 1,000 tokens allowed: inside strings and numbers) in ms.
+walks the tokens of one valid instance of the bench's COMPANY schema, computing the mask at
+each step (after the previous token), and reports the median and 99th percentile over the open
+steps (more than 1,000 tokens allowed: inside strings and numbers) in ms. What is built once
+per model and grammar (llguidance's tokenizer of the vocabulary, about a second; the compiled
+grammar) is built before timing.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import time
-import warnings
 from collections.abc import Callable
-from typing import Any, cast
+
+import numpy as np
+from llguidance import LLMatcher, grammar_from
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 import lcgen
 from bench.constrained import COMPANY, GEMMA_MODEL
 from bench.harness import Bench, Check, Lazy, Row, RowFactory, SkipRow, at_most
 from bench.runners import Sample, Workload
-from lcgen.constrain.lark import to_lark
+from lcgen.constrain import llg
 from lcgen.registry import resolve
 
 # The constraints issue's targets for a full mask on Gemma 3 inside a JSON string.
 MAX_P50_MS = 0.2
 MAX_P99_MS = 2.0
-LCGEN_LARK = "llguidance, lcgen's grammar"
+LLAMA = "lcgen, llama.cpp's grammar"
 OPEN = 1000  # steps with more tokens allowed than this are "open"
 INSTANCE = {
     "company": "Acme Tools",
@@ -49,67 +52,48 @@ INSTANCE = {
 Walk = Callable[[list[int]], list[tuple[float, int]]]  # tokens -> (seconds, allowed) per step
 
 
-def _lcgen_walk(model: lcgen.Model) -> Walk:
+def _lcgen_walks(model: lcgen.Model) -> dict[str, Walk]:
     grammar = lcgen.Grammar.from_json_schema(COMPANY)
+    grammar.check(model)  # builds the vocabulary's tokenizer and the compiled grammar
 
-    def walk(tokens: list[int]) -> list[tuple[float, int]]:
-        steps = []
-        with grammar.state(model) as state:
-            for token in tokens:
-                start = time.perf_counter()
-                allowed = state.allowed()
-                steps.append((time.perf_counter() - start, int(allowed.sum())))
-                state.accept(token)
-        return steps
-
-    return walk
-
-
-def llguidance_tokenizer(model: lcgen.Model) -> Any:
-    """llguidance's tokenizer of the model's vocabulary (llguidance must be installed)."""
-    from llguidance.llamacpp import lltokenizer_from_vocab
-
-    # llguidance types the pointer as llama-cpp-python's llama_vocab_p; it is that pointer.
-    pointer = cast(Any, model.vocab.handle.vocab())
-    with warnings.catch_warnings():  # it reads each token through a deprecated name
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return lltokenizer_from_vocab(pointer)
-
-
-def _llguidance_walks(model: lcgen.Model) -> dict[str, Walk]:
-    try:
-        import numpy as np
-        from llguidance import LLMatcher, grammar_from
-        from llguidance.numpy import (
-            allocate_token_bitmask,
-            fill_next_token_bitmask,
-        )
-    except ImportError:
-        return {}
-    tokenizer = llguidance_tokenizer(model)
-
-    def walk_of(grammar: str) -> Walk:
+    def walk_of(mask: Callable[[lcgen.GrammarState], np.ndarray]) -> Walk:
         def walk(tokens: list[int]) -> list[tuple[float, int]]:
-            matcher = LLMatcher(tokenizer, grammar, log_level=0)
-            bitmask = allocate_token_bitmask(1, model.n_vocab)
             steps = []
-            for token in tokens:
-                start = time.perf_counter()
-                fill_next_token_bitmask(matcher, bitmask, 0)
-                seconds = time.perf_counter() - start
-                bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[: model.n_vocab]
-                steps.append((seconds, int(bits.sum())))
-                if not matcher.consume_token(token):
-                    raise RuntimeError(f"llguidance refused token {token} of a valid instance")
+            with grammar.state(model) as state:
+                for token in tokens:
+                    start = time.perf_counter()
+                    allowed = mask(state)
+                    steps.append((time.perf_counter() - start, int(allowed.sum())))
+                    state.accept(token)
             return steps
 
         return walk
 
-    ours = lcgen.Grammar.from_json_schema(COMPANY)
     return {
-        "llguidance": walk_of(grammar_from("json_schema", json.dumps(COMPANY))),
-        LCGEN_LARK: walk_of(grammar_from("lark", to_lark(ours.gbnf, ours.root))),
+        "lcgen": walk_of(lambda state: state.allowed()),
+        LLAMA: walk_of(lambda state: state._allowed_by_llama()),
     }
+
+
+def _llguidance_walk(model: lcgen.Model) -> Walk:
+    tokenizer = llg.tokenizer(model.vocab)
+    grammar = grammar_from("json_schema", json.dumps(COMPANY))
+
+    def walk(tokens: list[int]) -> list[tuple[float, int]]:
+        matcher = LLMatcher(tokenizer, grammar, log_level=0)
+        bitmask = allocate_token_bitmask(1, model.n_vocab)
+        steps = []
+        for token in tokens:
+            start = time.perf_counter()
+            fill_next_token_bitmask(matcher, bitmask, 0)
+            seconds = time.perf_counter() - start
+            bits = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[: model.n_vocab]
+            steps.append((seconds, int(bits.sum())))
+            if not matcher.consume_token(token):
+                raise RuntimeError(f"llguidance refused token {token} of a valid instance")
+        return steps
+
+    return walk
 
 
 def _percentiles(steps: list[tuple[float, int]]) -> tuple[float, float]:
@@ -120,7 +104,7 @@ def _percentiles(steps: list[tuple[float, int]]) -> tuple[float, float]:
 def _load(bench: Bench) -> tuple[lcgen.Model, dict[str, Walk]]:
     del bench
     model = lcgen.load(GEMMA_MODEL, n_ctx=256, cache=False)
-    return model, {"lcgen": _lcgen_walk(model), **_llguidance_walks(model)}
+    return model, {**_lcgen_walks(model), "llguidance": _llguidance_walk(model)}
 
 
 def mask_row(work: Workload) -> Row:
@@ -143,28 +127,22 @@ def mask_row(work: Workload) -> Row:
             out[f"{name} p99"] = Sample(p99, 1)
         return out
 
-    names = ["lcgen"]
-    if importlib.util.find_spec("llguidance"):
-        names += ["llguidance", LCGEN_LARK]
+    names = ["lcgen", LLAMA, "llguidance"]
     units = {f"{name} {p}": "ms" for name in names for p in ("p50", "p99")}
     checks = [
         Check("lcgen p50", target=at_most(MAX_P50_MS)),
         Check("lcgen p99", target=at_most(MAX_P99_MS)),
+        Check(f"{LLAMA} p50", "lcgen p50"),
+        Check("lcgen p50", "llguidance p50"),
     ]
-    if "llguidance" in names:
-        checks += [
-            Check("lcgen p50", "llguidance p50"),
-            Check(f"{LCGEN_LARK} p50", target=at_most(MAX_P50_MS)),
-            Check(f"{LCGEN_LARK} p99", target=at_most(MAX_P99_MS)),
-        ]
     return Row(
         "mask-gemma",
         f"ms for one full-vocabulary mask on {GEMMA_MODEL}'s 262k vocabulary, at each step of "
         "a valid COMPANY JSON text where more than 1,000 tokens are allowed (inside strings "
-        "and numbers), on a fresh state: lcgen (llama.cpp's grammar) and llguidance 1.9.1 "
-        "(same vocabulary) with the JSON schema compiled by itself, and with lcgen's grammar "
-        "of the schema translated to Lark (lcgen.constrain.lark: the same language); median "
-        "and 99th percentile of a walk",
+        "and numbers): lcgen's GrammarState.allowed() (llguidance's mask of lcgen's grammar "
+        "translated to Lark), the same state's mask by llama.cpp's grammar, and llguidance "
+        "1.9.1 with the JSON schema compiled by itself (same vocabulary); median and 99th "
+        "percentile of a walk; tokenizer and compiled grammar built before timing",
         units,
         round_,
         tuple(checks),

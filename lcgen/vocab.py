@@ -8,6 +8,7 @@ token. Built once per model; the tables over the whole vocabulary are built on f
 
 from __future__ import annotations
 
+import bisect
 import functools
 import operator
 from collections.abc import Iterable
@@ -16,8 +17,6 @@ from typing import Protocol
 import numpy as np
 
 from lcgen._native.model import SPECIAL_ATTRS, ModelHandle
-
-_MAX_HEALING_PREFIXES = 256
 
 
 class Vocab:
@@ -36,7 +35,6 @@ class Vocab:
         self._pieces: list[bytes | None] = [None] * self.n_vocab  # special tokens shown
         self._special: list[bool | None] = [None] * self.n_vocab  # text hidden unless shown
         self._eog: dict[int, bool] = {}
-        self._extending: dict[bytes, np.ndarray] = {}
 
     @property
     def handle(self) -> ModelHandle:
@@ -221,27 +219,46 @@ class Vocab:
             raise LookupError(f"the vocabulary has no tokens for bytes {bytes(missing)!r}")
         return [by_byte[b] for b in data]
 
-    def tokens_extending(self, prefix: bytes) -> np.ndarray:
-        """Ids of the tokens whose text starts with ``prefix`` or starts it (token healing).
+    @functools.cached_property
+    def _by_text(self) -> tuple[list[bytes], np.ndarray]:
+        """The pieces of the tokens with text (not end-of-generation, not control), sorted,
+        and their ids in that order: the tokens starting with a prefix are one range."""
+        self._tables  # noqa: B018 -- fills the control-token flags in one pass
+        pieces = self.all_pieces()
+        keyed = sorted(
+            (piece, tok)
+            for tok, piece in enumerate(pieces)
+            if piece and not self.is_special(tok) and not self.is_eog(tok)
+        )
+        return [piece for piece, _ in keyed], np.array([t for _, t in keyed], dtype=np.int64)
+
+    def tokens_starting_with(self, prefix: bytes) -> np.ndarray:
+        """Ids (ascending) of the tokens whose text starts with ``prefix``, itself included.
 
         End-of-generation tokens and tokens with no text are left out.
         """
-        ids = self._extending.get(prefix)
-        if ids is None:
-            self._tables  # noqa: B018 -- fills the control-token flags in one pass
-            pieces = self.all_pieces()
-            found = [
-                tok
-                for tok, piece in enumerate(pieces)
-                if piece
-                and not self.is_special(tok)
-                and (piece.startswith(prefix) or prefix.startswith(piece))
-                and not self.is_eog(tok)
-            ]
-            if len(self._extending) >= _MAX_HEALING_PREFIXES:
-                self._extending.clear()
-            ids = self._extending[prefix] = np.array(found, dtype=np.int64)
-        return ids
+        pieces, ids = self._by_text
+        lo = bisect.bisect_left(pieces, prefix)
+        # The range ends at the prefix with its last byte below 0xff raised (none: the end).
+        head = prefix.rstrip(b"\xff")
+        bound = head[:-1] + bytes([head[-1] + 1]) if head else None
+        hi = len(pieces) if bound is None else bisect.bisect_left(pieces, bound)
+        return np.sort(ids[lo:hi])
+
+    def tokens_extending(self, prefix: bytes) -> np.ndarray:
+        """Ids (ascending) of the tokens whose text starts with ``prefix`` or starts it (token
+        healing).
+
+        End-of-generation tokens and tokens with no text are left out.
+        """
+        pieces, ids = self._by_text
+        found = [self.tokens_starting_with(prefix)]
+        for end in range(1, len(prefix)):
+            at = bisect.bisect_left(pieces, prefix[:end])
+            while at < len(pieces) and pieces[at] == prefix[:end]:
+                found.append(ids[at : at + 1])
+                at += 1
+        return np.unique(np.concatenate(found))
 
 
 class HasVocab(Protocol):

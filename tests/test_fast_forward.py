@@ -3,9 +3,12 @@ for it are appended without sampling and decoded with the next step's batch.
 
 What holds: the forced text is the only text the grammar allows there, so every output still
 matches its constraint; the forced tokens are the tokenizer's own for that text (the last one is
-left to sampling, since what follows may join it into a longer token). What can differ from a
-run without it: the model then conditions on the tokenizer's split of the forced text rather than
-the one it would have sampled. On the prompts here the text is the same (measured; asserted).
+left to sampling where the grammar allows a longer token starting with its text: what follows
+may join it into that one). What can differ from a run without it: the model then conditions
+on the tokenizer's split of the forced text rather than the one it would have sampled, and its
+logits come from batches of other sizes (llama.cpp's move by about 0.1 with the batch size).
+On the flexible prompt here the text is the same; on the compact one the two part at a near tie
+(measured: the age's second digit, top two logits 0.2 apart), so only the keys are compared.
 Decode counts prove that forced tokens are decoded once and never sampled.
 """
 
@@ -64,19 +67,19 @@ def test_forced_text_follows_the_only_characters_allowed(model: lcgen.Model) -> 
         assert state.is_complete and state.forced_text(64) == ""
 
 
-def test_forced_tokens_are_the_tokenizers_less_the_last(model: lcgen.Model) -> None:
+def test_forced_tokens_are_the_tokenizers(model: lcgen.Model) -> None:
     gen = Generator(model, grammar=COMPACT)
     forced = gen.forced_tokens(b"\n", 16)
     written = model.tokenize('\n{"name":"', add_bos=False)  # as it reads after the prompt
     assert model.token_piece(written[0]) == b"\n"
-    assert forced == written[1:-1] and len(forced) >= 1
+    assert forced == written[1:] and len(forced) >= 2  # '":"': no longer token can follow
     assert gen.forced_tokens(b"\n", 1) == forced[:1]
     assert gen.tokens == []  # asking changes nothing
     # After a piece the tokenizer would join to the text, the text is tokenized on its own.
     joined = model.tokenize('{"name":"', add_bos=False)
     assert len(model.token_piece(joined[0])) > 1  # '{"' is one token
     gen.accept(model.tokenize("{", add_bos=False)[0])
-    assert gen.forced_tokens(b"{", 16) == model.tokenize('"name":"', add_bos=False)[:-1]
+    assert gen.forced_tokens(b"{", 16) == model.tokenize('"name":"', add_bos=False)
     name = model.tokenize("name", add_bos=False)[0]
     assert name in forced
     for barred in ({"logit_bias": {name: float("-inf")}}, {"stop_tokens": [name]}):
@@ -86,12 +89,36 @@ def test_forced_tokens_are_the_tokenizers_less_the_last(model: lcgen.Model) -> N
     assert healing.forced_tokens(b"\n", 16) == []  # healed text is re-created by sampling
 
 
+def test_the_last_token_is_left_where_a_longer_one_may_follow(model: lcgen.Model) -> None:
+    (name,) = model.tokenize("name", add_bos=False)
+    longer = [model.token_piece(t) for t in model.vocab.tokens_starting_with(b"name")]
+    assert b"names" in longer  # a token the text after "name" could join it into
+    letters = Generator(model, grammar=lcgen.Grammar('root ::= "name" [a-z]+\n'))
+    assert letters.forced_tokens(b"\n", 16) == []  # left to sampling: "names" may come
+    assert not any(p[4:5].isdigit() for p in longer)  # no token joins "name" to a digit
+    digits = Generator(model, grammar=lcgen.Grammar('root ::= "name" [0-9]+\n'))
+    assert digits.forced_tokens(b"\n", 16) == [name]
+
+
+def test_tokens_starting_with_a_text_are_those_of_the_vocabulary(model: lcgen.Model) -> None:
+    vocab = model.vocab
+    pieces = vocab.all_pieces()
+    kept = [
+        t for t, p in enumerate(pieces) if p and not vocab.is_special(t) and not vocab.is_eog(t)
+    ]
+    for prefix in (b"", b"name", b'":', b" ", b"\xc3", b"\xff", b"zzzzqq"):
+        expected = [t for t in kept if pieces[t].startswith(prefix)]
+        assert vocab.tokens_starting_with(prefix).tolist() == expected, prefix
+        expected = [t for t in kept if pieces[t].startswith(prefix) or prefix.startswith(pieces[t])]
+        assert vocab.tokens_extending(prefix).tolist() == expected, prefix
+
+
 def test_text_forced_at_the_start_is_decoded_with_the_prompt(model: lcgen.Model) -> None:
     tokens = prompt(model)
     with model.sequence(tokens) as seq:
         run = seq.run(grammar=COMPACT, max_tokens=120)
         forced = seq.tokens[len(tokens) :]  # appended before any step
-        assert forced == model.tokenize('\n{"name":"', add_bos=False)[1:-1]
+        assert forced == model.tokenize('\n{"name":"', add_bos=False)[1:]
         assert run.generator.tokens == forced and seq.n_decoded < len(tokens)
         first = run.step()
         assert first.tokens[: len(forced)] == tuple(forced) and len(first.tokens) > len(forced)
@@ -102,15 +129,17 @@ def test_text_forced_at_the_start_is_decoded_with_the_prompt(model: lcgen.Model)
 
 
 @pytest.mark.parametrize("grammar", [FLEXIBLE, COMPACT], ids=["flexible", "compact"])
-def test_same_text_fewer_steps_each_token_decoded_once(
+def test_same_json_fewer_steps_each_token_decoded_once(
     model: lcgen.Model, grammar: lcgen.Grammar
 ) -> None:
     tokens = prompt(model)
     plain = generate(model, tokens, grammar=grammar, fast_forward=False, max_tokens=120)
     model.cache.clear()  # the prompt decoded again: the counts below start from nothing
     fast = generate(model, tokens, grammar=grammar, max_tokens=120)
-    assert fast == plain and fast.finish_reason == "stop"
-    json.loads(fast)
+    assert fast.finish_reason == plain.finish_reason == "stop"
+    assert list(json.loads(fast)) == list(json.loads(plain)) == list(SCHEMA["properties"])
+    if grammar is FLEXIBLE:
+        assert fast == plain
     assert plain.stats.forced == 0 and plain.stats.steps == plain.stats.tokens
     stats = fast.stats
     assert stats.forced >= 4 and stats.steps == stats.tokens - stats.forced
@@ -199,11 +228,12 @@ def test_a_rewind_across_forced_tokens_regenerates_the_same(model: lcgen.Model) 
 
 def test_runs_that_see_every_token_sample_every_token(model: lcgen.Model) -> None:
     tokens = prompt(model)
-    fast = generate(model, tokens, grammar=COMPACT, max_tokens=120)
+    plain = generate(model, tokens, grammar=COMPACT, max_tokens=120, fast_forward=False)
     with_logprobs = generate(model, tokens, grammar=COMPACT, max_tokens=120, logprobs=1)
     hooked = generate(model, tokens, grammar=COMPACT, max_tokens=120, hooks=[lambda s: None])
-    for out in (with_logprobs, hooked):
-        assert out == fast and out.stats.forced == 0 and out.stats.steps == out.stats.tokens
+    for out in (with_logprobs, hooked):  # as with fast-forward off, token for token
+        assert out == plain and out.tokens == plain.tokens
+        assert out.stats.forced == 0 and out.stats.steps == out.stats.tokens
     assert with_logprobs.logprobs is not None
     assert len(with_logprobs.logprobs) == len(with_logprobs.tokens)
 

@@ -16,9 +16,8 @@ from hypothesis import strategies as st
 from llguidance import LLMatcher
 
 import lcgen
-from bench.masks import llguidance_tokenizer
 from bench.schema_compile import SUITE, suite_groups
-from lcgen.constrain import Grammar, GrammarState
+from lcgen.constrain import Grammar, GrammarState, llg
 from lcgen.constrain.lark import parse, to_lark
 from lcgen.errors import GrammarError
 from tests.test_grammar import BUNDLED
@@ -26,7 +25,7 @@ from tests.test_grammar import BUNDLED
 
 @pytest.fixture(scope="module")
 def tokenizer(model: lcgen.Model) -> Any:
-    return llguidance_tokenizer(model)
+    return llg.tokenizer(model.vocab)
 
 
 def _verdicts(

@@ -220,8 +220,9 @@ class Generator:
         The text is what the grammar allows next and nothing else (see
         :meth:`~lcgen.GrammarState.forced_text`), tokenized as it reads after ``before`` (the
         last token's piece) where the tokenizer keeps the boundary between them, else on its
-        own. The last token is left to sampling: the text after it may join it into a longer
-        one. Empty without a grammar, while healing, and where the tokens do not spell the
+        own. The last token is left to sampling where the grammar allows a longer token that
+        starts with its text (the text after it may join it into that one) or can end after
+        it. Empty without a grammar, while healing, and where the tokens do not spell the
         text; cut before a token ``logit_bias`` bans or a stop token.
 
         Args:
@@ -233,10 +234,40 @@ class Generator:
         text = self.grammar.forced_text(_MAX_FORCED_CHARS)
         if not text:
             return []
-        tokens = _tokens_after(self.vocab, before, text.encode("ascii"))[:-1][:limit]
+        tokens = _tokens_after(self.vocab, before, text.encode("ascii"))
+        if tokens and self._leave_last(tokens):
+            tokens.pop()
+        tokens = tokens[:limit]
         # Never force a token the caller banned (logit_bias -inf) or made a stop token.
         barred = self.plan.stop_tokens | self._banned
         return list(itertools.takewhile(lambda t: t not in barred, tokens))
+
+    def _leave_last(self, tokens: list[int]) -> bool:
+        """Whether to leave the last of ``tokens`` to sampling: the grammar, after the others,
+        allows a longer token that starts with its text (checked by its next byte first), or
+        can end after it (the step that samples it decodes the others, so a finished
+        generation keeps one token pending, as without forcing)."""
+        assert self.grammar is not None
+        last = tokens[-1]
+        piece = self.vocab.special_piece(last)
+        pieces = self.vocab.all_pieces()
+        starting = self.vocab.tokens_starting_with(piece).tolist()
+        longer = [t for t in starting if len(pieces[t]) > len(piece)]
+        with self.grammar.clone() as probe:
+            probe.accept_tokens(tokens[:-1])
+            with probe.clone() as after:
+                after.accept(last)
+                if after.is_complete:
+                    return True
+                by_byte = self.vocab.byte_tokens
+                next_ok: dict[int, bool] = {}
+                for token in longer:
+                    byte = pieces[token][len(piece)]
+                    if byte not in next_ok:
+                        next_ok[byte] = byte not in by_byte or after.allows(by_byte[byte])
+                    if next_ok[byte] and probe.allows(token):
+                        return True
+        return False
 
     def accept(self, token: int, logits: np.ndarray | None = None) -> Chunk:
         """Take ``token`` as the next token (sampled here or chosen elsewhere).

@@ -1,0 +1,168 @@
+"""Full-vocabulary masks through llguidance (:mod:`lcgen.constrain.llg`) equal llama.cpp's, token
+for token: at every step of JSON-Schema-Test-Suite instances and the bundled grammars' texts on
+SmolLM2, of JSON on Gemma 3's 262k vocabulary (with its user-defined tokens such as
+``<table>``), after partial UTF-8 characters, across clones. Grammars whose masks would differ
+(``<token>`` rules, classes negating non-ASCII characters) keep llama.cpp's masks."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import lcgen
+from bench.constrained import COMPANY, GEMMA_MODEL, ORDER, PERSON
+from bench.masks import INSTANCE
+from bench.schema_compile import SUITE, suite_groups
+from lcgen.constrain import Grammar, GrammarState, llg
+from lcgen.errors import GrammarError
+from lcgen.registry import resolve
+from tests.test_grammar import BUNDLED
+
+
+def _compare(state: GrammarState, where: object) -> bool:
+    """Whether llguidance gave the mask here; asserts it equals llama.cpp's."""
+    fast = state._allowed_by_matcher()
+    slow = state._allowed_by_llama()
+    if fast is None:
+        return False
+    differ = np.flatnonzero(fast != slow)
+    assert not differ.size, (where, differ[:8].tolist(), int(fast.sum()), int(slow.sum()))
+    return True
+
+
+def walk(grammar: Grammar, model: lcgen.Model, tokens: list[int], where: object) -> int:
+    """Compare the masks at each step of ``tokens`` and after the last; the steps llguidance
+    gave. Stops where the grammar refuses a token (an invalid text's tail)."""
+    by_matcher = 0
+    with grammar.state(model) as state:
+        for i, token in enumerate(tokens):
+            by_matcher += _compare(state, (where, i))
+            if not state.try_accept(token):
+                return by_matcher
+        by_matcher += _compare(state, (where, len(tokens)))
+    return by_matcher
+
+
+def spelled(model: lcgen.Model, text: str) -> list[int]:
+    return model.vocab.spell(text.encode("utf-8"))
+
+
+def test_the_test_suite_masks_the_same(model: lcgen.Model) -> None:
+    assert SUITE.is_dir(), f"{SUITE} is missing: run `make test` (it unpacks the suite)"
+    steps = by_matcher = 0
+    for i, (name, group) in enumerate(suite_groups()):
+        if i % 3:  # every third group: the whole suite's masks take minutes through llama.cpp
+            continue
+        try:
+            grammar = Grammar.from_json_schema(group["schema"])
+        except GrammarError:
+            continue
+        for case in group["tests"][:2]:
+            tokens = spelled(model, json.dumps(case["data"]))
+            by_matcher += walk(grammar, model, tokens, (name, case["description"]))
+            steps += len(tokens) + 1
+    assert steps > 1500
+    assert by_matcher > steps // 2  # llguidance gave most masks (not where text is forced)
+
+
+@pytest.mark.parametrize("name", sorted(BUNDLED))
+def test_bundled_grammars_mask_the_same(model: lcgen.Model, name: str) -> None:
+    good, bad = BUNDLED[name]
+    grammar = Grammar.bundled(name)
+    for text in good + bad:
+        walk(grammar, model, spelled(model, text), text)
+
+
+# Characters of the Basic Multilingual Plane: the model's vocabulary spells each of them.
+bmp_text = st.text(st.characters(max_codepoint=0xFFFF, exclude_categories=["Cs"]), max_size=8)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(10**6), 10**6) | bmp_text,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(bmp_text, inner, max_size=3),
+    max_leaves=6,
+)
+
+
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(value=json_values, indent=st.sampled_from([None, 1]))
+def test_random_json_masks_the_same(model: lcgen.Model, value: Any, indent: int | None) -> None:
+    text = json.dumps(value, ensure_ascii=False, indent=indent)
+    walk(Grammar.bundled("json"), model, spelled(model, text), text)
+
+
+def test_after_a_partial_character_the_masks_agree(model: lcgen.Model) -> None:
+    grammar = Grammar.from_json_schema({"type": "string", "maxLength": 4})
+    by_byte = model.vocab.byte_tokens
+    tokens = spelled(model, '"') + [by_byte[b] for b in "é€".encode()]
+    # By llguidance at every step but the first (where the opening quote is forced).
+    assert walk(grammar, model, tokens, "bytes") == len(tokens)
+
+
+def test_clones_keep_their_own_matchers(model: lcgen.Model) -> None:
+    grammar = Grammar.from_json_schema(COMPANY)
+    with grammar.state(model) as state:
+        state.accept_tokens(spelled(model, '{"company": "Ac'))
+        assert _compare(state, "before")
+        with state.clone() as other:
+            state.accept_tokens(spelled(model, 'me", "founded": 19'))
+            other.accept_tokens(spelled(model, 'ro"'))
+            assert _compare(state, "state") and _compare(other, "clone")
+            assert not np.array_equal(state.allowed(), other.allowed())
+
+
+def test_grammars_llguidance_cannot_take_mask_through_llama(model: lcgen.Model) -> None:
+    grammar = Grammar('root ::= "a" <[17]>\n')  # a token by id ("!"): no Lark of it
+    (a,) = spelled(model, "a")
+    with grammar.state(model) as state:
+        assert state._allowed_by_matcher() is None
+        assert state.allowed()[a]
+        state.accept(a)
+        assert np.flatnonzero(state.allowed()).tolist() == [17]
+    # A class negating a non-ASCII character: llama.cpp checks a partial character more
+    # strictly than a whole one there, so its masks are kept.
+    with Grammar('root ::= [^é ]+ " " [a-z]+\n').state(model) as state:
+        state.accept_tokens(spelled(model, "x"))
+        assert state._allowed_by_matcher() is None and state.allowed().any()
+
+
+def test_without_llguidance_masks_come_from_llama(
+    model: lcgen.Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    grammar = Grammar.from_json_schema(PERSON)
+    with grammar.state(model) as state:
+        state.accept_tokens(spelled(model, '{"name": "M'))
+        expected = state.allowed()
+    monkeypatch.setattr(llg, "_llg", None)
+    assert not llg.available()
+    with grammar.state(model) as state:
+        state.accept_tokens(spelled(model, '{"name": "M'))
+        assert state._allowed_by_matcher() is None
+        assert np.array_equal(state.allowed(), expected)
+
+
+@pytest.fixture(scope="module")
+def gemma() -> Iterator[lcgen.Model]:
+    with lcgen.Model(resolve(GEMMA_MODEL, download=False), n_ctx=256, n_seq_max=1) as m:
+        yield m
+
+
+def test_gemma_masks_the_same(gemma: lcgen.Model) -> None:
+    text = json.dumps(INSTANCE, indent=2)
+    grammar = Grammar.from_json_schema(COMPANY)
+    steps = len(spelled(gemma, text)) + 1
+    assert walk(grammar, gemma, spelled(gemma, text), "company") > steps // 2
+    order = {"order_id": 7, "customer": "Zoë <table>", "items": [{"sku": "a", "quantity": 2,
+             "price": 1.5}], "status": "shipped"}  # fmt: skip
+    walk(Grammar.from_json_schema(ORDER), gemma, spelled(gemma, json.dumps(order)), "order")
+    table = gemma.tokenize("<table>", add_bos=False)
+    assert len(table) == 1  # a user-defined token, matched by its text
+    with Grammar.from_json_schema({"type": "string"}).state(gemma) as state:
+        state.accept_tokens(spelled(gemma, '"'))
+        assert state.allowed()[table[0]] and _compare(state, "user-defined")
