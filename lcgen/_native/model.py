@@ -245,7 +245,6 @@ class ModelHandle:
 _DEVICE_GPU, _DEVICE_IGPU = 1, 2
 
 
-@functools.cache
 def tokenize_address() -> int:
     """The address of llama.cpp's ``llama_tokenize`` (llguidance tokenizes through it)."""
     address = ctypes.cast(C.llama_cpp._lib.llama_tokenize, ctypes.c_void_p).value
@@ -253,6 +252,7 @@ def tokenize_address() -> int:
     return address
 
 
+@functools.cache
 def gpu_devices() -> tuple[tuple[str, str], ...]:
     """The GPU devices llama.cpp would offload layers to, as ``(backend, description)`` pairs
     such as ``("CUDA", "NVIDIA H100 80GB HBM3")`` or ``("Metal", "Apple M2")``; empty on a

@@ -398,21 +398,21 @@ class GrammarState:
             self._matcher, self._matcher_at = None, -1
             return None
         for token in self._vocab.eog_set:
-            allowed[token] = self._sampler.allows(token) and not self._pending
-        if not self._pending:
-            allowed &= tables(self._vocab).boundary_ok
-        else:
-            for token in np.flatnonzero(allowed).tolist():
-                allowed[token] = self._text_ok(token)
-        return allowed
+            allowed[token] = self._sampler.allows(token)
+        return self._keep_valid_text(allowed)
 
     def _allowed_by_llama(self) -> np.ndarray:
         """The mask by llama.cpp's grammar, which checks each candidate token in turn."""
+        candidates = self._vocab.visible_ids if self._pending else self._candidates()
+        return self._keep_valid_text(self._sampler.allowed(candidates))
+
+    def _keep_valid_text(self, allowed: np.ndarray) -> np.ndarray:
+        """``allowed`` less the tokens after which the text would not be valid UTF-8 (see
+        :meth:`_text_ok`): by a table at a character boundary, token by token after a
+        partial character."""
         if not self._pending:
-            allowed = self._sampler.allowed(self._candidates())
             allowed &= tables(self._vocab).boundary_ok
         else:
-            allowed = self._sampler.allowed(self._vocab.visible_ids)
             for token in np.flatnonzero(allowed).tolist():
                 allowed[token] = self._text_ok(token)
         return allowed
