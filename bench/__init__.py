@@ -9,7 +9,7 @@ from round to round) and the reported figure is the median over the rounds.
 
 - ``limit``: a minimal loop over llama.cpp's C API, with a context set up exactly like lcgen's
   (same n_ctx, n_batch = n_ubatch, n_seq_max, threads, ``kv_unified``, ``swa_full``,
-  ``no_perf``; flash attention as lcgen sets it: off on the CPU). Prefill is
+  ``no_perf``; flash attention as lcgen leaves it: llama.cpp decides, on here). Prefill is
   ``llama_batch_get_one`` in n_batch chunks; each step is ``llama_decode`` of one token, then
   numpy argmax over ``llama_get_logits_ith(ctx, -1)`` with the end-of-generation tokens masked.
 - ``llama-cpp-python``: ``llama_cpp.Llama.create_completion`` with the same settings (flash

@@ -47,8 +47,8 @@ class ContextConfig:
     n_seq_max: int = 8
     n_threads: int = 1
     n_gpu_layers: int = 0
-    # lcgen turns llama.cpp's extra CPU buffers off where AMX crashes, and flash attention off
-    # on the CPU (None: llama.cpp decides); the others follow it.
+    # lcgen turns llama.cpp's extra CPU buffers off where AMX crashes, and leaves flash
+    # attention to llama.cpp (None: on where supported); the others follow it.
     extra_cpu_buffers: bool = True
     flash_attn: bool | None = None
 

@@ -2,10 +2,18 @@
 JSON-Schema-Test-Suite's groups (drafts 2020-12, 7 and 4; ``make test`` unpacks the suite from
 ``jsonschema``'s sdist into the venv).
 
-Each round compiles every group's schema with ``Grammar.from_json_schema`` (lcgen's converter
-and llama.cpp's parse of the GBNF it writes, which the constructor runs) and reports the median
-and the 99th percentile of the per-schema times, in ms; schemas lcgen refuses (a
-``GrammarError`` naming the keyword) count too, since refusing takes time as well.
+Each round compiles every group's schema three ways and reports the median and the 99th
+percentile of the per-schema times, in ms:
+
+- ``Grammar.from_json_schema`` (lcgen's converter and llama.cpp's parse of the GBNF it writes,
+  which the constructor runs);
+- ``with masks``: that, then the grammar compiled for full-vocabulary masks on the bench's model
+  (:func:`lcgen.constrain.llg.compile_matcher`: the translation to Lark and llguidance's
+  compile), what a new schema costs before its first mask (``GrammarState`` keeps it);
+- ``llguidance``: llguidance 1.9.1 compiling the schema by itself on the same vocabulary.
+
+Refused schemas (a ``GrammarError`` naming the keyword; an error state in llguidance) count
+too, since refusing takes time as well.
 """
 
 from __future__ import annotations
@@ -14,12 +22,17 @@ import contextlib
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from llguidance import LLMatcher, grammar_from
 
 import lcgen
 from bench.harness import Bench, Check, Row, RowFactory, SkipRow
 from bench.runners import Sample, Workload
+from lcgen.constrain import llg
+from lcgen.vocab import Vocab
 
 SUITE = Path(__file__).resolve().parent.parent / ".venv/schema-suite/jsonschema-4.26.0/json/tests"
 DRAFTS = {
@@ -43,19 +56,34 @@ def suite_groups() -> list[tuple[str, dict[str, Any]]]:
     return groups
 
 
-def _round(schemas: list[Any]) -> dict[str, Sample]:
-    times = []
-    for schema in schemas:
-        start = time.perf_counter()
-        with contextlib.suppress(lcgen.GrammarError):
-            lcgen.Grammar.from_json_schema(schema)
-        times.append(time.perf_counter() - start)
-    cut = statistics.quantiles(times, n=100)
-    return {
-        "p50": Sample(statistics.median(times), 1),
-        "p99": Sample(cut[98], 1),
-        "schemas": Sample(1.0, len(times)),
+def _lcgen(schema: Any, vocab: Vocab | None) -> None:
+    with contextlib.suppress(lcgen.GrammarError):
+        grammar = lcgen.Grammar.from_json_schema(schema)
+        if vocab is not None:
+            llg.compile_matcher(grammar.gbnf, grammar.root, vocab)
+
+
+def _llguidance(schema: Any, vocab: Vocab) -> None:
+    LLMatcher(llg.tokenizer(vocab), grammar_from("json_schema", json.dumps(schema)), log_level=0)
+
+
+def _round(schemas: list[Any], vocab: Vocab) -> dict[str, Sample]:
+    compilers: dict[str, Callable[[Any], None]] = {
+        "": lambda schema: _lcgen(schema, None),
+        "with masks ": lambda schema: _lcgen(schema, vocab),
+        "llguidance ": lambda schema: _llguidance(schema, vocab),
     }
+    llg.tokenizer(vocab)  # built once per vocabulary, before timing
+    out = {"schemas": Sample(1.0, len(schemas))}
+    for name, compile_ in compilers.items():
+        times = []
+        for schema in schemas:
+            start = time.perf_counter()
+            compile_(schema)
+            times.append(time.perf_counter() - start)
+        out[f"{name}p50"] = Sample(statistics.median(times), 1)
+        out[f"{name}p99"] = Sample(statistics.quantiles(times, n=100)[98], 1)
+    return out
 
 
 def compile_row(work: Workload) -> Row:
@@ -65,17 +93,21 @@ def compile_row(work: Workload) -> Row:
     schemas = [group["schema"] for _, group in suite_groups()]
 
     def round_(bench: Bench, r: int) -> dict[str, Sample]:
-        del bench, r
-        return _round(schemas)
+        del r
+        return _round(schemas, bench.lcgen.model.vocab)
 
+    names = ("p50", "p99", "with masks p50", "with masks p99", "llguidance p50", "llguidance p99")
     return Row(
         "schema-compile",
-        f"ms per schema for Grammar.from_json_schema over the {len(schemas)} groups of the "
-        "JSON-Schema-Test-Suite (drafts 2020-12, 7, 4): lcgen's converter and llama.cpp's parse "
-        "of its GBNF; refused schemas included; median and 99th percentile of one round",
-        {"p50": "ms", "p99": "ms", "schemas": "count"},
+        f"ms per schema over the {len(schemas)} groups of the JSON-Schema-Test-Suite (drafts "
+        "2020-12, 7, 4): Grammar.from_json_schema (lcgen's converter and llama.cpp's parse of "
+        "its GBNF); 'with masks': that and the grammar's compile for full-vocabulary masks on "
+        "the bench's model (the translation to Lark and llguidance's compile, once per "
+        "schema); 'llguidance': llguidance 1.9.1 compiling the schema by itself on the same "
+        "vocabulary; refused schemas included; median and 99th percentile of one round",
+        {**dict.fromkeys(names, "ms"), "schemas": "count"},
         round_,
-        (Check("p50"), Check("p99")),
+        (Check("p50"), Check("p99"), Check("with masks p50", "llguidance p50")),
     )
 
 

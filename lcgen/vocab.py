@@ -33,6 +33,7 @@ class Vocab:
         self.bos, self.eos, self.eot, self.add_bos = handle.special_tokens()
         self.fim_prefix, self.fim_suffix, self.fim_middle = handle.fim_tokens()
         self._pieces: list[bytes | None] = [None] * self.n_vocab  # special tokens shown
+        self._all_pieces = False  # every entry of _pieces fetched
         self._special: list[bool | None] = [None] * self.n_vocab  # text hidden unless shown
         self._eog: dict[int, bool] = {}
 
@@ -150,8 +151,9 @@ class Vocab:
     # the whole vocabulary ---------------------------------------------------------------
     def all_pieces(self) -> list[bytes]:
         """Every token's :meth:`special_piece`, fetched in one pass."""
-        if any(piece is None for piece in self._pieces):
+        if not self._all_pieces:
             self._pieces = list(self._handle.all_pieces())
+            self._all_pieces = True
         return self._pieces  # type: ignore[return-value]
 
     @functools.cached_property

@@ -30,7 +30,10 @@ CHECKPOINT_SERIES = {
     "regenerate": {"generate 32", "rewind 32 + regenerate 32"},
     "stream": {"generate", "stream", "generate, no stops"},
     "constrained": set(constrained.CONSTRAINED_SERIES),
-    "schema-compile": {"p50", "p99", "schemas"},
+    "schema-compile": {
+        f"{name}{p}" for name in ("", "with masks ", "llguidance ") for p in ("p50", "p99")
+    }
+    | {"schemas"},
     "grammar-rollback": {
         "GrammarState.clone",
         "gen.state",

@@ -20,6 +20,7 @@ import pytest
 
 import lcgen
 from lcgen.decoding.generator import Generator
+from lcgen.vocab import Vocab
 
 SCHEMA = {
     "type": "object",
@@ -111,6 +112,15 @@ def test_tokens_starting_with_a_text_are_those_of_the_vocabulary(model: lcgen.Mo
         assert vocab.tokens_starting_with(prefix).tolist() == expected, prefix
         expected = [t for t in kept if pieces[t].startswith(prefix) or prefix.startswith(pieces[t])]
         assert vocab.tokens_extending(prefix).tolist() == expected, prefix
+
+
+def test_all_pieces_are_each_tokens_piece_fetched_once(model: lcgen.Model) -> None:
+    vocab = Vocab(model.vocab.handle)  # nothing fetched yet
+    some = [vocab.special_piece(t) for t in (0, 17, 1000)]  # a few fetched one by one first
+    pieces = vocab.all_pieces()
+    assert vocab.all_pieces() is pieces  # later calls (every fast-forward step) fetch nothing
+    assert [pieces[t] for t in (0, 17, 1000)] == some
+    assert pieces == [model.vocab.handle.token_to_piece(t) for t in range(model.n_vocab)]
 
 
 def test_text_forced_at_the_start_is_decoded_with_the_prompt(model: lcgen.Model) -> None:

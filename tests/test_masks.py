@@ -132,6 +132,28 @@ def test_grammars_llguidance_cannot_take_mask_through_llama(model: lcgen.Model) 
         assert state._allowed_by_matcher() is None and state.allowed().any()
 
 
+def test_a_grammar_nested_deeper_than_the_translation_goes_masks_through_llama(
+    model: lcgen.Model,
+) -> None:
+    # 600 levels of parentheses: llama.cpp takes it (its bound is 1,000), the translation to
+    # Lark recurses past Python's limit; the grammar keeps llama.cpp's masks, once decided.
+    grammar = Grammar("root ::= " + "(" * 600 + '"a" [b-z]*' + ")" * 600 + "\n")
+    assert llg.compile_matcher(grammar.gbnf, grammar.root, model.vocab) is None
+    (a,) = spelled(model, "a")
+    for _ in range(2):
+        with grammar.state(model) as state:
+            assert state._allowed_by_matcher() is None
+            allowed = state.allowed()
+            assert (
+                np.flatnonzero(allowed).tolist()
+                == np.flatnonzero(state._allowed_by_llama()).tolist()
+            )
+            assert allowed[a] and allowed.sum() < model.n_vocab
+            state.accept(a)
+            assert state.allowed()[spelled(model, "b")[0]]
+    assert llg._templates[model.vocab][grammar.gbnf, grammar.root] is None
+
+
 def test_without_llguidance_masks_come_from_llama(
     model: lcgen.Model, monkeypatch: pytest.MonkeyPatch
 ) -> None:

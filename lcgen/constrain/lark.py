@@ -244,6 +244,18 @@ class _Spans:
     def is_string(self, items: Sequence[Node]) -> bool:
         return self.ends(Seq(tuple(items)), frozenset({_BEFORE})) == {_CLOSED}
 
+    def longest(self, items: Sequence[Node], start: int) -> int | None:
+        """The largest ``end`` where ``items[start:end]`` reads as one JSON string, or None:
+        one walk forward (a path that died stays dead, so the walk stops there)."""
+        states, end = frozenset({_BEFORE}), None
+        for j in range(start, len(items)):
+            states = self.ends(items[j], states)
+            if _DEAD in states:
+                break
+            if states == {_CLOSED}:
+                end = j + 1
+        return end
+
     def ends(self, node: Node, states: frozenset[int]) -> frozenset[int]:
         """The states ``node`` can end in from ``states`` (with ``_DEAD`` if any path dies)."""
         if isinstance(node, Lit):
@@ -374,7 +386,7 @@ class _Emitter:
     def _items(self, items: tuple[Node, ...]) -> list[str]:
         out, i = [], 0
         while i < len(items):
-            end = next((j for j in range(len(items), i, -1) if self._span(*items[i:j])), None)
+            end = None if self.spans is None else self.spans.longest(items, i)
             if end is None:
                 out.append(self.expr(items[i]))
                 i += 1

@@ -13,7 +13,6 @@ be imported, :meth:`Matcher.new` returns None and masks come from llama.cpp.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from typing import Any
 
@@ -34,10 +33,11 @@ except ImportError:  # pragma: no cover - a dependency; a platform without its w
     _llg = None
 
 # Compiled matchers kept per vocabulary, by grammar: a new state copies one (tens of
-# microseconds) instead of compiling the grammar again (about a millisecond).
+# microseconds) instead of compiling the grammar again (a millisecond or a few); None where a
+# grammar has no matcher, so it is not translated again for each state.
 _MAX_TEMPLATES = 32
 _tokenizers: weakref.WeakKeyDictionary[Vocab, Any] = weakref.WeakKeyDictionary()
-_templates: weakref.WeakKeyDictionary[Vocab, dict[tuple[str, str], Any]] = (
+_templates: weakref.WeakKeyDictionary[Vocab, dict[tuple[str, str], Any | None]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -71,13 +71,18 @@ def tokenizer(vocab: Vocab) -> Any:
     return built
 
 
-@functools.lru_cache(maxsize=64)
-def _lark(gbnf: str, root: str) -> str | None:
-    """The grammar in llguidance's terms, or None where it does not translate."""
-    try:
-        return str(_llg.LLMatcher.grammar_from_lark(to_lark(gbnf, root)))
-    except (GrammarError, RecursionError):
+def compile_matcher(gbnf: str, root: str, vocab: Vocab) -> Any | None:
+    """llguidance's matcher at the start of the grammar over ``vocab``, compiled now (a
+    millisecond or a few; :meth:`Matcher.new` keeps the result), or None: llguidance is not
+    installed, the grammar does not translate, or llguidance refuses it (a limit of its own)."""
+    if _llg is None:
         return None
+    try:
+        spec = _llg.LLMatcher.grammar_from_lark(to_lark(gbnf, root))
+    except (GrammarError, RecursionError):  # RecursionError: nested deeper than lark.parse goes
+        return None
+    matcher = _llg.LLMatcher(tokenizer(vocab), spec, log_level=0)
+    return None if matcher.is_error() else matcher
 
 
 class Matcher:
@@ -94,23 +99,20 @@ class Matcher:
 
     @classmethod
     def new(cls, gbnf: str, root: str, vocab: Vocab) -> Matcher | None:
-        """A matcher at the start of the grammar, or None: llguidance is not installed, the
-        grammar does not translate, or llguidance refuses it (a limit of its own)."""
+        """A matcher at the start of the grammar, or None where :func:`compile_matcher` gives none;
+        compiled once per vocabulary and grammar (the last 32 kept), copied for each call."""
         if _llg is None:
             return None
-        spec = _lark(gbnf, root)
-        if spec is None:
-            return None
         templates = _templates.setdefault(vocab, {})
-        template = templates.get((gbnf, root))
-        if template is None:
-            template = _llg.LLMatcher(tokenizer(vocab), spec, log_level=0)
-            if template.is_error():
-                return None
+        key = (gbnf, root)
+        if key in templates:
+            template = templates[key]
+        else:
+            template = compile_matcher(gbnf, root, vocab)
             if len(templates) >= _MAX_TEMPLATES:
                 templates.clear()
-            templates[gbnf, root] = template
-        return cls(template.deep_copy(), vocab.n_vocab)
+            templates[key] = template
+        return None if template is None else cls(template.deep_copy(), vocab.n_vocab)
 
     def consume(self, tokens: list[int]) -> bool:
         """Advance past ``tokens``; False when llguidance refuses one (the matcher is then
