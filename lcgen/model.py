@@ -178,7 +178,9 @@ class Model:
         n_threads: CPU threads, fixed; None adapts the count to the machine's load (on a
             model without GPU layers): at most the physical cores this process may use (CPU
             affinity, a cgroup quota; at most 8), fewer while other programs keep cores busy
-            (measured as it decodes; the logits do not depend on the count).
+            (measured as it decodes; below 512 KV cells the logits do not depend on the count,
+            from there a single token's do in their last bits: give a count for runs
+            reproducible bit for bit at any length).
         flash_attn: use flash attention; None lets llama.cpp decide (on where supported).
             Keep it on for exact rewinds: without it, a token's logits depend on the batch
             and on where its cells sit in the pool (measured). Off decodes faster on some CPUs

@@ -12,8 +12,11 @@ when those decodes were faster (and, going up, got their cores); probes that los
 a machine where the share misleads pays a bounded share of its time, and an idle one nothing
 (no probe runs at the full count while the threads get their cores).
 
-The count changes speed only: ggml's CPU kernels split work by rows, so the logits are
-bit-identical for any count (a tested invariant).
+Below 512 KV cells the count changes speed only: ggml's CPU kernels split work by rows, so the
+logits are bit-identical for any count (a tested invariant). From 512 cells on, ggml's
+flash-attention kernel splits a single token's attention over the cache between the threads
+and adds the parts up, so those logits move in their last bits with the count: a fixed
+``n_threads`` keeps long runs reproducible bit for bit (the README says so).
 """
 
 from __future__ import annotations
