@@ -7,6 +7,7 @@ SmolLM2, of JSON on Gemma 3's 262k vocabulary (with its user-defined tokens such
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -152,6 +153,29 @@ def test_a_grammar_nested_deeper_than_the_translation_goes_masks_through_llama(
             state.accept(a)
             assert state.allowed()[spelled(model, "b")[0]]
     assert llg._templates[model.vocab][grammar.gbnf, grammar.root] is None
+
+
+def test_threads_sharing_the_compiled_grammars_get_the_same_masks(model: lcgen.Model) -> None:
+    # More grammars than are kept (32), from 4 threads at once: compiled grammars are added
+    # and cleared while other threads look them up.
+    grammars = [Grammar(f'root ::= [a-z]+ "{i}"\n') for i in range(40)]  # nothing forced
+    failures: list[object] = []
+
+    def work(offset: int) -> None:
+        try:
+            for grammar in grammars[offset:] + grammars[:offset]:
+                with grammar.state(model) as state:
+                    fast = state._allowed_by_matcher()
+                    assert fast is not None and np.array_equal(fast, state._allowed_by_llama())
+        except Exception as exc:  # reported by the main thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=work, args=(10 * i,)) for i in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert failures == []
 
 
 def test_without_llguidance_masks_come_from_llama(

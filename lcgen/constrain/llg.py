@@ -36,6 +36,7 @@ except ImportError:  # pragma: no cover - a dependency; a platform without its w
 # microseconds) instead of compiling the grammar again (a millisecond or a few); None where a
 # grammar has no matcher, so it is not translated again for each state.
 _MAX_TEMPLATES = 32
+_UNCOMPILED = object()
 _tokenizers: weakref.WeakKeyDictionary[Vocab, Any] = weakref.WeakKeyDictionary()
 _templates: weakref.WeakKeyDictionary[Vocab, dict[tuple[str, str], Any | None]] = (
     weakref.WeakKeyDictionary()
@@ -105,9 +106,8 @@ class Matcher:
             return None
         templates = _templates.setdefault(vocab, {})
         key = (gbnf, root)
-        if key in templates:
-            template = templates[key]
-        else:
+        template = templates.get(key, _UNCOMPILED)  # one lookup: another thread may clear it
+        if template is _UNCOMPILED:
             template = compile_matcher(gbnf, root, vocab)
             if len(templates) >= _MAX_TEMPLATES:
                 templates.clear()
