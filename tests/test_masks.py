@@ -98,6 +98,43 @@ def test_random_json_masks_the_same(model: lcgen.Model, value: Any, indent: int 
     walk(Grammar.bundled("json"), model, spelled(model, text), text)
 
 
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data(), schema=st.sampled_from([PERSON, ORDER, COMPANY]))
+def test_random_walks_with_clones_and_restores_mask_the_same(
+    model: lcgen.Model, data: st.DataObject, schema: dict[str, Any]
+) -> None:
+    # Random operation sequences on a state: accept any token llama.cpp's grammar allows,
+    # clone, go back to a clone (as a checkpoint's restore does), compare the masks: a matcher
+    # made late, copied, or left behind by a clone stays in step with the tokens accepted.
+    grammar = Grammar.from_json_schema(schema)
+    eog = model.vocab.eog_set
+    state = grammar.state(model)
+    saved: list[GrammarState] = []
+    ops = st.sampled_from(["accept", "accept", "accept", "mask", "clone", "restore"])
+    try:
+        for step in range(40):
+            op = data.draw(ops)
+            if op == "mask":
+                _compare(state, step)
+            elif op == "clone":
+                saved.append(state.clone())
+            elif op == "restore" and saved:
+                state.close()
+                state = saved.pop()
+            elif op == "accept":
+                mask = np.flatnonzero(state._allowed_by_llama()).tolist()
+                allowed = [t for t in mask if t not in eog]
+                if not allowed:
+                    break
+                state.accept(data.draw(st.sampled_from(allowed)))
+        _compare(state, "last")
+    finally:
+        for each in [state, *saved]:
+            each.close()
+
+
 def test_after_a_partial_character_the_masks_agree(model: lcgen.Model) -> None:
     grammar = Grammar.from_json_schema({"type": "string", "maxLength": 4})
     by_byte = model.vocab.byte_tokens
