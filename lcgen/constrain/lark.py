@@ -241,9 +241,6 @@ class _Spans:
         self._rule_ends: dict[tuple[str, frozenset[int]], frozenset[int]] = {}
         self._open: set[str] = set()
 
-    def is_string(self, items: Sequence[Node]) -> bool:
-        return self.ends(Seq(tuple(items)), frozenset({_BEFORE})) == {_CLOSED}
-
     def longest(self, items: Sequence[Node], start: int) -> int | None:
         """The largest ``end`` where ``items[start:end]`` reads as one JSON string, or None:
         one walk forward (a path that died stays dead, so the walk stops there)."""
@@ -380,8 +377,8 @@ class _Emitter:
             return "(" + " | ".join(self.expr(o) for o in node.options) + ")"
         return _repeat(self.expr(node.item), node.low, node.high)
 
-    def _span(self, *items: Node) -> bool:
-        return self.spans is not None and self.spans.is_string(items)
+    def _span(self, node: Node) -> bool:
+        return self.spans is not None and self.spans.longest((node,), 0) == 1
 
     def _items(self, items: tuple[Node, ...]) -> list[str]:
         out, i = [], 0
