@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
+
 import numpy as np
 import pytest
 from hypothesis import given
@@ -37,6 +40,55 @@ def test_seeded_sampling_is_reproducible_and_respects_filters() -> None:
     assert set(a) <= set(np.argsort(-logits)[:5].tolist())
     banned = SamplerConfig(temperature=1.0, top_k=5, logit_bias={int(np.argmax(logits)): -np.inf})
     assert int(np.argmax(logits)) not in {sample(logits, banned, new_rng(s)) for s in range(50)}
+
+
+@pytest.mark.parametrize("temperature", [1e-310, 5e-324, 1e-30])
+def test_a_vanishing_temperature_samples_the_argmax(temperature: float) -> None:
+    # 1 / 1e-310 overflows: dividing the logits themselves made every probability NaN.
+    cfg = SamplerConfig(temperature=temperature, top_k=0, top_p=1.0, min_p=0.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for seed in range(20):
+            logits = np.random.default_rng(seed).normal(size=500).astype(np.float32)
+            assert sample(logits, cfg, new_rng(seed)) == int(np.argmax(logits))
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SamplerConfig(),
+        SamplerConfig(logit_bias={1: 2.0}),
+        SamplerConfig(temperature=0.8),
+        SamplerConfig(temperature=0.8, top_k=0),
+    ],
+)
+def test_nan_logits_raise_and_all_banned_has_no_candidates(cfg: SamplerConfig) -> None:
+    logits = np.random.default_rng(0).normal(size=200).astype(np.float32)
+    for spot in (0, 57, 199):
+        broken = logits.copy()
+        broken[spot] = np.nan
+        with pytest.raises(lcgen.DecodeError, match="NaN"):
+            sample(broken, cfg, new_rng(0))
+    banned = dataclasses.replace(cfg, logit_bias={t: -np.inf for t in range(200)})
+    with pytest.raises(lcgen.NoCandidatesError):
+        sample(logits, banned, new_rng(0))
+    with pytest.raises(lcgen.NoCandidatesError):
+        sample(np.full(200, -np.inf, dtype=np.float32), cfg, new_rng(0))
+
+
+def test_a_generation_with_every_token_banned_raises(model: lcgen.Model) -> None:
+    # It used to emit token 0 (an end token here) and report finish_reason "stop".
+    every = {t: -np.inf for t in range(model.vocab.n_vocab)}
+    with pytest.raises(lcgen.NoCandidatesError, match="logit_bias"):
+        model.generate("The sky is", max_tokens=4, logit_bias=every)
+    gen = lcgen.Generator(model.vocab, max_tokens=4)
+    with pytest.raises(lcgen.DecodeError, match="NaN"):
+        gen.step(np.full(model.vocab.n_vocab, np.nan, dtype=np.float32))
+
+
+def test_a_vanishing_temperature_generates_the_greedy_text(model: lcgen.Model) -> None:
+    greedy = model.generate("The sky is", max_tokens=12)
+    assert model.generate("The sky is", max_tokens=12, temperature=1e-310, seed=3) == greedy
 
 
 def test_repeat_penalty_lowers_recent_tokens() -> None:

@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from lcgen.errors import DecodeError, NoCandidatesError
+
 _NUMBERS = (
     "temperature",
     "top_p",
@@ -165,6 +167,16 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum()  # type: ignore[no-any-return]
 
 
+def _checked(token: int, logit: float) -> int:
+    """``token``, unless the logits it was chosen from rule out every token or are broken
+    (np.argmax returns the first NaN where there is one)."""
+    if logit != logit:
+        raise DecodeError("the logits hold NaN: the model's weights or settings are broken")
+    if logit == -math.inf:
+        raise NoCandidatesError("every token's logit is -inf here (logit_bias bans them all)")
+    return token
+
+
 def sample(
     logits: np.ndarray,
     cfg: SamplerConfig,
@@ -181,16 +193,23 @@ def sample(
 
     Returns:
         The chosen token id.
+
+    Raises:
+        NoCandidatesError: every logit is -inf once biased (``logit_bias`` bans every token).
+        DecodeError: the logits hold NaN (a broken model, or broken logits handed in).
     """
     if cfg.is_greedy and not cfg.penalizes and cfg.only_bans:
         # Biases that only lower logits leave the raw argmax standing unless it carries one.
         best = int(np.argmax(logits))
         if best not in cfg.biased:
-            return best
+            return _checked(best, float(logits[best]))
     logits = _adjusted_logits(logits, cfg, recent)
     if cfg.is_greedy:
-        return int(np.argmax(logits))
+        best = int(np.argmax(logits))
+        return _checked(best, float(logits[best]))
     ids, vals = _candidates(logits, cfg.top_k)
+    # argpartition and argsort put NaN last, so a NaN among the logits ends the candidates.
+    _checked(int(ids[0]), float(vals[-1]) if np.isnan(vals[-1]) else float(vals[0]))
     probs = _softmax(vals)
     keep = len(ids)
     if cfg.top_p < 1.0:
@@ -198,7 +217,10 @@ def sample(
     if cfg.min_p > 0:
         keep = min(keep, int(np.count_nonzero(probs >= cfg.min_p * probs[0])))
     keep = max(keep, 1)
-    final = _softmax(vals[:keep] / cfg.temperature)
+    # Scale the gaps to the best logit, not the logits: a tiny temperature then sends every gap
+    # to -inf (greedy, the limit) instead of the logits to +-inf and their difference to NaN.
+    with np.errstate(over="ignore"):
+        final = _softmax((vals[:keep] - vals[0]) / cfg.temperature)
     cdf = np.cumsum(final)
     idx = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
     return int(ids[min(idx, keep - 1)])
