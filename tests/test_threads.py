@@ -166,9 +166,12 @@ def test_size_classes_group_batches_within_a_factor_two() -> None:
 def test_the_default_is_adaptive_and_an_explicit_count_is_fixed(
     model: lcgen.Model, model_path: Path
 ) -> None:
-    assert model.adaptive_threads and model.context.threads is not None
-    assert model.context.threads.n_max == model.n_threads
-    assert model.threads_now == model.context.threads.n
+    # The count adapts on the CPU only: a model offloaded to a GPU (a GPU build) keeps it fixed.
+    assert model.adaptive_threads == (model.n_gpu_layers == 0)
+    with lcgen.load(model_path, n_ctx=256, n_gpu_layers=0) as cpu:
+        assert cpu.adaptive_threads and cpu.context.threads is not None
+        assert cpu.context.threads.n_max == cpu.n_threads
+        assert cpu.threads_now == cpu.context.threads.n
     with lcgen.load(model_path, n_ctx=256, n_threads=1) as fixed:
         assert not fixed.adaptive_threads and fixed.context.threads is None
         assert fixed.threads_now == fixed.n_threads == 1
