@@ -196,7 +196,13 @@ def _constraint(args: argparse.Namespace) -> dict[str, Any]:
         return {"grammar": _grammar(args.grammar)}
     if args.json_schema:
         with open(args.json_schema, encoding="utf-8") as f:
-            return {"schema": json.load(f)}
+            schema = json.load(f)
+        if not isinstance(schema, dict | bool):
+            raise ValueError(
+                f"--json-schema {args.json_schema}: a JSON Schema is an object (or true or "
+                f"false), the file holds {json.dumps(schema)[:80]}"
+            )
+        return {"schema": schema}
     if args.choice:
         return {"choice": args.choice.split(",")}
     if args.regex:

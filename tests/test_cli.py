@@ -157,6 +157,15 @@ def test_an_empty_constraint_is_an_error_not_unconstrained(flag: str) -> None:
     assert out.returncode == 1 and f"{flag} is empty" in out.stderr, out.stderr
 
 
+def test_a_json_schema_file_that_is_not_a_schema_is_named(tmp_path: Path) -> None:
+    (tmp_path / "list.json").write_text("[1, 2]")
+    out = run("generate", "smollm2-135m", "x", "--json-schema", str(tmp_path / "list.json"))
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "list.json: a JSON Schema is an object (or true or false), the file holds [1, 2]" in (
+        out.stderr
+    )
+
+
 # generate: --chat, stdin, escapes, the speed summary, inline grammars ----------------------
 SUMMARY = re.compile(
     r"^lcgen: prompt (\d+) tokens, [\d.]+ tokens/s \| generated (\d+) tokens, ([\d.]+|-) tokens/s$",

@@ -186,6 +186,12 @@ def test_unclear_errors_now_name_the_value(model: lcgen.Model) -> None:
         (TypeError, "token ids must be ints", lambda: model.sequence(["a", "b"])),
         (TypeError, "chat takes a list of messages", lambda: model.chat("Hello")),
         (ValueError, "needs a str 'content'", lambda: model.chat([{"role": "user"}])),
+        (
+            TypeError,
+            "schema takes a JSON Schema (a dict, JSON text, True or False) or a pydantic model "
+            "class, got list [1, 2]",
+            lambda: model.generate("x", schema=[1, 2]),
+        ),
         (TypeError, "n_ctx must be an int", lambda: lcgen.Model("x.gguf", n_ctx="512")),
         (TypeError, "n_threads must be an int", lambda: lcgen.Model("x.gguf", n_threads=2.5)),
         (

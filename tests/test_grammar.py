@@ -315,6 +315,25 @@ def test_token_names_are_checked_against_the_vocabulary(model: lcgen.Model) -> N
 
 
 @pytest.mark.parametrize(
+    ("gbnf", "reason"),
+    [
+        ('root ::= "a" <|im_end|>', "<|im_end|>, token 2, which ends generation"),
+        ('root ::= "a" <[2]>', "<[2]>, token 2, which ends generation"),
+        ('root ::= <|im_start|> "a"', "<|im_start|>, token 1, a control token"),
+        # Named only in a literal, a comment or negated: the usual reason.
+        ('root ::= "\\x00" "<|im_end|>" !<|im_end|> # <|im_end|>', "an unsatisfiable grammar"),
+    ],
+)
+def test_a_grammar_stuck_on_a_special_token_says_so(
+    model: lcgen.Model, gbnf: str, reason: str
+) -> None:
+    with pytest.raises(lcgen.GrammarError, match=re.escape(reason)):
+        model.generate("Hi", grammar=Grammar(gbnf), max_tokens=8)
+    # A special token in an alternative that is never taken leaves the grammar usable.
+    assert model.generate("Hi", grammar=Grammar('root ::= "a" | <|im_end|>'), max_tokens=4) == "a"
+
+
+@pytest.mark.parametrize(
     "grammar",
     [
         lambda: Grammar('root ::= "\\x00"'),

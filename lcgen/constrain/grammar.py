@@ -249,6 +249,40 @@ def _check_repetition_bounds(gbnf: str) -> None:
                 )
 
 
+# A token named in GBNF (``<[id]>``, ``<text>``; group 1 is "!" where negated), found outside
+# literals, classes and comments, which the first three alternatives consume.
+_TOKEN_NAME = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|#[^\n]*|(!?)<(\[\d+\]|[^>]*)>')
+
+
+def _special_token_hint(gbnf: str, vocab: Vocab) -> str:
+    """Why a grammar that names an end-of-generation or control token gets stuck there (""
+    where it names none): llama.cpp allows an end token only where the grammar is complete,
+    and lcgen never samples control tokens."""
+    if not traits(gbnf)[0]:
+        return ""
+    for match in _TOKEN_NAME.finditer(gbnf):
+        negated, name = match.groups()
+        if name is None or negated:
+            continue
+        if name.startswith("["):
+            ids = [int(name[1:-1])]
+        else:
+            ids = vocab.tokenize(f"<{name}>", add_bos=False, special=True)  # as llama.cpp
+        if len(ids) != 1:
+            continue
+        if ids[0] in vocab.eog_set:
+            return (
+                f"(it names <{name}>, token {ids[0]}, which ends generation: a grammar cannot "
+                "ask for it, since generation ends where the grammar is complete; leave it out)"
+            )
+        if ids[0] in vocab.hidden_set:
+            return (
+                f"(it names <{name}>, token {ids[0]}, a control token: lcgen never samples "
+                "control tokens, whose text is hidden)"
+            )
+    return ""
+
+
 class GrammarState:
     """The live state of a grammar for one sequence, over one model's vocabulary.
 
@@ -362,7 +396,10 @@ class GrammarState:
         if not allowed.any():
             raise GrammarError(
                 "no token of the vocabulary can continue the grammar here, and it cannot end "
-                "(an unsatisfiable grammar, or characters no token can spell)"
+                + (
+                    _special_token_hint(self.grammar.gbnf, self._vocab)
+                    or "(an unsatisfiable grammar, or characters no token can spell)"
+                )
             )
         return allowed
 

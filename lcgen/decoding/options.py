@@ -255,6 +255,11 @@ def _constraint(options: GenerateOptions, schema: SchemaLike | None) -> Grammar 
         return Grammar.from_json_schema(dict(schema), whitespace=whitespace)
     if isinstance(schema, str | bool):  # JSON Schema text, or the schemas true / false
         return Grammar.from_json_schema(schema, whitespace=whitespace)
+    if schema is not None and not isinstance(schema, type):
+        raise TypeError(
+            "schema takes a JSON Schema (a dict, JSON text, True or False) or a pydantic "
+            f"model class, got {type(schema).__name__} {schema!r:.80}"
+        )
     if schema is not None:
         return Grammar.from_pydantic(schema, whitespace=whitespace)
     return None
