@@ -4,6 +4,7 @@ KV cell pool shared by all sequence ids) and its per-sequence state."""
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 
 import llama_cpp as C
 import numpy as np
@@ -105,13 +106,34 @@ class ContextHandle:
             The logits of the tokens marked in ``out``, shape (n_out, n_vocab): a view into
             llama.cpp's buffer, valid until the next decode.
         """
-        ptr = self.live()
         n = len(tokens)
         assert 0 < n <= self.n_batch, n
         self._tok[:n] = tokens
         self._pos[:n] = pos
         self._seq[:n] = seq
         self._out[:n] = out
+        return self._decode(n, int(np.count_nonzero(out)))
+
+    def decode_seq(self, tokens: Sequence[int], pos: int, seq: int, n_out: int) -> np.ndarray:
+        """Decode tokens of one sequence id at positions ``pos, pos + 1, ...`` (at most
+        ``n_batch``), with the logits after the last ``n_out`` of them: :meth:`decode` without
+        building its arrays (the common step: one sequence, one token).
+
+        Returns:
+            The logits, shape (n_out, n_vocab): a view into llama.cpp's buffer.
+        """
+        n = len(tokens)
+        assert 0 < n <= self.n_batch and 0 <= n_out <= n, (n, n_out)
+        self._tok[:n] = tokens
+        self._pos[:n] = np.arange(pos, pos + n, dtype=np.int32)
+        self._seq[:n] = seq
+        self._out[: n - n_out] = 0
+        self._out[n - n_out : n] = 1
+        return self._decode(n, n_out)
+
+    def _decode(self, n: int, n_out: int) -> np.ndarray:
+        """``llama_decode`` of the batch's first ``n`` tokens, ``n_out`` of them with logits."""
+        ptr = self.live()
         self._batch.n_tokens = n
         mark = log_mark()
         rc = C.llama_decode(ptr, self._batch)
@@ -123,7 +145,6 @@ class ContextHandle:
         if rc != 0:
             reason = log_errors_since(mark) or "no reason logged"
             raise DecodeError(f"llama_decode failed with code {rc}: {reason}")
-        n_out = int(np.count_nonzero(out))
         logits = C.llama_get_logits(ptr)
         return np.ctypeslib.as_array(logits, shape=(n_out, self.n_vocab))
 

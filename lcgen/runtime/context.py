@@ -9,6 +9,7 @@ to whom is the KV store's business (:mod:`lcgen.runtime.kvstore`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import threading
 import time
@@ -191,6 +192,8 @@ class Context:
         Raises:
             ContextFullError: the memory has no room, and nothing could be freed.
         """
+        if len(requests) == 1 and 0 < len(requests[0].tokens) <= self.n_batch:
+            return [self._decode_one(requests[0])]
         flat = _flatten(requests)
         n = len(flat[0])
         if n == 0:
@@ -202,7 +205,15 @@ class Context:
             for start in range(0, n, self.n_batch):
                 end = min(start + self.n_batch, n)
                 out = flat[3][start:end].astype(bool)
-                logits = self._decode_chunk(flat, start, end)
+                arrays = (
+                    flat[0][start:end],
+                    flat[1][start:end],
+                    flat[2][start:end],
+                    flat[3][start:end],
+                )
+                logits = self._decode_chunk(
+                    functools.partial(self._handle.decode, *arrays), end - start
+                )
                 self.n_decoded += end - start
                 self._record(requests, begins, start, end)
                 if start == 0 and end == n:
@@ -214,18 +225,32 @@ class Context:
             for req, rows in zip(requests, outputs, strict=True)
         ]
 
-    def _decode_chunk(self, flat: _Flat, start: int, end: int) -> np.ndarray:
-        arrays = (flat[0][start:end], flat[1][start:end], flat[2][start:end], flat[3][start:end])
+    def _decode_one(self, req: DecodeRequest) -> np.ndarray | None:
+        """:meth:`decode` of one request that fits one batch, without the flat arrays."""
+        n = len(req.tokens)
+        n_out = min(req.n_outputs, n) if req.want_logits else 0
+        decode = functools.partial(self._handle.decode_seq, req.tokens, req.pos, req.seq_id, n_out)
+        with self.lock:
+            logits = self._decode_chunk(decode, n)
+            self.n_decoded += n
+            self.ledger.decoded(req.seq_id, req.pos, n)
+        if not n_out:
+            return None
+        return logits[0] if req.n_outputs == 1 else logits
+
+    def _decode_chunk(self, decode: Callable[[], np.ndarray], n: int) -> np.ndarray:
+        """``decode()`` of ``n`` tokens (timed for the thread tuner), retried while
+        :attr:`on_full` frees cells."""
         threads = self.threads
         while True:
             try:
                 if threads is None:
-                    return self._handle.decode(*arrays)
-                threads.before(end - start)
+                    return decode()
+                threads.before(n)
                 wall, cpu = time.perf_counter(), time.process_time()
-                logits = self._handle.decode(*arrays)
+                logits = decode()
                 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-                threads.after(end - start, wall, cpu)
+                threads.after(n, wall, cpu)
                 return logits
             except ContextFullError:
                 if self.on_full is None or not self.on_full():
