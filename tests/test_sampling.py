@@ -76,6 +76,15 @@ def test_nan_logits_raise_and_all_banned_has_no_candidates(cfg: SamplerConfig) -
         sample(np.full(200, -np.inf, dtype=np.float32), cfg, new_rng(0))
 
 
+def test_an_infinite_bias_forces_its_tokens_when_sampling() -> None:
+    logits = np.random.default_rng(0).normal(size=100).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # inf - inf made NaN probabilities
+        for bias, expected in (({7: np.inf}, {7}), ({7: np.inf, 9: np.inf}, {7, 9})):
+            cfg = SamplerConfig(temperature=0.8, logit_bias=bias)
+            assert {sample(logits, cfg, new_rng(s)) for s in range(50)} == expected
+
+
 def test_a_generation_with_every_token_banned_raises(model: lcgen.Model) -> None:
     # It used to emit token 0 (an end token here) and report finish_reason "stop".
     every = {t: -np.inf for t in range(model.vocab.n_vocab)}

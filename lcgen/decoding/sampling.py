@@ -167,14 +167,13 @@ def _softmax(x: np.ndarray) -> np.ndarray:
     return e / e.sum()  # type: ignore[no-any-return]
 
 
-def _checked(token: int, logit: float) -> int:
-    """``token``, unless the logits it was chosen from rule out every token or are broken
-    (np.argmax returns the first NaN where there is one)."""
+def _check_best(logit: float) -> None:
+    """Raise where the best logit shows the logits rule out every token or are broken (NaN
+    is what np.argmax returns where there is one, and what sorting puts last)."""
     if logit != logit:
         raise DecodeError("the logits hold NaN: the model's weights or settings are broken")
     if logit == -math.inf:
         raise NoCandidatesError("every token's logit is -inf here (logit_bias bans them all)")
-    return token
 
 
 def sample(
@@ -202,14 +201,18 @@ def sample(
         # Biases that only lower logits leave the raw argmax standing unless it carries one.
         best = int(np.argmax(logits))
         if best not in cfg.biased:
-            return _checked(best, float(logits[best]))
+            _check_best(float(logits[best]))
+            return best
     logits = _adjusted_logits(logits, cfg, recent)
     if cfg.is_greedy:
         best = int(np.argmax(logits))
-        return _checked(best, float(logits[best]))
+        _check_best(float(logits[best]))
+        return best
     ids, vals = _candidates(logits, cfg.top_k)
-    # argpartition and argsort put NaN last, so a NaN among the logits ends the candidates.
-    _checked(int(ids[0]), float(vals[-1]) if np.isnan(vals[-1]) else float(vals[0]))
+    _check_best(float(vals[-1] if np.isnan(vals[-1]) else vals[0]))
+    if vals[0] == math.inf:  # a +inf bias forces its tokens: draw among them, equally likely
+        ids = ids[vals == math.inf]
+        vals = np.zeros(len(ids))
     probs = _softmax(vals)
     keep = len(ids)
     if cfg.top_p < 1.0:
