@@ -250,8 +250,8 @@ def _check_repetition_bounds(gbnf: str) -> None:
 
 
 # A token named in GBNF (``<[id]>``, ``<text>``; group 1 is "!" where negated), found outside
-# literals, classes and comments, which the first three alternatives consume.
-_TOKEN_NAME = re.compile(r'"(?:[^"\\]|\\.)*"|\[(?:[^\]\\]|\\.)*\]|#[^\n]*|(!?)<(\[\d+\]|[^>]*)>')
+# literals, classes and comments, which the alternatives before it consume.
+_TOKEN_NAME = re.compile(LITERALS_AND_COMMENTS.pattern + r"|(!?)<(\[\d+\]|[^>]*)>")
 
 
 def _special_token_hint(gbnf: str, vocab: Vocab) -> str:

@@ -205,12 +205,7 @@ class Context:
             for start in range(0, n, self.n_batch):
                 end = min(start + self.n_batch, n)
                 out = flat[3][start:end].astype(bool)
-                arrays = (
-                    flat[0][start:end],
-                    flat[1][start:end],
-                    flat[2][start:end],
-                    flat[3][start:end],
-                )
+                arrays = [a[start:end] for a in flat[:4]]  # tokens, positions, ids, outputs
                 logits = self._decode_chunk(
                     functools.partial(self._handle.decode, *arrays), end - start
                 )
