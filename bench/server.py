@@ -23,6 +23,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -30,6 +31,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import llama_cpp
 
 from bench.harness import Bench, Check, Row, RowFactory, SkipRow, at_least, at_most
 from bench.runners import PROSE, Sample, Workload, extra_cpu_buffers
@@ -64,18 +67,23 @@ class _Server:
 
     @classmethod
     def start(cls, args: list[str], port: int, model: str) -> _Server:
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        proc = subprocess.Popen([sys.executable, "-m", *args], env=env, stderr=subprocess.DEVNULL)
-        server = cls(proc, f"http://127.0.0.1:{port}", model)
-        deadline = time.monotonic() + 120
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                server.close()
-                raise RuntimeError(f"the server {' '.join(args[:1])} did not start")
-            with contextlib.suppress(OSError):
-                urllib.request.urlopen(server.url + "/v1/models", timeout=5).close()
-                return server
-            time.sleep(0.2)
+        # The repository first, then whatever path the bench itself was given.
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path}
+        with tempfile.TemporaryFile() as log:  # its stderr, shown if it does not start
+            proc = subprocess.Popen([sys.executable, "-m", *args], env=env, stderr=log)
+            server = cls(proc, f"http://127.0.0.1:{port}", model)
+            deadline = time.monotonic() + 120
+            while True:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    server.close()
+                    log.seek(0)
+                    tail = log.read().decode(errors="replace")[-2000:]
+                    raise RuntimeError(f"the server {' '.join(args[:1])} did not start:\n{tail}")
+                with contextlib.suppress(OSError):
+                    urllib.request.urlopen(server.url + "/v1/models", timeout=5).close()
+                    return server
+                time.sleep(0.2)
 
     def client(self) -> Any:
         import openai
@@ -106,6 +114,8 @@ def llama_cpp_server(path: Path, threads: int, n_ctx: int, extra_buffers: bool) 
     args += ["--n_threads", str(threads), "--n_threads_batch", str(threads)]
     # Its default ends a running stream when the next request comes: let each one finish.
     args += ["--interrupt_requests", "False"]
+    if llama_cpp.llama_supports_gpu_offload():
+        args += ["--n_gpu_layers", "-1"]  # every layer, as lcgen serve does (its default is 0)
     return _Server.start([*args, "--n_ctx", str(n_ctx)], port, str(path))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -294,3 +295,19 @@ def test_rows_that_load_a_model_close_it_after_their_rounds() -> None:
     bench = Bench(None, None, None, Runner(), Path())  # type: ignore[arg-type]
     (series,) = run_rounds(bench, [row], 3)
     assert len(series.samples) == 3 and closed == ["row"]
+
+
+def test_a_server_that_does_not_start_says_why_and_keeps_the_python_path(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A module found only through the PYTHONPATH the bench was given (as where packages are
+    # installed with --target): it reports its path on stderr and exits.
+    from bench import server
+
+    (tmp_path / "probe_server.py").write_text(
+        "import os, sys\nsys.stderr.write('path: ' + os.environ['PYTHONPATH'])\nsys.exit(3)\n"
+    )
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(RuntimeError, match="did not start") as failed:
+        server._Server.start(["probe_server"], 9, "model")
+    assert f"path: {server.ROOT}{os.pathsep}{tmp_path}" in str(failed.value)
