@@ -678,7 +678,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = server.Parser(
         prog="lcgen", description="Controllable, reversible generation with GGUF models."
     )
     parser.add_argument("--version", action="version", version=f"lcgen {lcgen.__version__}")

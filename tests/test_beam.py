@@ -87,6 +87,12 @@ def test_beam_arguments(model: lcgen.Model) -> None:
         generate.text(model, beams=33)
     with pytest.raises(ValueError, match=r"temperature=0\.7"):
         generate.text(model, beams=2, temperature=0.7)
+    # truncation settings would be ignored: refused, named (their defaults pass)
+    with pytest.raises(ValueError, match=r"top_k=1, min_p=0\.9"):
+        generate.text(model, beams=2, top_k=1, min_p=0.9)
+    with pytest.raises(ValueError, match=r"top_p=0\.01"):
+        generate.text(model, beams=2, top_p=0.01)
+    generate.text(model, beams=2, top_k=40, top_p=0.95, min_p=0.05)
     with pytest.raises(ValueError, match="beams must be"):
         generate.text(model, beams=0)
     with pytest.raises(ValueError, match=r"\['presence_penalty'\]"):

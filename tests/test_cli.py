@@ -428,3 +428,24 @@ def test_serve_is_a_command(capsys: pytest.CaptureFixture[str]) -> None:
         main(["serve", "--help"])
     assert exit_info.value.code == 0
     assert "OpenAI-compatible" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["generate", "--temperature", "abc", "m", "p"], "invalid float value: 'abc'"),
+        (["generate", "m", "p", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (["generate"], "the following arguments are required"),
+        (["serve", "m", "--port", "x"], "invalid int value: 'x'"),
+    ],
+)
+def test_usage_errors_are_one_line_with_status_2(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lcgen.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and says in err and err.startswith("lcgen")

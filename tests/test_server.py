@@ -842,9 +842,24 @@ def test_add_parser_and_missing_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     assert (args.host, args.port, args.api_key, args.n_seq_max) == ("127.0.0.1", 9, "k", 4)
     assert args.draft is None
     assert parser.parse_args(["serve", NAME, "--draft", "small.gguf"]).draft == "small.gguf"
+    # the key from the environment; set but empty is no key (a blank key would let anyone in)
+    monkeypatch.setenv("LCGEN_API_KEY", "from-env")
+    env_parser = argparse.ArgumentParser()
+    lcgen.server.add_parser(env_parser.add_subparsers(dest="command"))
+    assert env_parser.parse_args(["serve", NAME]).api_key == "from-env"
+    monkeypatch.setenv("LCGEN_API_KEY", "")
+    empty_parser = argparse.ArgumentParser()
+    lcgen.server.add_parser(empty_parser.add_subparsers(dest="command"))
+    assert empty_parser.parse_args(["serve", NAME]).api_key is None
     monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
     with pytest.raises(lcgen.server.ServerExtraMissingError, match=r"lcgen\[server\]"):
         lcgen.server.serve(NAME)
+
+
+def test_a_blank_api_key_is_refused(model: lcgen.Model) -> None:
+    for blank in ("", "  "):
+        with pytest.raises(ValueError, match="is blank"):
+            create_app(model, api_key=blank)
 
 
 def test_python_m_lcgen_server(model_path: Path) -> None:

@@ -95,10 +95,17 @@ def _check_beams(
         )
     if not isinstance(length_penalty, int | float):
         raise TypeError(f"length_penalty must be a number, got {length_penalty!r}")
-    if (options.get("temperature") or 0) > 0 or options.get("sampler") is not None:
+    truncation = {
+        name: options[name]
+        for name, off in (("top_k", 40), ("top_p", 0.95), ("min_p", 0.05))
+        if options.get(name) not in (None, off)
+    }
+    if (options.get("temperature") or 0) > 0 or options.get("sampler") is not None or truncation:
+        given = {"temperature": options.get("temperature"), "sampler": options.get("sampler")}
+        settings = ", ".join(f"{k}={v!r}" for k, v in {**given, **truncation}.items())
         raise ValueError(
             "beam search ranks tokens by their log-probability: it takes no sampler settings "
-            f"(temperature={options.get('temperature')!r}, sampler={options.get('sampler')!r})"
+            f"({settings})"
         )
     if _BACKTRACK_OPTIONS & options.keys():
         raise ValueError(

@@ -24,7 +24,7 @@ import importlib.util
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import lcgen
 
@@ -102,6 +102,15 @@ def serve(
 
 
 # command line ------------------------------------------------------------------------------
+class Parser(argparse.ArgumentParser):
+    """The parser of lcgen's commands (``lcgen``, ``python -m lcgen.server``): a usage error (an
+    unknown flag, a bad value, a missing argument) is one line on stderr, status 2, as lcgen's
+    other errors are one line."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The server's options on a parser (``lcgen serve`` and ``python -m lcgen.server``)."""
     p.add_argument(
@@ -111,8 +120,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"(default {DEFAULT_PORT})")
     p.add_argument(
         "--api-key",
-        default=os.environ.get("LCGEN_API_KEY"),
-        help="require 'Authorization: Bearer KEY' (default: $LCGEN_API_KEY, else none)",
+        default=os.environ.get("LCGEN_API_KEY") or None,  # set but empty: none
+        help="require 'Authorization: Bearer KEY' (default: $LCGEN_API_KEY unless empty)",
     )
     p.add_argument("--n-ctx", type=int, default=4096, help="context size in tokens (default 4096)")
     p.add_argument("--n-seq-max", type=int, default=None, help="sequence slots (default 32)")
@@ -158,7 +167,7 @@ def command(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m lcgen.server MODEL [options]``; returns the exit status."""
-    p = argparse.ArgumentParser(prog="python -m lcgen.server", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m lcgen.server", description=__doc__.split("\n")[0])
     add_arguments(p)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -170,4 +179,12 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
-__all__ = ["ServerExtraMissingError", "add_parser", "command", "main", "require_extra", "serve"]
+__all__ = [
+    "Parser",
+    "ServerExtraMissingError",
+    "add_parser",
+    "command",
+    "main",
+    "require_extra",
+    "serve",
+]

@@ -374,8 +374,13 @@ def create_app(
 
     Raises:
         ValueError: the draft model cannot draft for ``model`` (another vocabulary, or
-            ``model`` itself).
+            ``model`` itself); ``api_key`` is empty.
     """
+    if api_key is not None and not api_key.strip():
+        raise ValueError(
+            f"api_key={api_key!r} is blank: any client could send it; give a key, or None "
+            "for a server without authentication"
+        )
     if draft_model is not None:
         lcgen.check_draft_model(model, draft_model)
     engine = Engine(model, max_queue=max_queue)
