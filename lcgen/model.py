@@ -23,6 +23,7 @@ from lcgen._native.model import ModelHandle, render_chat_template
 from lcgen.decoding import Chunk, GenerateOptions, Plan, Text, make_plan
 from lcgen.decoding.generator import logprobs_of
 from lcgen.decoding.results import SchemaLike, TokenLogprob, check_complete, parse_structured
+from lcgen.errors import ContextFullError
 from lcgen.runtime import Context, Run, Scheduler, Sequence
 from lcgen.runtime.kvstore import KVStore
 from lcgen.runtime.run import decode
@@ -514,11 +515,20 @@ class Model:
         Returns:
             One :class:`TokenLogprob` per token after the first; their texts join to the text
             after the first token.
+
+        Raises:
+            ValueError: the prompt is empty, or ``top`` or a token id is out of range.
+            ContextFullError: the prompt is longer than the context.
         """
         top = _check_int("top", top, 0, self.n_vocab)
         tokens = self.tokenize(prompt) if isinstance(prompt, str) else self.check_tokens(prompt)
         if not tokens:
             raise ValueError("the prompt is empty: there is nothing to score")
+        if len(tokens) > self.n_ctx:
+            raise ContextFullError(
+                f"the prompt has {len(tokens)} tokens; this model's context is {self.n_ctx}: "
+                "score a shorter one, or load the model with a larger n_ctx"
+            )
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         out: list[TokenLogprob] = []
         with Sequence(self, tokens[:1]) as seq:

@@ -151,6 +151,9 @@ def test_token_healing_with_a_grammar(model: lcgen.Model) -> None:
     # The grammar sees each generated token whole, healed prompt text included.
     out = model.generate("The answer is: ye", token_healing=True, choice=[" yes", " yellow"])
     assert out in {"s", "llow"}
+    # a constraint that does not start with the healed text can never be met: said so
+    with pytest.raises(lcgen.NoCandidatesError, match=r"re-create the prompt's ' ye'"):
+        model.generate("The answer is: ye", token_healing=True, choice=["no", "0"])
 
 
 def test_gemma_schema_output_validates(tmp_path: Path) -> None:

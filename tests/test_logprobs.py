@@ -245,6 +245,6 @@ def test_prompt_logprobs_refuse_what_cannot_be_scored(model: lcgen.Model) -> Non
         model.prompt_logprobs("hi there", top=-1)
     with pytest.raises(ValueError):
         model.prompt_logprobs([1, model.n_vocab])
-    with pytest.raises(ValueError, match="context"):
+    with pytest.raises(lcgen.ContextFullError, match=rf"context is {model.n_ctx}"):
         model.prompt_logprobs("word " * (model.n_ctx + 5))
     assert model.prompt_logprobs(model.tokenize("Hi")[:1]) == []

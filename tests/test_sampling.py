@@ -123,6 +123,43 @@ def test_frequency_and_presence_penalties_follow_llama_cpp() -> None:
     assert sample(logits, SamplerConfig(presence_penalty=1.0), new_rng(0), recent=[]) == 0
 
 
+@given(
+    repeat=st.sampled_from([5e-324, 1e-46, 1e-30, 0.5, 2.0, 1e30, 1e300, 1.7e308]),
+    frequency=st.sampled_from([0.0, 2.0, -2.0, 1e308, -1e308]),
+    presence=st.sampled_from([0.0, 1.0, 1e38, -1e38, 1e308, -1e308]),
+    temperature=st.sampled_from([0.0, 0.7, 1e-310]),
+)
+def test_extreme_penalties_give_their_limit_not_nan(
+    repeat: float, frequency: float, presence: float, temperature: float
+) -> None:
+    # Penalties beyond float32's range (a repeat penalty that rounds to 0 divides by it) used
+    # to make the logits inf - inf = NaN: DecodeError, a 500 from the server.
+    from lcgen.decoding.sampling import _adjusted_logits
+
+    logits = np.array([3.0, 2.5, 0.0, -1.0, 1.0, -np.inf], dtype=np.float32)  # 5: banned
+    cfg = SamplerConfig(
+        temperature=temperature,
+        repeat_penalty=repeat,
+        frequency_penalty=frequency,
+        presence_penalty=presence,
+        top_k=0,
+        top_p=1.0,
+        min_p=0.0,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = _adjusted_logits(logits, cfg, recent=[0, 0, 2, 3, 5])
+        token = sample(logits, cfg, new_rng(0), recent=[0, 0, 2, 3, 5])
+    assert not np.isnan(out).any() and out[5] == -np.inf and 0 <= token < 5
+    if repeat < 1e-45 and abs(frequency) + abs(presence) < 1e30:
+        assert token == 0  # a vanishing penalty: the repeated positive logit is the largest
+
+
+def test_an_infinite_repeat_penalty_is_refused() -> None:
+    with pytest.raises(ValueError, match="repeat_penalty must be > 0 and finite"):
+        SamplerConfig(repeat_penalty=float("inf"))
+
+
 @pytest.mark.parametrize("temperature", [0.5, 1.0])
 def test_top_p_keeps_the_nucleus(temperature: float) -> None:
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))

@@ -1019,6 +1019,18 @@ def test_a_reference_to_the_root_recurses(model: lcgen.Model) -> None:
         Grammar.from_json_schema({"$ref": "#"})
 
 
+def test_a_long_enum_keeps_the_values_its_other_keywords_allow(model: lcgen.Model) -> None:
+    # Each value was checked against its own enum too (a scan of the list per value): 2,000
+    # values took 0.9 s to compile (now 0.09 s), 60,000 over two minutes (now 7 s, most of it
+    # llama.cpp's check of the grammar): a server request within the body limit.
+    values: list[Any] = [f"v{i}" for i in range(5000)] + [7, "toolongvalue"]
+    grammar = Grammar.from_json_schema({"enum": values, "type": "string", "maxLength": 6})
+    for text in ('"v0"', '"v4999"'):
+        assert grammar.accepts(model, text)
+    for text in ("7", '"toolongvalue"', '"v5000"'):
+        assert not grammar.accepts(model, text)
+
+
 def test_unknown_keywords_are_ignored_and_misspellings_warn() -> None:
     with pytest.warns(UserWarning, match="'proprties' at # is ignored .did you mean 'properties'"):
         Grammar.from_json_schema({"type": "object", "proprties": {"a": {}}})

@@ -31,6 +31,7 @@ from helpers import running, validate
 import lcgen
 import lcgen.server
 from lcgen.server.app import create_app
+from lcgen.server.tools import parse_calls
 
 NAME = "smollm2-135m"
 KEY = "test-key"
@@ -543,6 +544,14 @@ def test_frequency_and_presence_penalties(client: openai.OpenAI, model: lcgen.Mo
     assert text == model.generate(prompt, **options)  # type: ignore[call-overload]
     plain = client.completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0)
     assert plain.choices[0].text != text
+    # a repeat penalty near 0 (float32 rounds it to 0): its limit, not NaN logits and a 500
+    extreme = {"max_tokens": 4, "temperature": 0.7, "seed": 3, "presence_penalty": 1.3}
+    tiny = {"repeat_penalty": 5e-324}
+    text = client.completions.create(model=NAME, prompt=prompt, extra_body=tiny, **extreme)
+    assert text.choices[0].text == model.generate(prompt, **extreme, **tiny)  # type: ignore[call-overload]
+    constrained = {**tiny, "regex": "(a|b)+"}  # the grammar's bans stay bans under it
+    text = client.completions.create(model=NAME, prompt=prompt, extra_body=constrained, **extreme)
+    assert set(text.choices[0].text) <= {"a", "b"}
 
 
 def test_logit_bias_and_logprobs(client: openai.OpenAI, model: lcgen.Model) -> None:
@@ -668,6 +677,10 @@ def test_full_queue_answers_429(model_path: Path) -> None:
         for stream in streams:
             stream.close()
         wait_for(base, lambda q: q["running"] == q["waiting"] == 0)
+        # more choices than the queue holds could never be admitted: 400, not "retry later"
+        with pytest.raises(openai.BadRequestError) as refused:
+            tiny.chat.completions.create(messages=USER, model=NAME, max_tokens=2, n=2)
+        assert refused.value.code == "too_many_choices" and "at most 1" in str(refused.value)
 
 
 def wait_for(url: str, ok: Callable[[dict[str, int]], bool], timeout: float = 10) -> None:
@@ -700,6 +713,8 @@ BAD = [
     (_body(messages="hello"), "messages"),
     (_body(logit_bias={"abc": 1}), "logit_bias"),
     (_body(logit_bias={"99999999": 1}), "logit_bias"),
+    (_body(logit_bias={"\u00b2": 1}), "logit_bias"),  # a digit to str.isdigit, not to int()
+    (_body(logit_bias={"\u0663": 1}), "logit_bias"),  # an Arabic-Indic 3: not token 3
     (_body(grammar="root ::= (("), "grammar"),
     (_body(grammar="../../etc/passwd"), "grammar"),  # neither GBNF nor a bundled name
     (_body(regex="(?<=a)b"), "regex"),
@@ -708,6 +723,8 @@ BAD = [
     (_body(response_format={"type": "json_schema"}), "response_format.json_schema"),
     (_body(response_format={"type": "xml"}), "response_format.type"),
     (_body(seed=-1), None),
+    (_body(top_p=0), "top_p"),  # checked by lcgen's options: the field still named
+    (_body(min_p=1), "min_p"),
     (_body(top_logprobs=99, logprobs=True), "top_logprobs"),
     (_body(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools.0.function.name"),
     (_body(tools=[{"type": "code"}]), "tools.0.type"),
@@ -727,6 +744,9 @@ BAD = [
     (_body(messages=[{"role": "user"}]), "messages.0"),
     (_body(max_tokens=0), "max_tokens"),
     (_body(messages=[{"role": "tool", "content": "1", "tool_calls": []}]), None),
+    # constraints no token can meet: found while generating, still the request's error
+    (_body(choice=["\u0000"]), None),  # no token spells it
+    (_body(choice=["no"], token_healing=True), None),  # healing must re-create the prompt's end
 ]
 
 
@@ -736,11 +756,21 @@ def test_malformed_requests_get_400_naming_the_field(
 ) -> None:
     status, reply = request(url, "/v1/chat/completions", body)
     assert status == 400, reply
+    assert health(url)["queue"]["running"] == 0
     error = reply["error"]
     assert set(error) == {"message", "type", "param", "code"} and error["message"]
     assert error["type"] == "invalid_request_error"
     if param is not None:
         assert error["param"] is not None and error["param"].startswith(param), error
+
+
+def test_deeply_nested_call_arguments_are_read_as_text(url: str) -> None:
+    # json.loads raises RecursionError (not JSONDecodeError) from about 1,000 levels: a 500
+    call = {"id": "1", "type": "function", "function": {"name": "f", "arguments": "[" * 5000}}
+    messages = [*USER, {"role": "assistant", "tool_calls": [call]}]
+    status, reply = request(url, "/v1/chat/completions", _body(messages=messages, max_tokens=2))
+    assert status == 200, reply
+    assert parse_calls('{"name": "f", "arguments": ' + "[" * 5000, parallel=False) is None
 
 
 def test_request_errors_have_their_status(url: str, model: lcgen.Model) -> None:
@@ -752,9 +782,15 @@ def test_request_errors_have_their_status(url: str, model: lcgen.Model) -> None:
     )
     assert status == 400 and reply["error"]["code"] == "context_length_exceeded"
     assert str(model.n_ctx) in reply["error"]["message"]
+    # a chat without max_tokens generates to the end of the context: no negative count
+    chat_long = {"model": NAME, "messages": [{"role": "user", "content": long}]}
+    status, reply = request(url, "/v1/chat/completions", json.dumps(chat_long).encode())
+    assert status == 400 and reply["error"]["code"] == "context_length_exceeded"
+    assert "max_tokens" not in reply["error"]["message"], reply
     scoring = {"model": NAME, "prompt": long, "max_tokens": 0, "echo": True, "logprobs": 1}
     status, reply = request(url, "/v1/completions", json.dumps(scoring).encode())
-    assert status == 400 and str(model.n_ctx) in reply["error"]["message"], reply
+    assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+    assert str(model.n_ctx) in reply["error"]["message"]
     status, reply = request(url, "/v1/chat/completions", _body(model="gpt-4"))
     assert status == 404 and reply["error"]["code"] == "model_not_found"
     status, reply = request(url, "/v1/chat/completions", _body(), key=None)

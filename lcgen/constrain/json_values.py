@@ -141,10 +141,17 @@ class ValueCompiler:
     def enum(self, conj: Conj, consts: Conj, path: str) -> str:
         first = consts[0]
         values = [first["const"]] if "const" in first else list(first["enum"])
+        # Each value against the other keywords: not against its own list (a linear scan per
+        # value, quadratic in a long enum), and one validator per schema.
+        others = [
+            {k: v for k, v in m.items() if k not in ("enum", "const")} if m is first else m
+            for m in conj
+        ]
+        checks = [self.validator.evolve(schema=m).is_valid for m in others if m != {}]
         kept = [
             value
             for value in values
-            if all(self.validator.evolve(schema=m).is_valid(value) for m in conj)
+            if all(check(value) for check in checks)
             and all(value not in m.get(NOT_IN, ()) for m in conj)
         ]
         if not kept:

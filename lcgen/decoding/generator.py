@@ -361,6 +361,13 @@ class Generator:
             work[token] = -np.inf
         masked = self.grammar.mask(logits)
         if not np.isfinite(masked).any():
+            if self.heal:
+                healed = self.heal.decode(errors="replace")
+                raise NoCandidatesError(
+                    f"token healing must re-create the prompt's {healed!r} and the grammar "
+                    "allows no token that does: the grammar sees the healed text too (start "
+                    "the constraint with it) or drop token_healing"
+                )
             raise NoCandidatesError("the grammar allows none of the tokens not excluded here")
         token = sample(masked, sampler, self.rng, self.recent)
         self.grammar.accept(token)

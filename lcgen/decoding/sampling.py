@@ -16,6 +16,7 @@ import numpy as np
 
 from lcgen.errors import DecodeError, NoCandidatesError
 
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 _NUMBERS = (
     "temperature",
     "top_p",
@@ -84,8 +85,8 @@ class SamplerConfig:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not 0 <= self.min_p < 1:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p!r}")
-        if not self.repeat_penalty > 0:
-            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty!r}")
+        if not 0 < self.repeat_penalty < math.inf:
+            raise ValueError(f"repeat_penalty must be > 0 and finite, got {self.repeat_penalty!r}")
         if self.repeat_last_n < 0:
             raise ValueError(f"repeat_last_n must be >= 0, got {self.repeat_last_n!r}")
         if isinstance(self.logit_bias, Mapping):
@@ -144,10 +145,17 @@ def _adjusted_logits(logits: np.ndarray, cfg: SamplerConfig, recent: Iterable[in
         ids, counts = np.unique(np.fromiter(recent, dtype=np.int64), return_counts=True)
         if ids.size:
             vals = out[ids]
-            if cfg.repeat_penalty != 1.0:
-                vals = np.where(vals > 0, vals / cfg.repeat_penalty, vals * cfg.repeat_penalty)
-            vals = vals - (counts * cfg.frequency_penalty + cfg.presence_penalty)
-            out[ids] = vals
+            # float32 as llama.cpp computes it; a penalty beyond float32's range is its limit
+            # (0 or the largest float32), and a logit that overflows becomes the largest one.
+            # A banned (-inf) logit stays banned (-inf * 0 would be NaN).
+            p = np.float32(min(cfg.repeat_penalty, _FLOAT32_MAX))
+            with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+                new = vals
+                if p != 1.0:  # (0 / 0 in the branch not taken is no concern)
+                    new = np.where(new > 0, new / p, new * p)
+                    new = np.clip(new, -_FLOAT32_MAX, _FLOAT32_MAX)
+                new = new - (counts * cfg.frequency_penalty + cfg.presence_penalty)
+            out[ids] = np.where(np.isfinite(vals), np.clip(new, -_FLOAT32_MAX, _FLOAT32_MAX), vals)
     for tok, bias in cfg.logit_bias:
         out[tok] += bias
     return out

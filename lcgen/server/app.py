@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import hmac
 import json
+import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
@@ -106,8 +107,8 @@ class _Server:
             return text, None
         try:
             scored = self.model.prompt_logprobs(tokens, top=top)
-        except ValueError as exc:  # longer than the context
-            raise APIError(400, f"prompt: {exc}", param="prompt") from None
+        except lcgen.ContextFullError as exc:  # longer than the context
+            raise APIError(400, str(exc), param="prompt", code="context_length_exceeded") from None
         return text, (tokens[0], scored)
 
     async def models(self, request: Request) -> Response:
@@ -193,14 +194,16 @@ class _Server:
         the prompts checked against the context; None for ``max_tokens`` 0 (echo only)."""
         n_ctx, longest = self.model.n_ctx, max(map(len, prompts))
         limit = max_tokens(req)
-        if limit is None:  # chat: up to the end of the context
-            limit = n_ctx - longest if kind == "chat" else COMPLETION_MAX_TOKENS
+        to_end = limit is None and kind == "chat"  # up to the end of the context
+        if limit is None:
+            limit = max(n_ctx - longest, 1) if to_end else COMPLETION_MAX_TOKENS
         if longest + max(limit, 1) > n_ctx:
+            asked = "" if to_end else f" + {limit} max_tokens = {longest + limit}"
             raise APIError(
                 400,
                 f"this model's context is {n_ctx} tokens; the request needs {longest} prompt "
-                f"tokens + {limit} max_tokens = {longest + limit}: shorten the prompt or "
-                "lower max_tokens",
+                f"tokens{asked} and room for a token to generate: shorten the prompt"
+                + ("" if to_end else " or lower max_tokens"),
                 param="messages" if kind == "chat" else "prompt",
                 code="context_length_exceeded",
             )
@@ -209,7 +212,7 @@ class _Server:
         try:
             plan = lcgen.make_plan(max_tokens=limit, **options(req, self.model.n_vocab, self.draft))
         except (TypeError, ValueError, lcgen.LcgenError) as exc:
-            raise APIError(400, str(exc)) from None
+            raise APIError(400, str(exc), param=_field_named(str(exc), req)) from None
         seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
         return Job(
             [p for p in prompts for _ in seeds],
@@ -249,6 +252,8 @@ class _Server:
             self.engine.submit(job)
         except QueueFullError as exc:
             raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
+        except ValueError as exc:  # more choices than the queue holds: never admitted
+            raise APIError(400, str(exc), param="n", code="too_many_choices") from None
         if req.stream:
             events = self._events(job, reply, outputs, count, req.include_usage)
             return EventSourceResponse(events, background=BackgroundTask(self.engine.cancel, job))
@@ -319,10 +324,19 @@ class _Count:
         return usage(sum(map(len, self.prompts)), sum(o.n_tokens for o in outputs), cached)
 
 
+def _field_named(message: str, req: AnyRequest) -> str | None:
+    """The request field an option's error is about: lcgen's messages start with its name."""
+    name = re.match(r"[a-z_]+", message)
+    return name.group() if name and name.group() in type(req).model_fields else None
+
+
 def _failure(item: Failed) -> APIError:
     exc = item.error
     if isinstance(exc, lcgen.ContextFullError):
         return APIError(503, str(exc), type="server_error", code="context_full")
+    if isinstance(exc, lcgen.GrammarError | lcgen.NoCandidatesError):
+        # the request's own constraints (grammar, schema, bans) left no token to generate
+        return APIError(400, str(exc), code="unsatisfiable_constraints")
     return APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
 
 

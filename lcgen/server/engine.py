@@ -177,8 +177,14 @@ class Engine:
         """Queue a job.
 
         Raises:
+            ValueError: the job has more choices than ``max_queue``: it could never wait.
             QueueFullError: more than ``max_queue`` choices would wait.
         """
+        if job.n > self.max_queue:
+            raise ValueError(
+                f"the request asks for {job.n} choices (prompts x n); this server queues at "
+                f"most {self.max_queue}: ask for fewer"
+            )
         with self._counts.lock:
             if self._counts.waiting + job.n > self.max_queue:
                 raise QueueFullError(

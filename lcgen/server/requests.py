@@ -285,7 +285,7 @@ def _logit_bias(bias: dict[str, float] | None, n_vocab: int) -> dict[int, float]
         return None
     out = {}
     for key, value in bias.items():
-        if not key.isdigit() or int(key) >= n_vocab:
+        if not (key.isascii() and key.isdigit()) or int(key) >= n_vocab:
             raise APIError(
                 400,
                 f"logit_bias: {key!r} is not a token id of this model (0 to {n_vocab - 1})",

@@ -179,7 +179,7 @@ def prompt_messages(
 def _call_value(call: ToolCall) -> dict[str, Any]:
     try:
         arguments = json.loads(call.function.arguments)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # not JSON, or nested too deep to read
         arguments = call.function.arguments
     return {"name": call.function.name, "arguments": arguments}
 
@@ -196,7 +196,7 @@ def parse_calls(text: str, parallel: bool) -> list[dict[str, Any]] | None:
         return None
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):
         return None
     values = value if isinstance(value, list) else [value]
     if not values or not all(
