@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Unpack
 
 from lcgen.constrain import Grammar
-from lcgen.decoding import GenerateOptions, Plan, make_plan
+from lcgen.decoding import GenerateOptions, Plan, SamplerConfig, make_plan
 from lcgen.decoding.results import SchemaLike
 from lcgen.runtime.tokens import ModelLike
 
@@ -82,6 +82,16 @@ def _spec(
     return GenerateSpec(model, plan, beams, float(length_penalty))
 
 
+def _changed(options: Mapping[str, Any], names: Seq[str]) -> dict[str, Any]:
+    """The sampler settings among ``names`` given with other than their default values."""
+    default = SamplerConfig()
+    return {
+        name: options[name]
+        for name in names
+        if options.get(name) not in (None, getattr(default, name))
+    }
+
+
 def _check_beams(
     model: ModelLike, beams: int, length_penalty: float, options: Mapping[str, Any]
 ) -> None:
@@ -95,11 +105,7 @@ def _check_beams(
         )
     if not isinstance(length_penalty, int | float):
         raise TypeError(f"length_penalty must be a number, got {length_penalty!r}")
-    truncation = {
-        name: options[name]
-        for name, off in (("top_k", 40), ("top_p", 0.95), ("min_p", 0.05))
-        if options.get(name) not in (None, off)
-    }
+    truncation = _changed(options, ("top_k", "top_p", "min_p"))
     if (options.get("temperature") or 0) > 0 or options.get("sampler") is not None or truncation:
         given = {"temperature": options.get("temperature"), "sampler": options.get("sampler")}
         settings = ", ".join(f"{k}={v!r}" for k, v in {**given, **truncation}.items())
@@ -112,15 +118,7 @@ def _check_beams(
             f"beam search does not take {sorted(_BACKTRACK_OPTIONS & options.keys())} (hooks, "
             "validators and banned phrases need one sequence to rewind)"
         )
-    penalties = [
-        name
-        for name, off in (
-            ("repeat_penalty", 1.0),
-            ("frequency_penalty", 0),
-            ("presence_penalty", 0),
-        )
-        if options.get(name) not in (None, off)
-    ]
+    penalties = list(_changed(options, ("repeat_penalty", "frequency_penalty", "presence_penalty")))
     if penalties or options.get("token_healing"):
         raise ValueError(
             "beam search supports neither penalties (repeat, frequency, presence) nor "
