@@ -109,6 +109,8 @@ class _Server:
             scored = self.model.prompt_logprobs(tokens, top=top)
         except lcgen.ContextFullError as exc:  # longer than the context
             raise APIError(400, str(exc), param="prompt", code="context_length_exceeded") from None
+        except ValueError as exc:  # any other prompt it cannot score: still the request's
+            raise APIError(400, f"prompt: {exc}", param="prompt") from None
         return text, (tokens[0], scored)
 
     async def models(self, request: Request) -> Response:
