@@ -532,7 +532,9 @@ class Model:
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")
         out: list[TokenLogprob] = []
         with Sequence(self, tokens[:1]) as seq:
-            before: np.ndarray | None = None  # the logits after the last token scored
+            # The logits after the last token scored: after the first, where the store kept them.
+            kept = seq.kept_logits()
+            before = None if kept is None else kept.copy()
             for start in range(1, len(tokens), _SCORE_CHUNK):
                 chunk = tokens[start : start + _SCORE_CHUNK]
                 seq.draft(chunk)

@@ -47,7 +47,7 @@ CHECKPOINT_SERIES = {
     "prefix-fewshot": {"lcgen", "llama-cpp-python", "cells held", "prompt tokens"},
     "prefix-chat": {"lcgen", "llama-cpp-python"},
     "prefix-interleaved": {"lcgen", "llama-cpp-python", "llama-cpp-python + RAM cache"},
-    "prefix-ttft": {"cold", "cached"},
+    "prefix-ttft": {"cold", "cached", "same prompt"},
     "speculate-copy": {
         "lcgen, ngram",
         "lcgen",
@@ -105,6 +105,7 @@ def test_quick_bench_writes_every_row(tmp_path: Path, model_path: Path) -> None:
         ("prefix-interleaved", "llama-cpp-python", "lcgen"),
         ("prefix-interleaved", "llama-cpp-python + RAM cache", "lcgen"),
         ("prefix-ttft", "cold", "cached"),
+        ("prefix-ttft", "cold", "same prompt"),
         ("speculate-copy", "lcgen, ngram", "lcgen"),
         ("speculate-copy", "lcgen, ngram", "llama-cpp-python, prompt lookup"),
         ("speculate-free", "lcgen, ngram", "lcgen"),

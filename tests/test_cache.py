@@ -2,7 +2,8 @@
 
 Decode counts (the context's counter), not timings, prove what was reused; outputs are compared
 with a model that has no cache (``cold_model``) within the stated exactness: the same tokens
-wherever the top-2 margin is clear, bit-identical logits when the same chunking is replayed.
+wherever the top-2 margin is clear, bit-identical logits when the same chunking is replayed, and
+an identical prompt repeats its first run bit for bit (the store kept the logits after it).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,14 +24,17 @@ FEW_SHOT = "".join(
 NOISE = 1.5  # the most a logit moved between cached and cold runs (measured: 1.47)
 
 
-def steps_of(model: lcgen.Model, prompt: str, n: int) -> tuple[list[int], list[np.ndarray]]:
-    """Greedy tokens after ``prompt`` and the logits each was chosen from."""
+def steps_of(
+    model: lcgen.Model, prompt: str, n: int, **options: Any
+) -> tuple[list[int], list[np.ndarray]]:
+    """Tokens after ``prompt`` (greedy unless ``options`` say otherwise) and the logits each
+    was chosen from."""
     rows: list[np.ndarray] = []
 
     def record(step: lcgen.Step) -> None:
         rows.append(step.logits)
 
-    text = model.generate(prompt, max_tokens=n, hooks=[record])
+    text = model.generate(prompt, max_tokens=n, hooks=[record], **options)
     return list(text.tokens), rows
 
 
@@ -77,11 +82,12 @@ def test_a_cached_prefix_changes_speed_not_tokens(
 def test_the_same_chunking_replayed_gives_bit_identical_logits(
     model: lcgen.Model, cold_model: lcgen.Model
 ) -> None:
-    """A second call of a prompt reuses its cells but the last (decoded in one chunk with the
-    rest by the first call), decodes the last token alone, then one token a step. A cold run
+    """A call on a prompt whose cells are cached but for the last token's logits (a longer
+    prompt was decoded before) decodes the last token alone, then one token a step. A cold run
     that decodes in the same chunks gives the same logits to the bit."""
     prompt = "The history of the printing press begins"
-    model.generate(prompt, max_tokens=6)
+    model.generate(prompt + " in", max_tokens=6)
+    assert model.cache.cached(model.tokenize(prompt)) == len(model.tokenize(prompt)) - 1
     cached, cached_rows = steps_of(model, prompt, 10)
     with cold_model.sequence(prompt) as seq:
         seq.generate(max_tokens=1)  # the prompt in one chunk
@@ -91,6 +97,74 @@ def test_the_same_chunking_replayed_gives_bit_identical_logits(
     assert cached == list(replayed.tokens)
     for a, b in zip(cached_rows, rows, strict=True):
         assert np.array_equal(a, b)
+
+
+# the logits after a prompt ---------------------------------------------------------------------
+@pytest.mark.parametrize("options", [{}, {"temperature": 0.9, "seed": 7}], ids=["greedy", "seeded"])
+def test_an_identical_prompt_starts_from_its_first_logits(
+    model: lcgen.Model, options: dict[str, Any]
+) -> None:
+    """The store keeps the logits after a prompt: a call on the same prompt decodes nothing
+    before its first token and samples it from the same logits, bit for bit; the tokens after
+    are decoded as in the first call (greedy: the same wherever the top-2 margin is clear)."""
+    prompt = f"A list of the tallest mountains on each continent ({len(options)}):"
+    n_prompt = len(model.tokenize(prompt))
+    first, first_rows = steps_of(model, prompt, 12, **options)
+    assert model.cache.cached(model.tokenize(prompt)) == n_prompt
+    for _ in range(2):
+        before = model.context.n_decoded
+        again, again_rows = steps_of(model, prompt, 12, **options)
+        assert model.context.n_decoded - before == len(again) - 1  # the prompt: nothing
+        assert np.array_equal(again_rows[0], first_rows[0]) and again[0] == first[0]
+        if not options:
+            assert_same_where_clear(again, first, first_rows, prompt)
+
+
+def test_kept_logits_serve_every_entry_point(model: lcgen.Model) -> None:
+    """Sequences, batches, forks, streams and pinned prompts start from kept logits; a save
+    keeps the last token pending (the file format) and loads to the same continuation."""
+    prompt = "Three facts about the planet Mars:"
+    tokens = model.tokenize(prompt)
+    first = str(model.generate(prompt, max_tokens=8))
+    before = model.context.n_decoded
+    batch = model.generate([prompt] * 3, max_tokens=8)
+    assert [str(t) for t in batch] == [first] * 3
+    assert model.context.n_decoded - before == 3 * 7
+    assert "".join(c.text for c in model.stream(prompt, max_tokens=8)) == first
+    with model.sequence(prompt) as seq:
+        assert seq.n_decoded == len(seq) == len(tokens)  # nothing pending: the kept logits
+        with seq.fork() as child:
+            assert str(child.generate(max_tokens=8)) == first
+        data = seq.to_bytes()
+        assert seq.n_decoded == len(seq) - 1
+        assert str(seq.generate(max_tokens=8)) == first
+    with lcgen.Sequence.from_bytes(model, data) as loaded:
+        assert loaded.n_decoded == len(tokens) - 1
+        assert str(loaded.generate(max_tokens=8)) == first
+    pinned = "You are a geologist. Name a rock:"
+    assert model.cache.pin(pinned) == len(model.tokenize(pinned))
+    before = model.context.n_decoded
+    out = model.generate(pinned, max_tokens=4)
+    assert model.context.n_decoded - before == out.stats.decoded == len(out.tokens) - 1
+    model.cache.unpin(pinned)
+
+
+def test_kept_logits_go_with_their_cells(model: lcgen.Model) -> None:
+    """Rewinding into the prompt, token healing or a new prompt sharing only a prefix decode
+    again: the kept logits are used only while the cells and tokens they follow are."""
+    prompt = "The capital cities of Europe include"
+    tokens = model.tokenize(prompt)
+    first = str(model.generate(prompt, max_tokens=6))
+    with model.sequence(prompt) as seq:
+        seq.rewind(0)  # nothing dropped, but the last token is pending again
+        assert seq.n_decoded == len(tokens) - 1
+        assert str(seq.generate(max_tokens=6)) == first
+    healed = model.generate(prompt, max_tokens=6, token_healing=True)
+    assert healed.stats.decoded >= len(healed.tokens)  # the healed prompt end is decoded
+    spec = model.generate(prompt, max_tokens=6, speculate="ngram")
+    assert str(spec) == first
+    shorter = tokens[:-1]
+    assert model.cache.cached(shorter) == len(shorter) - 1  # no logits kept there
 
 
 def test_the_cache_off_decodes_every_prompt(cold_model: lcgen.Model) -> None:
@@ -131,7 +205,7 @@ def test_slots_evict_the_least_recently_used(model_path: Path) -> None:
         assert stats.entries == 2 and stats.evictions == 1 and stats.live == 0
         before = small.context.n_decoded
         small.generate("A cow is an animal that", max_tokens=3)  # still cached: the newest
-        assert small.context.n_decoded - before == 1 + 2
+        assert small.context.n_decoded - before == 2  # the prompt's logits were kept too
         before = small.context.n_decoded
         small.generate("A cat is an animal that", max_tokens=3)  # evicted: decoded again
         n_prompt = len(small.tokenize("A cat is an animal that"))

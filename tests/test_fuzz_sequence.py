@@ -1,6 +1,6 @@
 """Random operation sequences (append, generate with and without speculation, checkpoint,
-rewind, fork, close, save/load) checked against a reference that only keeps token lists and
-re-decodes them from scratch.
+rewind, fork, close, reopen on the same tokens, save/load) checked against a reference that only
+keeps token lists and re-decodes them from scratch.
 
 ``LCGEN_FUZZ_EXAMPLES`` sets the number of examples (200 in CI; ``make fuzz`` runs 10,000).
 """
@@ -65,6 +65,8 @@ class SequenceMachine(RuleBasedStateMachine):
         self.model.cache.clear()
         self.live: list[tuple[lcgen.Sequence, list[tuple[int, int]]]] = []
         self.checkpoints: list[tuple[lcgen.Checkpoint, History]] = []
+        # Token lists to reopen: closed sequences' and the prompts generations started from.
+        self.seen: list[list[int]] = []
         self.ids = iter(range(1, 10**9))
 
     def _fresh(self, tokens: list[int]) -> list[tuple[int, int]]:
@@ -109,6 +111,7 @@ class SequenceMachine(RuleBasedStateMachine):
             raise AssertionError("generating on an empty sequence did not raise")
         if len(seq) < MAX_LEN:
             before = len(seq)
+            self.seen.append(seq.tokens)
             extra = {"speculate": "ngram", "num_draft": 3} if speculate else {}
             seq.generate(max_tokens=n, temperature=temperature, seed=seed, **extra)
             hist += self._fresh(seq.tokens[before:])
@@ -161,8 +164,21 @@ class SequenceMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 7))
     def close(self, i: int) -> None:
         seq, _ = self.live.pop(i % len(self.live))
+        self.seen.append(seq.tokens)
         seq.close()
         seq.close()
+
+    @precondition(lambda self: self.model.cache.stats.live < SLOTS)
+    @rule(i=st.integers(0, 15), prompt=st.booleans())
+    def reopen(self, i: int, prompt: bool) -> None:
+        """A new sequence on the tokens of a generation's prompt or of a closed sequence, or
+        of a live one: the store may hold their cells and the logits after them (then nothing
+        is pending)."""
+        choices = self.seen[-2:] if prompt and self.seen else [s.tokens for s, _ in self.live]
+        tokens = choices[i % len(choices)]
+        if tokens:
+            seq = self.model.sequence(tokens)
+            self.live.append((seq, self._new_history(seq.tokens)))
 
     @rule(i=st.integers(0, 7))
     def save_and_load(self, i: int) -> None:

@@ -69,11 +69,12 @@ def test_a_banned_phrase_the_model_writes_is_gone(
     assert out.stats.rewinds >= 1
     assert out.stats.tokens == len(out.tokens) == 60
     # The prompt was decoded once over both calls (the second starts from the first's cached
-    # cells): every prompt position but the last appears in exactly one decode call.
+    # cells and the logits kept after them): every prompt position appears in exactly one
+    # decode call, but where a rewind to the start re-decodes the last.
     n_prompt = len(model.chat_tokens(messages))
     positions = log.positions()
     assert sorted(p for p in positions if p < n_prompt - 1) == list(range(n_prompt - 1))
-    assert out.stats.decoded == 1 + 59 + out.stats.redecoded
+    assert out.stats.decoded == 59 + out.stats.redecoded
     assert log.total == plain.stats.decoded + out.stats.decoded
     # The text before the phrase is what the model wrote without the ban.
     cut = plain.index(phrase)
@@ -441,7 +442,10 @@ def test_rewinding_without_bans_regenerates_the_same_text(
 def test_the_output_never_holds_a_banned_phrase(model: lcgen.Model, data: st.DataObject) -> None:
     plain = chat(model, DRAGON, max_tokens=30)
     words = sorted(set(re.findall(r"[A-Za-z]{3,}", plain)))
-    phrases = data.draw(st.lists(st.sampled_from(words), min_size=1, max_size=5, unique=True))
+    # Indices, not the words: what is drawn must not depend on the text, which can differ
+    # between examples at a near-tie (the cells' place in the pool moves logits).
+    picks = data.draw(st.lists(st.integers(0, 99), min_size=1, max_size=5, unique=True))
+    phrases = sorted({words[i % len(words)] for i in picks})
     ignore_case = data.draw(st.booleans())
     out = chat(model, DRAGON, max_tokens=30, banned=phrases, banned_ignore_case=ignore_case)
     haystack = out.lower() if ignore_case else out

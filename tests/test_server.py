@@ -118,8 +118,8 @@ def test_chat_stream_joins_to_the_whole_reply(client: openai.OpenAI, model: lcge
     assert not chunks[-1].choices and usage.prompt_tokens == whole.usage.prompt_tokens
     assert usage.completion_tokens == whole.usage.completion_tokens > 0
     assert whole.usage.prompt_tokens == len(model.chat_tokens(USER))
-    # the second call found the prompt cached (all but its last token, which gives logits)
-    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+    # the second call found the prompt cached, with the logits after it
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens
 
 
 def test_completion_n3_seeded_stream_equals_whole(
@@ -138,8 +138,24 @@ def test_completion_n3_seeded_stream_equals_whole(
     texts, _ = streamed_texts(client.completions.create(stream=True, **options), "text")
     assert texts == {c.index: c.text for c in whole.choices}
     assert whole.usage.prompt_tokens == len(model.tokenize("Once upon a time"))
-    greedy = client.completions.create(**{**options, "temperature": 0})
-    assert len({c.text for c in greedy.choices}) == 1
+    # Greedy choices are the same text wherever the two best tokens are not nearly tied (each
+    # choice's cells sit elsewhere in the pool, which moves logits in their last bits).
+    greedy = client.completions.create(**{**options, "temperature": 0, "logprobs": 2})
+    first = greedy.choices[0].logprobs
+    for choice in greedy.choices[1:]:
+        at = next(
+            (
+                i
+                for i, (a, b) in enumerate(zip(first.tokens, choice.logprobs.tokens, strict=False))
+                if a != b
+            ),
+            None,
+        )
+        if at is None:
+            assert choice.text == greedy.choices[0].text
+        else:
+            best = sorted(first.top_logprobs[at].values())[-2:]
+            assert best[1] - best[0] < 0.4, f"choices differ at token {at} at a clear margin"
 
 
 def test_stop_cuts_the_greedy_text(client: openai.OpenAI) -> None:
@@ -436,10 +452,10 @@ def test_tool_choice_auto_and_none_and_a_whole_turn(client: openai.OpenAI) -> No
     none = chat(client, messages=ASK, tools=tools, tool_choice="none", max_tokens=24)
     assert none.choices[0].message.tool_calls is None
     # "none" leaves the functions out of the prompt: the same prompt as without tools (found
-    # whole in the cache, all but the last token that gives the logits).
+    # whole in the cache, with the logits after it).
     plain = chat(client, messages=ASK, max_tokens=24)
     assert plain.usage.prompt_tokens == none.usage.prompt_tokens
-    assert plain.usage.prompt_tokens_details.cached_tokens == plain.usage.prompt_tokens - 1
+    assert plain.usage.prompt_tokens_details.cached_tokens == plain.usage.prompt_tokens
     # A whole turn: the call, its result, and the answer in text.
     call = chat(client, messages=ASK, tools=tools, tool_choice="required", max_tokens=60)
     message = call.choices[0].message

@@ -107,10 +107,11 @@ class SequenceState:
     @property
     def n_cached(self) -> int:
         """How many elements the model's KV store holds whole (all tokens but the last, which
-        the next step decodes): continuing them decodes no old token."""
+        the next step decodes, or all with the logits after them): continuing them decodes no
+        old token."""
         cache = self.model.cache
         return sum(
-            cache.cached(e.tokens) == max(0, len(e.tokens) - 1)
+            cache.cached(e.tokens) >= max(0, len(e.tokens) - 1)
             for row in self._elements
             for e in row
         )

@@ -23,6 +23,8 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import numpy as np
+
 from lcgen.errors import SlotsExhaustedError, StateFileError
 from lcgen.runtime import statefile
 from lcgen.runtime.context import Context, DecodeRequest
@@ -44,6 +46,8 @@ class Entry:
             ``"pinned"`` (kept until unpinned) or ``"dropped"`` (its slot is gone).
         last_used: a clock value, for least-recently-used eviction.
         owner: the thread that opened a live entry.
+        end_logits: ``(n, logits)``: the logits after the first ``n`` tokens, kept from the
+            decode that made their cells (read-only; None once those cells or tokens change).
     """
 
     slot: int
@@ -51,6 +55,18 @@ class Entry:
     state: EntryState = "live"
     last_used: int = 0
     owner: int = 0
+    end_logits: tuple[int, np.ndarray] | None = None
+
+    def keep_logits(self, n: int, row: np.ndarray) -> None:
+        """Keep a copy of ``row``, the logits after the first ``n`` tokens."""
+        kept = np.array(row, dtype=np.float32)
+        kept.flags.writeable = False
+        self.end_logits = (n, kept)
+
+    def cut(self, n_cells: int) -> None:
+        """The entry's cells were cut to ``n_cells``: drop kept logits past them."""
+        if self.end_logits is not None and self.end_logits[0] > n_cells:
+            self.end_logits = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,21 +166,23 @@ class KVStore:
         Args:
             tokens: the sequence's tokens (checked).
             limit: reuse at most this many (default: all but the last token, which a sequence
-                keeps pending so that its next step has logits).
+                keeps pending so that its next step has logits; or all of them where an entry
+                kept the logits after exactly ``tokens``).
 
         Returns:
-            The entry (its ``tokens`` is a new list of ``tokens``) and how many of them have
-            cells already.
+            The entry (its ``tokens`` is a new list of ``tokens``; its ``end_logits`` those of
+            the source that its reused cells cover) and how many of them have cells already.
 
         Raises:
             SlotsExhaustedError: every slot is held by a live or pinned sequence and no other
                 thread can give one back (or none did within ``slot_timeout``).
         """
+        whole = limit is None
         limit = max(0, len(tokens) - 1) if limit is None else limit
         with self._cond:
             deadline = self._deadline()
             while True:  # the best source is chosen again after every wait: it may have changed
-                src, n_reused = self._best(tokens, limit)
+                src, n_reused = self._best(tokens, limit, whole)
                 if src is not None and self._takes_over(src, n_reused):
                     entry = src
                     if n_reused < self._ctx.ledger.held(entry.slot):
@@ -172,13 +190,17 @@ class KVStore:
                     if not self._ctx.truncate(entry.slot, n_reused):
                         self._ctx.clear_slot(entry.slot)  # the window lost what it needs
                         n_reused = 0
+                    entry.cut(n_reused)
                     break
                 slot = self._try_slot(keep=src)
                 if slot is not None:
                     entry = Entry(slot, [])
                     if src is not None and n_reused:
                         self._ctx.copy_slot(src.slot, entry.slot, n_reused)
-                        if not self._ctx.holds_window(entry.slot, n_reused):
+                        if self._ctx.holds_window(entry.slot, n_reused):
+                            entry.end_logits = src.end_logits
+                            entry.cut(n_reused)
+                        else:
                             self._ctx.clear_slot(entry.slot)
                             n_reused = 0
                     break
@@ -197,6 +219,7 @@ class KVStore:
             if held:
                 self._ctx.copy_slot(entry.slot, slot, held)
             child = Entry(slot, list(entry.tokens), "live", next(self._clock))
+            child.end_logits = entry.end_logits
             child.owner = threading.get_ident()
             self._entries[slot] = child
             return child
@@ -212,15 +235,17 @@ class KVStore:
                 self._drop(entry)
                 return
             entry.tokens, entry.state, entry.owner = entry.tokens[:held], "parked", 0
+            entry.cut(held)
             entry.last_used = next(self._clock)
             self._dedupe(entry)
             self._fit_budget()
             self._cond.notify_all()
 
     def cached(self, tokens: Seq[int]) -> int:
-        """How many of ``tokens`` a sequence opened on them now would not decode."""
+        """How many of ``tokens`` a sequence opened on them now would not decode (all of them
+        where an entry kept the logits after exactly ``tokens``)."""
         with self._cond:
-            return self._best(tokens, max(0, len(tokens) - 1))[1]
+            return self._best(tokens, max(0, len(tokens) - 1), True)[1]
 
     def free_cells(self) -> int:
         """Cells a decode could have now: free ones and those only parked entries hold (they
@@ -235,14 +260,18 @@ class KVStore:
             return len(self._free) + sum(e.state == "parked" for e in self._entries.values())
 
     # choosing ------------------------------------------------------------------------------
-    def _best(self, tokens: Seq[int], limit: int) -> tuple[Entry | None, int]:
+    def _best(self, tokens: Seq[int], limit: int, whole: bool) -> tuple[Entry | None, int]:
         """The entry whose cells share the longest prefix with ``tokens`` (on a tie: one that a
-        takeover would lose nothing of, then a parked one), and that length."""
+        takeover would lose nothing of, then a parked one), and that length; with ``whole``,
+        past ``limit`` to all of ``tokens`` where an entry kept the logits after them."""
         best: Entry | None = None
         best_key = (0, False, False, 0)
         for entry in self._entries.values():
             held = self._ctx.ledger.held(entry.slot)
-            n = min(common_prefix(entry.tokens, tokens), held, limit)
+            n = min(common_prefix(entry.tokens, tokens), held)
+            kept = entry.end_logits
+            if not (whole and kept is not None and kept[0] == n == len(tokens)):
+                n = min(n, limit)
             key = (n, n == held, entry.state == "parked", entry.last_used)
             if n > 0 and key > best_key:
                 best, best_key = entry, key
@@ -312,6 +341,7 @@ class KVStore:
     def _drop(self, entry: Entry) -> None:
         """Wipe a slot and make it free."""
         self._ctx.clear_slot(entry.slot)
+        entry.end_logits = None
         if self._entries.get(entry.slot) is entry:
             del self._entries[entry.slot]
             self._free.append(entry.slot)
@@ -387,8 +417,10 @@ class KVStore:
             entry, n_reused = self.open(tokens, limit=len(tokens))
             try:
                 if n_reused < len(tokens):
-                    request = DecodeRequest(entry.slot, tokens[n_reused:], n_reused, False)
-                    self._ctx.decode([request])
+                    request = DecodeRequest(entry.slot, tokens[n_reused:], n_reused)
+                    (row,) = self._ctx.decode([request])
+                    assert row is not None
+                    entry.keep_logits(len(tokens), row)
             except BaseException:
                 self._drop(entry)
                 raise

@@ -44,7 +44,9 @@ class Run(Protocol):
 
 
 def decode(seqs: Seq[TokenSequence]) -> list[np.ndarray]:
-    """Decode every sequence's pending tokens in one batch (none is sampled).
+    """Decode every sequence's pending tokens in one batch (none is sampled). A sequence whose
+    logits the KV store kept (opened on a prompt it knew the end of) decodes nothing; one that
+    asked to keep its logits (a generation's first step: its prompt's end) has them kept.
 
     Returns:
         The logits after each sequence's last token (views into llama.cpp's buffer when the
@@ -52,17 +54,24 @@ def decode(seqs: Seq[TokenSequence]) -> list[np.ndarray]:
     """
     if not seqs:
         return []
-    requests = [seq.pending_request() for seq in seqs]
+    kept = [seq.kept_logits() for seq in seqs]
+    requests = [seq.pending_request() for seq, row in zip(seqs, kept, strict=True) if row is None]
     try:
-        rows = seqs[0].model.context.decode(requests)
+        rows = iter(seqs[0].model.context.decode(requests) if requests else ())
     except BaseException:
         for seq in seqs:  # a chunked prefill may have stopped half-way
             seq.resync()
         raise
     out = []
-    for seq, request, row in zip(seqs, requests, rows, strict=True):
-        assert row is not None, "a sequence had no pending token"
-        seq.mark_decoded(request)
+    decoded = iter(requests)
+    for seq, row in zip(seqs, kept, strict=True):
+        if row is None:
+            request, row = next(decoded), next(rows)
+            assert row is not None, "a sequence had no pending token"
+            seq.mark_decoded(request)
+            if seq.keep_next:
+                seq.keep_logits(row)
+        seq.keep_next = False
         out.append(row)
     return out
 

@@ -80,6 +80,8 @@ class Sequence(TokenSequence):
     def to_bytes(self) -> bytearray:
         """The sequence as bytes: KV state, tokens, sampler state and the model's fingerprint."""
         self._check_open()
+        if 0 < self._n_decoded == len(self._tokens):
+            self._trim_kv(self._n_decoded - 1)  # saved sequences keep their last token pending
         header: dict[str, Any] = {
             "model": self.model.fingerprint,
             "tokens": self._tokens,
@@ -175,6 +177,7 @@ class Sequence(TokenSequence):
         gen = Generator(self.vocab, plan, history=self._tokens, rng=self._rng, heal=heal)
         if plan.sampler.seed is not None:
             self.reseed(plan.sampler.seed)
+        self.keep_next = True  # the logits after the prompt, for a later run on the same one
         if plan.backtracking is not None:
             return Backtracker(self, gen, plan.backtracking, drafter)
         return PlainRun(self, gen, drafter)

@@ -2,7 +2,9 @@
 position. Runs drive it; :class:`~lcgen.Sequence` adds generation, forks and persistence.
 
 The last token of a sequence is kept pending (not yet decoded) until the next step needs its
-logits, so every step decodes exactly one batch and no logits have to be kept between calls.
+logits, so every step decodes exactly one batch. One exception: a sequence opened on a prompt
+whose end the KV store kept the logits of (see :mod:`lcgen.runtime.kvstore`) starts with every
+token decoded, and its first step samples from those logits without decoding.
 
 Reversibility: each token carries a stamp (a process-wide counter value), so a checkpoint is
 O(1) — a position, the stamp of the history up to it, and the RNG state — and is valid exactly
@@ -93,6 +95,9 @@ class TokenSequence:
         self._rng_log: dict[int, RngState] = {}  # position -> RNG state before anything there
         # The prompt token last removed by token healing: (position, token, stamps around it).
         self._healed: tuple[int, int, int, int] | None = None
+        # Keep the logits of the next decode in the store (set when a generation starts: they
+        # follow its prompt).
+        self.keep_next = False
         self.stats = SequenceStats()
 
     # state -----------------------------------------------------------------------------
@@ -173,6 +178,7 @@ class TokenSequence:
     def _trim_kv(self, kv_keep: int) -> None:
         """Keep the KV cells of the first ``kv_keep`` tokens only."""
         self._draft, self._ahead = [], []
+        self._entry.cut(kv_keep)
         if not self._ctx.truncate(self._slot, kv_keep):
             # The memory cannot keep a partial range (sliding window, recurrent): start over.
             self._ctx.clear_slot(self._slot)
@@ -315,6 +321,16 @@ class TokenSequence:
         self._rng_log.setdefault(len(self._tokens), self._rng.bit_generator.state)
 
     # decoding --------------------------------------------------------------------------
+    def kept_logits(self) -> np.ndarray | None:
+        """The logits after the last token when every token is decoded and the store kept
+        them (the sequence was opened on a prompt whose end it knew): the next step samples
+        from them instead of decoding. None otherwise."""
+        kept = self._entry.end_logits
+        n = len(self._tokens)
+        if kept is None or kept[0] != n or self._n_decoded != n or self._draft:
+            return None
+        return kept[1]
+
     def pending_request(self) -> DecodeRequest:
         """The tokens not decoded yet, and the draft after them, as a request for
         :meth:`Context.decode` (the logits after the last pending token and after each draft
@@ -335,6 +351,12 @@ class TokenSequence:
         self._n_decoded = request.pos + end
         self._ahead, self._draft = list(request.tokens[end:]), []
         self.stats.tokens_decoded += len(request.tokens)
+
+    def keep_logits(self, row: np.ndarray) -> None:
+        """Keep ``row``, the logits after every token, in the store (a prompt's end: a later
+        sequence opened on the same tokens starts from them)."""
+        if self._n_decoded == len(self._tokens) and row.ndim == 1:
+            self._entry.keep_logits(self._n_decoded, row)
 
     def draft(self, tokens: Seq[int]) -> None:
         """Decode ``tokens`` after the pending ones in the next step, as a guess at what will
