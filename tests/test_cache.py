@@ -273,6 +273,22 @@ def test_clear_keeps_live_sequences_and_pins_unless_asked(model: lcgen.Model) ->
     assert model.cache.stats.entries == 1  # the closed sequence is parked
 
 
+def test_a_prompt_already_cached_is_pinned_all_the_same(model: lcgen.Model) -> None:
+    """pin() of a prompt a parked sequence holds (and goes past) shares its cells, decodes
+    nothing, and stays pinned (it was dropped as covered by the parked one: regression)."""
+    prompt = "You are a helpful assistant. Answer in one word."
+    model.generate(prompt, max_tokens=4)
+    before = model.cache.stats
+    assert model.cache.pin(prompt) == 0
+    stats = model.cache.stats
+    assert stats.pinned == before.pinned + 1 and stats.entries == before.entries + 1
+    model.cache.clear()
+    assert model.cache.stats.pinned == before.pinned + 1
+    out = model.generate(prompt, max_tokens=3)  # from the pin's cells and kept logits
+    assert out.stats.decoded == len(out.tokens) - 1
+    assert model.cache.unpin(prompt) and not model.cache.unpin(prompt)
+
+
 # slots are a scheduling resource ----------------------------------------------------------------
 def test_threads_wait_for_slots_and_share_the_prefix(
     model_path: Path, cold_model: lcgen.Model

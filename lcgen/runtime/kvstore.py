@@ -363,7 +363,9 @@ class KVStore:
 
     def _dedupe(self, entry: Entry) -> None:
         """Drop the parked entries ``entry`` covers (their tokens start it), or ``entry``
-        itself when a parked or pinned one covers it."""
+        itself when it is parked and a parked or pinned one covers it, or pinned and another
+        pinned one holds the same tokens (a pinned entry that a longer one covers stays: it
+        was asked for)."""
         mine = entry.tokens
         for other in list(self._entries.values()):
             if other is entry or other.state == "live":
@@ -375,7 +377,11 @@ class KVStore:
                 and mine[: len(theirs)] == theirs
             ):
                 self._drop(other)
-            elif len(theirs) >= len(mine) and theirs[: len(mine)] == mine:
+            elif (
+                len(theirs) >= len(mine)
+                and theirs[: len(mine)] == mine
+                and (entry.state == "parked" or (other.state == "pinned" and theirs == mine))
+            ):
                 self._drop(entry)
                 return
 
