@@ -8,7 +8,7 @@ import hashlib
 import os
 import threading
 from collections.abc import Callable, Sequence
-from typing import Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import llama_cpp as C
 
@@ -306,7 +306,13 @@ def render_chat_template(
     template: str, messages: list[dict[str, str]], bos: str, eos: str, add_generation_prompt: bool
 ) -> str:
     """Render a GGUF's Jinja chat template (llama-cpp-python's sandboxed renderer)."""
+    formatter = _chat_formatter(template, bos, eos, add_generation_prompt)
+    return str(formatter(messages=messages).prompt)
+
+
+@functools.lru_cache(maxsize=16)
+def _chat_formatter(template: str, bos: str, eos: str, add_generation_prompt: bool) -> Any:
+    """The renderer of a template, compiled once (compiling took ~2.7 ms a chat call)."""
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    formatter = Jinja2ChatFormatter(template, eos, bos, add_generation_prompt)
-    return str(formatter(messages=messages).prompt)  # type: ignore[arg-type]
+    return Jinja2ChatFormatter(template, eos, bos, add_generation_prompt)
