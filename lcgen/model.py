@@ -259,6 +259,9 @@ class Model:
             flash_attn,
             swa_full,
             adaptive_threads=self.adaptive_threads,
+            # Flash attention on the CPU: short batches are padded where that is faster (see
+            # Context._padding).
+            pad_batches=self.n_gpu_layers == 0 and flash_attn is not False,
         )
         self.cache = KVStore(
             self.context,

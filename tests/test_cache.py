@@ -466,3 +466,49 @@ def test_a_sequence_file_is_not_a_cache_file(model: lcgen.Model, tmp_path: Path)
         seq.save(tmp_path / "seq.lcs")
     with pytest.raises(lcgen.StateFileError, match="not an lcgen cache file"):
         model.cache.load(tmp_path / "seq.lcs")
+
+
+# short batches padded to llama.cpp's tiled attention -------------------------------------------
+QUESTION = " ".join(f"item {i}," for i in range(6)) + " Q: What is 2 plus 2?\nA:"
+
+
+def test_a_long_suffix_after_a_cached_prefix_is_padded_and_changes_only_speed(
+    model: lcgen.Model, model_path: Path
+) -> None:
+    """A batch of a few dozen tokens after a long cached prefix is padded to 64 tokens of a
+    spare sequence (llama.cpp's CPU flash attention then works in tiles of rows): the padding
+    is decoded and removed, no counter or cell ledger sees it, and the tokens are the unpadded
+    run's wherever the top-2 margin is clear."""
+    assert model.context.pad_batches  # the CPU, flash attention as llama.cpp chooses
+    prefix = FEW_SHOT * 12  # about 900 tokens
+    model.generate(prefix, max_tokens=1)
+    tokens = model.tokenize(prefix + QUESTION)
+    n_new = len(tokens) - model.cache.cached(tokens)
+    assert 30 < n_new < 64
+    decoded, padded = model.context.n_decoded, model.context.n_padded
+    ours, _ = steps_of(model, prefix + QUESTION, 8)
+    assert model.context.n_padded - padded == 64 - n_new
+    assert model.context.n_decoded - decoded == n_new + 7
+    assert model.context.pos_range(model.context.n_seq_max) == (-1, -1)  # the spare: empty
+    with lcgen.Model(model_path) as plain:
+        plain.context.pad_batches = False
+        plain.generate(prefix, max_tokens=1)
+        theirs, rows = steps_of(plain, prefix + QUESTION, 8)
+        assert plain.context.n_padded == 0
+    assert_same_where_clear(ours, theirs, rows, "padded")
+
+
+def test_padding_needs_a_spare_sequence_id_and_room(model_path: Path) -> None:
+    with lcgen.Model(model_path, n_batch=64, n_seq_max=64) as full:
+        assert not full.context.pad_batches  # every id is a slot
+    with lcgen.Model(model_path, n_ctx=1024, n_seq_max=2) as small:
+        prefix = ""
+        while len(small.tokenize(prefix + "Q: 1?\nA: 1.\n\n" + QUESTION)) <= 1024 - 12:
+            prefix += "Q: 1?\nA: 1.\n\n"
+        small.generate(prefix, max_tokens=1)
+        small.generate(prefix + QUESTION, max_tokens=2)  # its padding would not fit: none
+        assert small.context.n_padded == 0
+        small.cache.clear()
+        small.generate(prefix[: len(prefix) // 2], max_tokens=1)
+        small.generate(prefix[: len(prefix) // 2] + QUESTION, max_tokens=2)  # room: padded
+        assert small.context.n_padded > 0

@@ -26,6 +26,7 @@ class ContextHandle:
         n_threads: int,
         flash_attn: bool | None = None,
         swa_full: bool = True,
+        spare_seq: bool = False,
     ) -> None:
         params = C.llama_context_default_params()
         if flash_attn is not None:
@@ -35,7 +36,7 @@ class ContextHandle:
         params.n_ctx = n_ctx
         params.n_batch = n_batch
         params.n_ubatch = n_batch
-        params.n_seq_max = n_seq_max
+        params.n_seq_max = n_seq_max + spare_seq  # the spare id: n_seq_max
         params.n_threads = n_threads
         params.n_threads_batch = n_threads
         params.no_perf = True
