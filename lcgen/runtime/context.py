@@ -213,9 +213,6 @@ class Context:
         n = len(flat[0])
         if n == 0:
             return [None] * len(requests)
-        if pad:
-            logits = self._decode_padded(requests, flat, pad)
-            return _views(requests, flat[4][flat[3].astype(bool)], logits)
         owner = flat[4]
         begins = [0, *itertools.accumulate(len(r.tokens) for r in requests)]
         outputs: list[list[np.ndarray]] = [[] for _ in requests]
@@ -224,10 +221,17 @@ class Context:
                 end = min(start + self.n_batch, n)
                 out = flat[3][start:end].astype(bool)
                 arrays = [a[start:end] for a in flat[:4]]  # tokens, positions, ids, outputs
-                logits = self._decode_chunk(
-                    functools.partial(self._handle.decode, *arrays), end - start
-                )
+                if pad:  # a padded batch is one chunk: the padding goes after it
+                    arrays = _padded(arrays, pad, self.n_seq_max)
+                try:
+                    logits = self._decode_chunk(
+                        functools.partial(self._handle.decode, *arrays), len(arrays[0])
+                    )
+                finally:
+                    if pad:
+                        self._handle.seq_rm(self.n_seq_max, -1, -1)
                 self.n_decoded += end - start
+                self.n_padded += pad
                 self._record(requests, begins, start, end)
                 if start == 0 and end == n:
                     return _views(requests, owner[out], logits)
@@ -262,30 +266,6 @@ class Context:
             return 0
         k = PAD_TO - n
         return k if self.ledger.n_cells() + n + k <= self.n_cells else 0
-
-    def _decode_padded(self, requests: Sequence[DecodeRequest], flat: _Flat, k: int) -> np.ndarray:
-        """Decode ``requests`` (``flat``: one chunk) with ``k`` tokens of padding after them, in
-        the spare sequence; returns the logits of their outputs."""
-        tokens, pos, seq, out, _ = flat
-        n = len(tokens)
-        spare = self.n_seq_max
-        padded = (
-            np.concatenate([tokens, np.full(k, tokens[0], dtype=np.int32)]),
-            np.concatenate([pos, np.arange(k, dtype=np.int32)]),
-            np.concatenate([seq, np.full(k, spare, dtype=np.int32)]),
-            np.concatenate([out, np.zeros(k, dtype=np.int8)]),
-        )
-        with self.lock:
-            try:
-                logits = self._decode_chunk(functools.partial(self._handle.decode, *padded), n + k)
-            finally:
-                self._handle.seq_rm(spare, -1, -1)
-            self.n_decoded += n
-            self.n_padded += k
-            self._record(
-                requests, [0, *itertools.accumulate(len(r.tokens) for r in requests)], 0, n
-            )
-        return logits
 
     def _decode_one(self, req: DecodeRequest) -> np.ndarray | None:
         """:meth:`decode` of one request that fits one batch, without the flat arrays."""
@@ -383,6 +363,18 @@ def _views(
         else:
             out.append(logits[at : at + min(req.n_outputs, len(req.tokens))])
     return out
+
+
+def _padded(arrays: list[np.ndarray], k: int, spare: int) -> list[np.ndarray]:
+    """A batch's token, position, seq id and output arrays with ``k`` tokens of padding after
+    its own, in sequence ``spare`` from position 0, without outputs."""
+    tokens, pos, seq, out = arrays
+    return [
+        np.concatenate([tokens, np.full(k, tokens[0], dtype=np.int32)]),
+        np.concatenate([pos, np.arange(k, dtype=np.int32)]),
+        np.concatenate([seq, np.full(k, spare, dtype=np.int32)]),
+        np.concatenate([out, np.zeros(k, dtype=np.int8)]),
+    ]
 
 
 def _flatten(requests: Sequence[DecodeRequest]) -> _Flat:
