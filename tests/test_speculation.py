@@ -441,3 +441,16 @@ def test_draft_length_restarts_short_after_a_miss_and_doubles_back() -> None:
     assert lengths == [64, 64, 4, 8, 16, 2]
     assert [policy.next_length(room=1000) for _ in range(3)] == [0, 0, 1]  # paused 2 steps
     assert policy.next_length(room=0) == 0
+
+
+def test_a_short_match_with_several_continuations_drafts_nothing() -> None:
+    from lcgen.decoding.speculation import NgramDrafter
+
+    drafter = NgramDrafter(8)
+    # `5 6` was followed by 7 once and by 9 once: a guess between the two, no draft
+    assert drafter.propose([5, 6, 7, 1, 5, 6, 9, 2, 5, 6], room=8) == []
+    # one continuation seen: drafted, the latest occurrence's tokens
+    assert drafter.propose([5, 6, 7, 1, 3, 5, 6], room=8) == [7, 1, 3, 5, 6]
+    # a full-length match drafts its latest occurrence's continuation even where older
+    # occurrences went elsewhere
+    assert drafter.propose([1, 2, 3, 4, 8, 1, 2, 3, 4, 9, 1, 2, 3, 4], room=3) == [9, 1, 2]

@@ -104,7 +104,12 @@ class AdaptiveLength:
 class NgramDrafter(AdaptiveLength):
     """Prompt lookup: finds the latest earlier occurrence of the sequence's last n tokens
     (n from 4 down to 2) and proposes the tokens that followed it (see :class:`AdaptiveLength`
-    for the length)."""
+    for the length).
+
+    A match shorter than ``NGRAM_MAX`` whose earlier occurrences disagree on the next token
+    proposes nothing: such a draft is a guess between continuations (a JSON value after its
+    key's ``": "``, a common word pair in prose) and is almost always wrong (measured over
+    the bench's copy, story and JSON generations: 119 such draft tokens, 5 accepted)."""
 
     def propose(self, tokens: Sequence[int], room: int) -> list[int]:
         k = self.next_length(room)
@@ -118,7 +123,10 @@ class NgramDrafter(AdaptiveLength):
             for i in range(1, n):
                 starts = starts[ids[starts + i] == tail[i]]
             if starts.size:
-                at = int(starts[-1]) + n
+                after = starts + n  # where each occurrence's continuation starts
+                if n < NGRAM_MAX and (ids[after] != ids[after[-1]]).any():
+                    return []
+                at = int(after[-1])
                 draft: list[int] = ids[at : at + k].tolist()
                 return draft
         return []
