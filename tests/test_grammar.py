@@ -16,6 +16,9 @@ import io
 import ipaddress
 import json
 import re
+import subprocess
+import sys
+import textwrap
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -282,6 +285,8 @@ def test_bundled_grammars_by_name_only(tmp_path: Path, monkeypatch: pytest.Monke
         ('root = "a"', "root", "expecting ::= at line 1, column 6"),
         ('root ::= "a"{0,3000}', "root", "2000"),
         ('root ::= "a"{2001}', "root", "2000"),
+        ('root ::= "a"{5,2}', "root", "its minimum 5 is above its maximum 2"),
+        ("root ::= [a-z]{ 1 , 0 }", "root", "its minimum 1 is above its maximum 0"),
         ("", "root", "empty"),
         ("  \n", "root", "empty"),
         ('root ::= "a\x00"', "root", "NUL"),
@@ -291,6 +296,25 @@ def test_bundled_grammars_by_name_only(tmp_path: Path, monkeypatch: pytest.Monke
 def test_bad_grammar_raises_with_the_reason(gbnf: str, root: str, reason: str) -> None:
     with pytest.raises(lcgen.GrammarError, match=re.escape(reason)):
         Grammar(gbnf, root)
+
+
+def test_a_minimum_above_the_maximum_never_reaches_llama_cpp() -> None:
+    """llama.cpp builds rules for ``x{5,2}`` until memory runs out (the process was killed):
+    run in a child whose address space is capped, so a regression fails here, not the host."""
+    code = textwrap.dedent("""
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
+        import lcgen
+        try:
+            lcgen.Grammar('root ::= "a"{5,2}')
+        except lcgen.GrammarError as exc:
+            print("refused:", exc)
+    """)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused: repetition" in done.stdout
 
 
 def test_repetition_bound_inside_a_literal_is_not_a_bound() -> None:

@@ -238,15 +238,22 @@ def _check_nesting(gbnf: str) -> None:
 
 
 def _check_repetition_bounds(gbnf: str) -> None:
-    """llama.cpp reads ``x{m,n}`` with n above 2000 as ``x{m,}``: refuse instead."""
+    """llama.cpp reads ``x{m,n}`` with n above 2000 as ``x{m,}``, and with m above n it builds
+    rules until memory runs out (measured: the process killed): refuse both."""
     code = LITERALS_AND_COMMENTS.sub(" ", gbnf)
     for match in re.finditer(r"\{\s*(\d+)\s*(?:,\s*(\d*)\s*)?\}", code):
-        for bound in match.groups():
+        low, high = match.groups()
+        for bound in (low, high):
             if bound and int(bound) > _gbnf.MAX_REPEAT:
                 raise GrammarError(
                     f"repetition {match.group(0)} is over llama.cpp's bound of "
                     f"{_gbnf.MAX_REPEAT} (it would silently become unbounded)"
                 )
+        if high and int(low) > int(high):
+            raise GrammarError(
+                f"repetition {match.group(0)}: its minimum {int(low)} is above its maximum "
+                f"{int(high)}"
+            )
 
 
 # A token named in GBNF (``<[id]>``, ``<text>``; group 1 is "!" where negated), found outside
