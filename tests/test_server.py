@@ -914,7 +914,7 @@ def test_a_blank_api_key_is_refused(model: lcgen.Model) -> None:
             create_app(model, api_key=blank)
 
 
-def test_python_m_lcgen_server(model_path: Path) -> None:
+def test_python_m_lcgen_server(model_path: Path, model: lcgen.Model) -> None:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
@@ -942,6 +942,15 @@ def test_python_m_lcgen_server(model_path: Path) -> None:
         fields = {"model": model_path.stem, "prompt": "1, 2, 3,", "max_tokens": 6}
         body = json.dumps({**fields, "temperature": 0, "speculate": "draft"})
         assert request(base, "/v1/completions", body.encode())[0] == 200
+        # a client that gives up on a whole (not streamed) reply: its choice is cancelled and
+        # its handler returns (one left waiting kept the server from stopping on SIGTERM)
+        long = {"model": model_path.stem, "prompt": "Hi", "max_tokens": 400}
+        body = json.dumps({**long, "logit_bias": endless(model)})
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", body, {"Authorization": f"Bearer {KEY}"})
+        wait_for(base, lambda q: q["running"] == 1)
+        conn.close()
+        wait_for(base, lambda q: q["running"] == 0)
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) in (0, -15)

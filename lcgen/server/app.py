@@ -269,8 +269,11 @@ class _Server:
                 else:
                     raise _failure(item)
         finally:
+            gone = watcher.done() and not watcher.cancelled()
             watcher.cancel()
             self.engine.cancel(job)
+        if gone:  # the client went away: its choices were cancelled, nobody reads a reply
+            return Response(status_code=499)
         return JSONResponse(reply.whole(outputs, count.usage(outputs)))
 
     async def _echo_events(

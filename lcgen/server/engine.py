@@ -238,8 +238,9 @@ class Engine:
             else:
                 for ticket in self._tickets.get(job, ()):
                     if ticket in self._choices:
-                        self._scheduler.cancel(ticket)
-                        self._end(ticket, None, notify=False)
+                        # told like any end: a handler still waiting on the job's items
+                        # (a request whose client went away) returns instead of waiting forever
+                        self._end(ticket, None)
         return True
 
     def _submit(self, choice: _Choice) -> int:
@@ -262,7 +263,7 @@ class Engine:
         except Exception as exc:
             return _Guarded(None, None, exc)
 
-    def _end(self, ticket: int, error: BaseException | None, *, notify: bool = True) -> None:
+    def _end(self, ticket: int, error: BaseException | None) -> None:
         """A choice ended (finished, failed or cancelled): close its sequence (its cells stay
         cached, its slot is free) and tell the request."""
         choice = self._choices.pop(ticket)
@@ -276,9 +277,8 @@ class Engine:
         if choice.seq is not None:
             cached = choice.seq.stats.tokens_reused
             choice.seq.close()
-        if notify:
-            done = Finished(choice.index, cached)
-            choice.job.put(done if error is None else Failed(choice.index, error))
+        done = Finished(choice.index, cached)
+        choice.job.put(done if error is None else Failed(choice.index, error))
         tickets = self._tickets.get(choice.job, [])
         if not any(t in self._choices for t in tickets):
             self._tickets.pop(choice.job, None)
