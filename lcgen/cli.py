@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import re
 import sys
 import time
@@ -19,6 +20,15 @@ from lcgen.decoding.results import check_complete
 from lcgen.errors import ContextFullError, IncompleteOutputError, LcgenError
 
 Message = dict[str, str]
+
+#: The exit status after stdout was closed early (``lcgen generate ... | head``): 128 + SIGPIPE,
+#: what a shell reports for a Unix tool stopped by that signal.
+EXIT_BROKEN_PIPE = 141
+
+
+class UsageError(ValueError):
+    """An error in the options given (out of range, in conflict, a constraint or a file named
+    that cannot be used), found before generating: status 2, as argparse's own usage errors."""
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -112,6 +122,23 @@ def _load(args: argparse.Namespace, ref: str | None = None) -> lcgen.Model:
     )
 
 
+def _checked_options(
+    args: argparse.Namespace, constraint: lcgen.Grammar | None = None
+) -> dict[str, Any]:
+    """The generation options given, checked (with the constraint) by making a plan of them,
+    before any model loads; a draft model (``--draft``) is not loaded yet: see :func:`_draft`.
+
+    Raises:
+        UsageError: an option out of range or in conflict with another (named).
+    """
+    options = _options(args)
+    try:
+        lcgen.make_plan(**options, grammar=constraint)
+    except (LcgenError, ValueError, TypeError) as exc:
+        raise UsageError(str(exc)) from None
+    return options
+
+
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "max_tokens": args.max_tokens,
@@ -131,14 +158,15 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _speculation(args: argparse.Namespace) -> dict[str, Any]:
-    """--speculate / --draft as generation options (the draft model loaded here)."""
+    """--speculate as a generation option (--draft's model is loaded by :func:`_draft`)."""
     if args.speculate and args.draft:
-        raise ValueError("give --speculate (drafts from the prompt) or --draft MODEL, not both")
-    if args.speculate:
-        return {"speculate": "ngram"}
-    if args.draft:
-        return {"speculate": _load(args, args.draft)}
-    return {}
+        raise UsageError("give --speculate (drafts from the prompt) or --draft MODEL, not both")
+    return {"speculate": "ngram"} if args.speculate else {}
+
+
+def _draft(args: argparse.Namespace) -> dict[str, Any]:
+    """--draft MODEL as a generation option, the draft model loaded (after the model)."""
+    return {"speculate": _load(args, args.draft)} if args.draft else {}
 
 
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
@@ -157,7 +185,7 @@ def _bans(args: argparse.Namespace) -> dict[str, Any]:
         try:
             patterns.append(re.compile(regex))
         except re.error as exc:
-            raise ValueError(f"--ban-regex {regex!r} is not a regular expression: {exc}") from None
+            raise UsageError(f"--ban-regex {regex!r} is not a regular expression: {exc}") from None
     if not args.ban and not patterns:
         return {}
     options: dict[str, Any] = {
@@ -178,8 +206,14 @@ def _print_stream(chunks: Iterable[Chunk]) -> Chunk | None:
     return last
 
 
-def _constraint(args: argparse.Namespace) -> dict[str, Any]:
-    """The one --grammar / --json-schema / --choice / --regex given, as generation options."""
+def _constraint(args: argparse.Namespace) -> tuple[str, lcgen.Grammar] | None:
+    """The one --grammar / --json-schema / --choice / --regex given: its flag and its grammar
+    (None when none is).
+
+    Raises:
+        UsageError: more than one, an empty one, or one that cannot be read or compiled (the
+            flag and its value named).
+    """
     given = [
         name
         for name in ("grammar", "json_schema", "choice", "regex")
@@ -187,27 +221,58 @@ def _constraint(args: argparse.Namespace) -> dict[str, Any]:
     ]
     for name in given:
         if not getattr(args, name):
-            raise ValueError(f"--{name.replace('_', '-')} is empty: give a value or leave it out")
+            raise UsageError(f"--{name.replace('_', '-')} is empty: give a value or leave it out")
     if len(given) > 1:
-        raise ValueError(
+        raise UsageError(
             f"give at most one of --grammar, --json-schema, --choice, --regex; got {given}"
         )
-    if args.grammar:
-        return {"grammar": _grammar(args.grammar)}
-    if args.json_schema:
-        with open(args.json_schema, encoding="utf-8") as f:
-            schema = json.load(f)
-        if not isinstance(schema, dict | bool):
-            raise ValueError(
-                f"--json-schema {args.json_schema}: a JSON Schema is an object (or true or "
-                f"false), the file holds {json.dumps(schema)[:80]}"
-            )
-        return {"schema": schema}
-    if args.choice:
-        return {"choice": args.choice.split(",")}
-    if args.regex:
-        return {"regex": args.regex}
-    return {}
+    if not given:
+        return None
+    name = given[0]
+    value: str = getattr(args, name)
+    flag = f"--{name.replace('_', '-')}"
+    # A file or a bundled grammar's name as given, a regex or choices quoted, GBNF text unshown.
+    shown = repr(value) if name in {"choice", "regex"} else value
+    where = flag if name == "grammar" and "::=" in value else f"{flag} {shown}"
+    try:
+        if name == "grammar":
+            return flag, _grammar(value)
+        if name == "json_schema":
+            return flag, lcgen.Grammar.from_json_schema(_schema(Path(value)))
+        if name == "choice":
+            return flag, lcgen.Grammar.choice(value.split(","))
+        return flag, lcgen.Grammar.regex(value)
+    except (LcgenError, ValueError, TypeError, OSError) as exc:
+        raise UsageError(f"{where}: {_reason(exc)}") from None
+
+
+def _schema(path: Path) -> dict[str, Any] | bool:
+    """The JSON Schema in a file.
+
+    Raises:
+        OSError: the file cannot be read.
+        ValueError: it is not JSON, or the JSON is not a schema (an object, true or false).
+    """
+    try:
+        schema = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not valid JSON: {exc}") from None
+    if not isinstance(schema, dict | bool):
+        raise ValueError(
+            "a JSON Schema is an object (or true or false), the file holds "
+            f"{json.dumps(schema)[:80]}"
+        )
+    return schema
+
+
+def _reason(exc: BaseException) -> str:
+    """An exception's message; for a file that cannot be read, without the file name that the
+    message names already (``[Errno 2] No such file or directory: 'x'``)."""
+    if isinstance(exc, OSError) and exc.strerror and exc.filename is not None:
+        return exc.strerror
+    if isinstance(exc, UnicodeDecodeError):
+        return f"not UTF-8 text ({exc.reason} at byte {exc.start})"
+    return str(exc)
 
 
 def _grammar(text: str) -> lcgen.Grammar:
@@ -215,33 +280,50 @@ def _grammar(text: str) -> lcgen.Grammar:
     return lcgen.Grammar(text) if "::=" in text else lcgen.Grammar.from_file(text)
 
 
-def _prompt_tokens(model: lcgen.Model, args: argparse.Namespace) -> list[int]:
-    """The prompt (``-`` reads stdin, without its final newline), through the chat template
-    with ``--chat``."""
-    prompt = args.prompt
-    if prompt == "-":
-        prompt = sys.stdin.read()
-        prompt = prompt[:-1] if prompt.endswith("\n") else prompt
+def _prompt(args: argparse.Namespace) -> str:
+    """The prompt text (``-`` reads stdin, without its final newline), checked with the options
+    that shape it.
+
+    Raises:
+        UsageError: --system without --chat, --suffix with --chat, or an empty prompt (where
+            nothing else would be in the sequence).
+    """
     if args.system is not None and not args.chat:
-        raise ValueError("--system needs --chat (it is the chat's system message)")
+        raise UsageError("--system needs --chat (it is the chat's system message)")
+    if args.suffix is not None and args.chat:
+        raise UsageError("--suffix fills in the middle of text: it does not take --chat")
+    prompt: str = args.prompt
+    if prompt == "-":
+        prompt = sys.stdin.read().removesuffix("\n")
+    if not prompt and not args.chat and args.suffix is None:
+        source = "stdin held no text" if args.prompt == "-" else "give the text to continue"
+        raise UsageError(f"the prompt is empty: {source}")
+    return prompt
+
+
+def _prompt_tokens(model: lcgen.Model, args: argparse.Namespace, prompt: str) -> list[int]:
+    """The prompt's tokens: through the chat template with ``--chat``, around the suffix with
+    ``--suffix``."""
     if args.suffix is not None:
-        if args.chat:
-            raise ValueError("--suffix fills in the middle of text: it does not take --chat")
         return model.infill_tokens(prompt, args.suffix)
     if not args.chat:
-        return model.tokenize(prompt) if prompt else []
+        return model.tokenize(prompt)
     messages = [{"role": "system", "content": args.system}] if args.system else []
     return model.chat_tokens([*messages, {"role": "user", "content": prompt}])
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    constraint = _constraint(args)  # the usage errors first, before the model loads
+    grammar = constraint[1] if constraint else None
+    options = _checked_options(args, grammar)
+    prompt = _prompt(args)
     model = _load(args)
-    constraint = _constraint(args)
-    tokens = _prompt_tokens(model, args)
+    options |= _draft(args)
+    tokens = _prompt_tokens(model, args, prompt)
     n_prompt = len(tokens) - model.cache.cached(tokens)  # the tokens the prompt decodes
     timer = _Timer()
     with model.sequence(tokens) as seq:
-        chunks = list(timer.each(_tee(seq.stream(**_options(args), **constraint))))
+        chunks = list(timer.each(_tee(seq.stream(**options, grammar=grammar))))
     sys.stdout.write("\n")
     sys.stdout.flush()
     last = chunks[-1] if chunks else None
@@ -250,7 +332,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.quiet:
         n_generated = sum(len(chunk.tokens) for chunk in chunks)
         print(timer.summary(n_prompt, n_generated), file=sys.stderr)
-    problem = _incomplete(model, args, constraint, chunks)
+    problem = _incomplete(model, args, constraint, chunks) if constraint else None
     if problem:
         print(f"lcgen: error: {problem}", file=sys.stderr)
         return 1
@@ -289,15 +371,14 @@ def _rate(n_tokens: int, seconds: float) -> str:
 def _incomplete(
     model: lcgen.Model,
     args: argparse.Namespace,
-    constraint: dict[str, Any],
+    constraint: tuple[str, lcgen.Grammar],
     chunks: list[Chunk],
 ) -> str | None:
     """Why a constrained output is not a complete match of its constraint (the library's
-    truncation check), in the command's words; None when it is (or nothing constrains it)."""
-    if not constraint:
-        return None
+    truncation check), in the command's words; None when it is."""
+    flag, grammar = constraint
     try:
-        check_complete(Text.of(chunks), lcgen.make_plan(**constraint).constraint, model.vocab)
+        check_complete(Text.of(chunks), grammar, model.vocab)
         return None
     except IncompleteOutputError:
         pass
@@ -310,7 +391,6 @@ def _incomplete(
         reason = f"the stop string {last.stop!r} cut it"
     else:
         reason = "the banned phrases used up the retries (--max-retries)"
-    flag = "--json-schema" if "schema" in constraint else f"--{next(iter(constraint))}"
     return f"the output is incomplete: {reason} before it matched {flag}"
 
 
@@ -334,8 +414,9 @@ Ctrl-C stops a reply; when the conversation outgrows the context, the oldest tur
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
+    options = _checked_options(args)  # before the model loads
     model = _load(args)
-    chat = ChatSession(model, _options(args), args.system)
+    chat = ChatSession(model, options | _draft(args), args.system)
     interactive = sys.stdin.isatty()
     if interactive:
         _enable_line_editing()
@@ -710,17 +791,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the ``lcgen`` command; returns the exit status."""
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    """Run the ``lcgen`` command; returns the exit status: 0, 1 for an error, 2 for a usage
+    error, 130 after Ctrl-C, 141 when stdout was closed early."""
     try:
+        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
         return int(args.func(args))
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
+        _discard_stdout()
+        return EXIT_BROKEN_PIPE
+    except UsageError as exc:
+        print(f"lcgen: error: {exc}", file=sys.stderr)
+        return 2
     except (LcgenError, ValueError, TypeError, OSError) as exc:
         print(f"lcgen: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130
-    except BrokenPipeError:
-        return 0
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that flushing what is left of it at exit does not fail
+    again (and print "Exception ignored ... BrokenPipeError")."""
+    with contextlib.suppress(OSError, ValueError):  # no file descriptor (a test's capture)
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 if __name__ == "__main__":

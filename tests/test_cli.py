@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import json
 import os
 import pty
@@ -11,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -117,7 +120,7 @@ def test_errors_are_one_line_not_tracebacks() -> None:
     assert out.stderr.startswith("lcgen: error: unknown model 'no-such-model'")
     assert "Traceback" not in out.stderr
     out = run("generate", "smollm2-135m", "hi", "--temperature", "-1")
-    assert out.returncode == 1 and "temperature must be >= 0, got -1.0" in out.stderr
+    assert out.returncode == 2 and "temperature must be >= 0, got -1.0" in out.stderr
 
 
 def test_generate_with_token_healing(model: lcgen.Model) -> None:
@@ -146,21 +149,21 @@ def test_generate_with_constraints(model: lcgen.Model, tmp_path: Path) -> None:
     out = run("generate", "smollm2-135m", "Date:", "--grammar", "iso_date", "--max-tokens", "16")
     assert out.returncode == 0 and re.fullmatch(r"\d{4}-\d{2}-\d{2}\n", out.stdout), out.stdout
     out = run("generate", "smollm2-135m", "x", "--grammar", "nope")
-    assert out.returncode == 1 and "no bundled grammar" in out.stderr
+    assert out.returncode == 2 and "no bundled grammar" in out.stderr
     out = run("generate", "smollm2-135m", "x", "--choice", "a", "--regex", "b")
-    assert out.returncode == 1 and "at most one of" in out.stderr
+    assert out.returncode == 2 and "at most one of" in out.stderr
 
 
 @pytest.mark.parametrize("flag", ["--grammar", "--choice", "--regex", "--json-schema"])
 def test_an_empty_constraint_is_an_error_not_unconstrained(flag: str) -> None:
     out = run("generate", "smollm2-135m", "x", flag, "", "--max-tokens", "2")
-    assert out.returncode == 1 and f"{flag} is empty" in out.stderr, out.stderr
+    assert out.returncode == 2 and f"{flag} is empty" in out.stderr, out.stderr
 
 
 def test_a_json_schema_file_that_is_not_a_schema_is_named(tmp_path: Path) -> None:
     (tmp_path / "list.json").write_text("[1, 2]")
     out = run("generate", "smollm2-135m", "x", "--json-schema", str(tmp_path / "list.json"))
-    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "list.json: a JSON Schema is an object (or true or false), the file holds [1, 2]" in (
         out.stderr
     )
@@ -183,7 +186,7 @@ def test_generate_chat_reads_the_prompt_from_stdin(model: lcgen.Model) -> None:
     messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     assert out.returncode == 0 and out.stdout == model.chat(messages, max_tokens=12) + "\n"
     out = run("generate", "smollm2-135m", question, "--system", system, *ARGS)
-    assert out.returncode == 1 and "--system needs --chat" in out.stderr
+    assert out.returncode == 2 and "--system needs --chat" in out.stderr
 
 
 @pytest.mark.parametrize(
@@ -217,7 +220,7 @@ def test_generate_with_inline_grammar(model: lcgen.Model) -> None:
     expected = model.generate("Is the sky green? Answer:", grammar=lcgen.Grammar(gbnf))
     assert out.stdout == expected + "\n" and expected in {"yes", "no", "maybe"}
     bad = run("generate", "smollm2-135m", "x", "--grammar", "root ::= (")
-    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
 
 
 # constrained output cut short: a non-zero exit (issue 13) ----------------------------------
@@ -437,6 +440,10 @@ def test_serve_is_a_command(capsys: pytest.CaptureFixture[str]) -> None:
         (["generate", "m", "p", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
         (["generate"], "the following arguments are required"),
         (["serve", "m", "--port", "x"], "invalid int value: 'x'"),
+        (["serve", "m", "--port", "70000"], "--port: the port must be in 0-65535, got 70000"),
+        (["serve", "m", "--port", "-1"], "--port: the port must be in 0-65535, got -1"),
+        (["serve", "m", "--max-queue", "0"], "--max-queue: the queue must hold at least 1"),
+        (["serve", "m", "--max-queue", "-2"], "at least 1 choice, got -2"),
     ],
 )
 def test_usage_errors_are_one_line_with_status_2(
@@ -449,3 +456,126 @@ def test_usage_errors_are_one_line_with_status_2(
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and says in err and err.startswith("lcgen")
+
+
+# usage errors found before the model loads: status 2, one line ------------------------------
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["hi", "--grammar", "json", "--regex", "a"], "give at most one of --grammar, --json"),
+        (["hi", "--system", "Be terse."], "--system needs --chat"),
+        (["hi", "--max-tokens", "-1"], "max_tokens must be"),
+        (["hi", "--top-p", "2"], "top_p must be"),
+        (["hi", "--seed", "-1"], "seed must be"),
+        (["hi", "--speculate", "--draft", "x.gguf"], "not both"),
+        (["hi", "--regex", "("], "--regex '(': invalid regex"),
+        (["hi", "--grammar", "/no/such.gbnf"], "--grammar /no/such.gbnf: No such file"),
+        ([""], "the prompt is empty: give the text to continue"),
+    ],
+)
+def test_option_errors_are_usage_errors(
+    argv: list[str], says: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.main(["generate", "no-such-model", *argv]) == 2  # before any model loads
+    err = capsys.readouterr().err
+    assert err.startswith("lcgen: error: ") and err.count("\n") == 1 and says in err, err
+
+
+def test_chat_option_errors_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["chat", "no-such-model", "--temperature", "-1"]) == 2
+    assert capsys.readouterr().err == "lcgen: error: temperature must be >= 0, got -1.0\n"
+
+
+def test_an_empty_prompt_on_stdin(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n"))
+    assert cli.main(["generate", "no-such-model", "-"]) == 2
+    assert capsys.readouterr().err == "lcgen: error: the prompt is empty: stdin held no text\n"
+
+
+def test_a_json_schema_file_that_is_not_json_is_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "bad.json"
+    path.write_text("{a: 1}")
+    assert cli.main(["generate", "smollm2-135m", "x", "--json-schema", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lcgen: error: --json-schema {path}: not valid JSON: Expecting property")
+    assert cli.main(["generate", "smollm2-135m", "x", "--json-schema", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"lcgen: error: --json-schema {tmp_path}: Is a directory\n"
+
+
+# a reader that goes away (`| head`): a quiet exit with status 141 ----------------------------
+@pytest.mark.parametrize("command", ["generate", "chat"])
+def test_a_closed_stdout_ends_quietly(command: str) -> None:
+    # Greedy replies of some 400 tokens (measured): the reader leaves long before their end.
+    if command == "generate":
+        prompt, args = "Once upon a time", ["-", "--quiet"]
+    else:
+        prompt, args = "Write a long story about a dragon and a knight.", []
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lcgen.cli", command, "smollm2-135m", *args, *THREADS,
+         "--max-tokens", "400"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    proc.stdin.write(prompt.encode() + b"\n")
+    proc.stdin.close()
+    assert proc.stdout.read(1)  # the output has started; the reader leaves
+    proc.stdout.close()
+    assert proc.wait(timeout=300) == cli.EXIT_BROKEN_PIPE
+    assert proc.stderr.read() == b""
+    proc.stderr.close()
+
+
+# lcgen serve ---------------------------------------------------------------------------------
+needs_server = pytest.mark.skipif(
+    any(importlib.util.find_spec(name) is None for name in ("starlette", "uvicorn")),
+    reason="the server extra is not installed",
+)
+
+
+@needs_server
+def test_serve_checks_its_options_before_loading() -> None:
+    from lcgen import server
+
+    with pytest.raises(ValueError, match="at least 1 choice, got 0"):
+        server.serve("no-such-model", max_queue=0)
+    with pytest.raises(ValueError, match="0-65535, got 65536"):
+        server.serve("no-such-model", port=65536)
+    with pytest.raises(SystemExit) as exit_info:
+        server.main(["m", "--max-queue", "0"])
+    assert exit_info.value.code == 2
+
+
+@needs_server
+def test_serve_says_when_it_is_ready_and_when_its_port_is_taken() -> None:
+    serve = [sys.executable, "-m", "lcgen.cli", "serve", "smollm2-135m", "--n-ctx", "512"]
+    serve += ["--n-seq-max", "2", *THREADS]
+    proc = subprocess.Popen([*serve, "--port", "0"], stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        ready = proc.stderr.readline()  # the first line, once it listens (port 0: a free one)
+        found = re.fullmatch(
+            r"lcgen serve: smollm2-135m on (http://127\.0\.0\.1:(\d+)) \(OpenAI API at /v1\)\n",
+            ready,
+        )
+        assert found, ready
+        with urllib.request.urlopen(found[1] + "/health", timeout=30) as response:
+            assert response.status == 200
+        port = found[2]
+        for taken in (serve, [sys.executable, "-m", "lcgen.server", "smollm2-135m"]):
+            out = subprocess.run(
+                [*taken, "--port", port], capture_output=True, text=True, timeout=60, check=False
+            )
+            assert out.returncode == 1
+            assert out.stderr.startswith(
+                f"lcgen serve: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+            )
+            assert out.stderr.count("\n") == 1, out.stderr
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+        if proc.stderr is not None:
+            proc.stderr.close()

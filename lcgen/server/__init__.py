@@ -19,14 +19,20 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import functools
 import importlib.util
 import os
+import socket
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import lcgen
+
+if TYPE_CHECKING:
+    import uvicorn
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -35,6 +41,11 @@ _EXTRA = ("starlette", "uvicorn", "sse_starlette")
 
 class ServerExtraMissingError(lcgen.LcgenError, ImportError):
     """The server's dependencies are not installed (``pip install 'lcgen[server]'``)."""
+
+
+class ServerAddressError(lcgen.LcgenError, OSError):
+    """The server cannot listen on its host and port (another server has it, or the address
+    is not this machine's)."""
 
 
 def require_extra() -> None:
@@ -61,20 +72,26 @@ def serve(
 ) -> None:
     """Load a model and serve it until interrupted (Ctrl-C).
 
+    The address is bound before the model loads, so a port in use fails at once; one line on
+    stderr says when the server is ready (``lcgen serve: MODEL on http://HOST:PORT ...``).
+
     Args:
         model_name_or_path: a registry name, ``.gguf`` path or ``hf:`` reference.
         host: the address to bind (127.0.0.1: this machine only).
-        port: the TCP port.
+        port: the TCP port (0: any free one, named in the ready line).
         api_key: when set, requests need ``Authorization: Bearer KEY`` (not ``/health``).
         n_ctx: the context size in tokens, shared by all running requests.
         n_seq_max: sequence slots: requests (choices) running at once, and cached prefixes.
         threads: CPU threads (None: the cores, at most 8).
-        max_queue: the most choices waiting for a slot before requests get 429 (None: 64).
+        max_queue: the most choices waiting for a slot before requests get 429, at least 1
+            (None: 64).
         draft: a draft model (same vocabulary) for requests with ``speculate: "draft"``.
         verbose: show llama.cpp's log and every request.
 
     Raises:
         ServerExtraMissingError: the server's dependencies are not installed.
+        ValueError: ``port`` is not in 0-65535 or ``max_queue`` is below 1.
+        ServerAddressError: ``host:port`` cannot be bound (in use, or not this machine's).
         ModelNotFoundError, ModelLoadError: the model cannot be found or loaded.
     """
     require_extra()
@@ -82,6 +99,9 @@ def serve(
 
     from lcgen.server.app import DEFAULT_MAX_QUEUE, create_app
 
+    _check_port(port)
+    if max_queue is not None:
+        _check_max_queue(max_queue)
     ref = str(model_name_or_path)
     # The name clients give: a registry name as given, a file by its name (no directories).
     name = Path(ref).name if ref.endswith(".gguf") else ref
@@ -89,6 +109,7 @@ def serve(
         lcgen.load, n_ctx=n_ctx, n_seq_max=n_seq_max, n_threads=threads, verbose=verbose
     )
     with contextlib.ExitStack() as stack:
+        sock = stack.enter_context(_bind(host, port))
         model = stack.enter_context(load(ref))
         draft_model = None if draft is None else stack.enter_context(load(draft))
         app = create_app(
@@ -98,7 +119,82 @@ def serve(
             max_queue=DEFAULT_MAX_QUEUE if max_queue is None else max_queue,
             draft_model=draft_model,
         )
-        uvicorn.run(app, host=host, port=port, log_level="info" if verbose else "warning")
+        config = uvicorn.Config(
+            app, host=host, port=port, log_level="info" if verbose else "warning"
+        )
+        try:  # another server may have bound the port too, and listened first
+            sock.listen(config.backlog)
+        except OSError as exc:
+            raise _address_error(host, port, exc) from None
+        ready = f"lcgen serve: {name} on {_url(host, sock)} (OpenAI API at /v1)"
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn stopped, as uvicorn.run
+            _ready_server(config, ready).run(sockets=[sock])
+
+
+def _ready_server(config: uvicorn.Config, ready: str) -> uvicorn.Server:
+    """uvicorn's server, saying ``ready`` on stderr once it listens."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if self.started:
+                print(ready, file=sys.stderr, flush=True)
+
+    return Server(config)
+
+
+def _check_port(port: int) -> int:
+    """``port`` when it is a TCP port number (0-65535; 0 picks a free one).
+
+    Raises:
+        ValueError: it is not (the value is named).
+    """
+    if not 0 <= port <= 65535:
+        raise ValueError(f"the port must be in 0-65535, got {port}")
+    return port
+
+
+def _check_max_queue(max_queue: int) -> int:
+    """``max_queue`` when it is at least 1 (a server with no queue refuses every request that
+    finds the slots busy).
+
+    Raises:
+        ValueError: it is below 1 (the value is named).
+    """
+    if max_queue < 1:
+        raise ValueError(f"the queue must hold at least 1 choice, got {max_queue}")
+    return max_queue
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host:port``, not yet listening (connections are refused, not
+    kept waiting, while the model loads).
+
+    Raises:
+        ServerAddressError: the address cannot be bound (the host and port are named).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET  # as uvicorn binds
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise _address_error(host, port, exc) from None
+    return sock
+
+
+def _address_error(host: str, port: int, exc: OSError) -> ServerAddressError:
+    reason = exc.strerror or str(exc)
+    if exc.errno == errno.EADDRINUSE:
+        reason += " (another server listens there: --port picks another port)"
+    return ServerAddressError(f"cannot listen on {host}:{port}: {reason}")
+
+
+def _url(host: str, sock: socket.socket) -> str:
+    port = sock.getsockname()[1]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 # command line ------------------------------------------------------------------------------
@@ -117,7 +213,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "model", help="registry name (see `lcgen models`), .gguf path or hf:org/repo/file"
     )
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"(default {DEFAULT_PORT})")
+    p.add_argument(
+        "--port",
+        type=_int_arg(_check_port),
+        default=DEFAULT_PORT,
+        help=f"0-65535; 0 picks a free one (default {DEFAULT_PORT})",
+    )
     p.add_argument(
         "--api-key",
         default=os.environ.get("LCGEN_API_KEY") or None,  # set but empty: none
@@ -127,7 +228,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--n-seq-max", type=int, default=None, help="sequence slots (default 32)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: cores, <= 8)")
     p.add_argument(
-        "--max-queue", type=int, default=None, help="most choices waiting before 429 (64)"
+        "--max-queue",
+        type=_int_arg(_check_max_queue),
+        default=None,
+        help="most choices waiting before 429, at least 1 (default 64)",
     )
     p.add_argument(
         "--draft",
@@ -135,6 +239,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a draft model of the same vocabulary, for requests with speculate: 'draft'",
     )
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's log and requests")
+
+
+def _int_arg(check: Callable[[int], int]) -> Callable[[str], int]:
+    """An argparse type: an int that ``check`` accepts; its ValueError is the usage error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        try:
+            return check(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
@@ -149,38 +269,42 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
 
 
 def command(args: argparse.Namespace) -> int:
-    """Run ``serve`` with parsed arguments; returns the exit status."""
-    serve(
-        args.model,
-        host=args.host,
-        port=args.port,
-        api_key=args.api_key,
-        n_ctx=args.n_ctx,
-        n_seq_max=args.n_seq_max,
-        threads=args.threads,
-        max_queue=args.max_queue,
-        draft=args.draft,
-        verbose=args.verbose,
-    )
+    """Run ``serve`` with parsed arguments; returns the exit status (an error is one line on
+    stderr, status 1)."""
+    try:
+        serve(
+            args.model,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            n_ctx=args.n_ctx,
+            n_seq_max=args.n_seq_max,
+            threads=args.threads,
+            max_queue=args.max_queue,
+            draft=args.draft,
+            verbose=args.verbose,
+        )
+    except (lcgen.LcgenError, ValueError, TypeError, OSError) as exc:
+        print(f"lcgen serve: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m lcgen.server MODEL [options]``; returns the exit status."""
+    """``python -m lcgen.server MODEL [options]``, the same as ``lcgen serve``; returns the
+    exit status."""
     p = Parser(prog="python -m lcgen.server", description=__doc__.split("\n")[0])
     add_arguments(p)
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     try:
         return command(args)
-    except (lcgen.LcgenError, ValueError, TypeError, OSError) as exc:
-        print(f"lcgen serve: error: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # while the model loads
         return 130
 
 
 __all__ = [
     "Parser",
+    "ServerAddressError",
     "ServerExtraMissingError",
     "add_parser",
     "command",

@@ -1,5 +1,5 @@
-"""``python -m lcgen.server MODEL [--host] [--port] [--api-key] [--n-ctx] [--n-seq-max]
-[--threads]``: serve a model over an OpenAI-compatible HTTP API."""
+"""``python -m lcgen.server MODEL [options]``: serve a model over an OpenAI-compatible HTTP API,
+the same as ``lcgen serve`` (same options, messages and exit statuses)."""
 
 import sys
 
