@@ -166,6 +166,75 @@ def test_stop_cuts_the_greedy_text(client: openai.OpenAI) -> None:
     assert stopped.finish_reason == "stop"
 
 
+def test_a_stop_that_cuts_a_constrained_reply_says_length(client: openai.OpenAI) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    ask = {
+        "messages": [{"role": "user", "content": "The largest city in France as JSON."}],
+        "max_tokens": 40,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"name": "c", "schema": schema, "strict": True},
+        },
+    }
+    whole = chat(client, **ask).choices[0]
+    assert whole.finish_reason == "stop"
+    city = json.loads(whole.message.content)["city"]
+    cut = chat(client, stop=[city], **ask).choices[0]
+    assert cut.finish_reason == "length"  # not passed off as complete JSON
+    assert cut.message.content == whole.message.content.split(city)[0]
+    events = client.chat.completions.create(model=NAME, stream=True, stop=[city], **ask)
+    assert [c.choices[0].finish_reason for c in events if c.choices][-1] == "length"
+
+
+def test_a_schema_lcgen_cannot_enforce_falls_back_to_its_type_unless_strict(
+    client: openai.OpenAI,
+) -> None:
+    unique = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 3}
+    ask = [{"role": "user", "content": "Three numbers as a JSON array, like [4, 5, 6]."}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": unique}}
+    reply = chat(client, messages=ask, max_tokens=30, response_format=fmt).choices[0]
+    assert reply.message.content.lstrip().startswith("[")  # the type it names (not an object)
+    fmt["json_schema"]["strict"] = True
+    with pytest.raises(openai.BadRequestError, match="uniqueItems"):
+        chat(client, messages=ask, max_tokens=40, response_format=fmt)
+    anything = {"type": "json_schema", "json_schema": {"name": "a", "schema": True}}
+    reply = chat(client, messages=ask, max_tokens=30, response_format=anything).choices[0]
+    assert reply.message.content.lstrip()[:1] in set('[{"-0123456789tfn')  # any JSON value
+
+
+def test_a_completion_prompt_of_token_ids(client: openai.OpenAI, model: lcgen.Model) -> None:
+    ids = model.tokenize("The sky is")
+    ask = {"model": NAME, "max_tokens": 4, "temperature": 0}
+    text = client.completions.create(prompt="The sky is", **ask).choices[0].text
+    assert client.completions.create(prompt=ids, **ask).choices[0].text == text
+    both = client.completions.create(prompt=[ids, ids[:2]], **ask).choices
+    assert [c.index for c in both] == [0, 1] and both[0].text == text
+    with pytest.raises(openai.BadRequestError, match="prompt") as info:
+        client.completions.create(prompt=[1, model.n_vocab], **ask)
+    assert str(model.n_vocab) in str(info.value)
+
+
+def test_logprobs_end_with_the_text_a_stop_string_cut(client: openai.OpenAI) -> None:
+    free = chat(client, max_tokens=24, logprobs=True).choices[0]
+    tokens = [e.token for e in free.logprobs.content]
+    stop = tokens[3].strip() or tokens[4].strip()  # a token part way through
+    cut = chat(client, max_tokens=24, logprobs=True, stop=[stop]).choices[0]
+    entries = [e.token for e in cut.logprobs.content]
+    assert cut.message.content == free.message.content.split(stop)[0]
+    # every entry starts inside the text; together they cover it
+    assert "".join(entries).startswith(cut.message.content)
+    assert len("".join(entries[:-1])) < len(cut.message.content) or not entries[:-1]
+    text = client.completions.create(
+        model=NAME, prompt="The sky is", max_tokens=8, temperature=0, logprobs=1, stop=[stop]
+    ).choices[0]
+    assert all(offset < len(text.text) for offset in text.logprobs.text_offset)
+
+
 def test_json_schema_response_format_validates(client: openai.OpenAI) -> None:
     schema = {
         "type": "object",
@@ -724,7 +793,7 @@ BAD = [
     (_body(temperature="hot"), "temperature"),
     (_body(temperature=9), "temperature"),
     (_body(n=0), "n"),
-    (_body(stop=[1, 2]), "stop.str"),
+    (_body(stop=[1, 2]), "stop"),
     (_body(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role"),
     (_body(messages="hello"), "messages"),
     (_body(logit_bias={"abc": 1}), "logit_bias"),
@@ -826,6 +895,13 @@ def test_request_errors_have_their_status(url: str, model: lcgen.Model) -> None:
     assert status == 404 and "error" in reply
     status, reply = request(url, "/v1/models")
     assert status == 200 and [m["id"] for m in reply["data"]] == [NAME]
+    status, reply = request(url, f"/v1/models/{NAME}")
+    assert status == 200 and reply["id"] == NAME and reply["object"] == "model"
+    status, reply = request(url, "/v1/models/gpt-4")
+    assert status == 404 and reply["error"]["code"] == "model_not_found"
+    no_logprobs = _body(top_logprobs=2)
+    status, reply = request(url, "/v1/chat/completions", no_logprobs)
+    assert status == 400 and reply["error"]["param"] == "top_logprobs", reply
 
 
 def test_a_server_with_a_draft_model(

@@ -79,10 +79,19 @@ class _Server:
 
     async def completions(self, request: Request) -> Response:
         req = await self._request(request, CompletionRequest)
-        texts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        given = req.prompt
+        items = [given] if isinstance(given, str) or isinstance(given[0], int) else given
         suffix = req.suffix
         tokens_of = self.model.tokenize if suffix is None else partial(self._infill, suffix=suffix)
-        prompts = [await run_in_threadpool(tokens_of, text) for text in texts]
+        texts, prompts = [], []
+        for item in items:
+            if isinstance(item, str):
+                texts.append(item)
+                prompts.append(await run_in_threadpool(tokens_of, item))
+            else:  # token ids, as given (no BOS added)
+                ids = self._token_prompt(item, suffix)
+                texts.append(self.model.detokenize(ids))
+                prompts.append(ids)
         if not all(prompts):
             raise APIError(400, "prompt: a prompt is empty", param="prompt")
         echo = None
@@ -93,6 +102,14 @@ class _Server:
                 for text, tokens in zip(texts, prompts, strict=True)
             ]
         return await self._generate(request, req, prompts, "text", echo=echo)
+
+    def _token_prompt(self, ids: list[int], suffix: str | None) -> list[int]:
+        if suffix is not None:
+            raise APIError(400, "suffix needs a text prompt, not token ids", param="suffix")
+        try:
+            return self.model.vocab.check_tokens(ids)
+        except ValueError as exc:
+            raise APIError(400, f"prompt: {exc}", param="prompt") from None
 
     def _infill(self, prefix: str, suffix: str) -> list[int]:
         try:
@@ -115,8 +132,22 @@ class _Server:
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)
-        entry = {"id": self.name, "object": "model", "created": self.created, "owned_by": "lcgen"}
-        return JSONResponse({"object": "list", "data": [entry]})
+        return JSONResponse({"object": "list", "data": [self._model_entry()]})
+
+    async def one_model(self, request: Request) -> Response:
+        """``GET /v1/models/{id}``: the model, under any of the names it answers to."""
+        self._authorize(request)
+        name = request.path_params["name"]
+        if name not in self.names:
+            raise APIError(
+                404,
+                f"the model {name!r} does not exist: this server has {self.name!r}",
+                code="model_not_found",
+            )
+        return JSONResponse(self._model_entry())
+
+    def _model_entry(self) -> dict[str, Any]:
+        return {"id": self.name, "object": "model", "created": self.created, "owned_by": "lcgen"}
 
     async def health(self, request: Request) -> Response:
         stats = self.model.cache.stats
@@ -238,7 +269,10 @@ class _Server:
         several (see :class:`Reply`)."""
         loop = asyncio.get_running_loop()
         job = await run_in_threadpool(self._job, req, prompts, kind, loop)
-        reply = Reply(kind, req.model, self.model, n_logprobs(req) is not None, tools, parallel)
+        plans = job.plans if job is not None else None
+        reply = Reply(
+            kind, req.model, self.model, n_logprobs(req) is not None, tools, parallel, plans
+        )
         count = _Count(prompts, req.n)
         outputs = [Output(i) for i in range(len(prompts) * req.n)]
         if echo is not None:
@@ -425,6 +459,7 @@ def create_app(
             Route("/v1/chat/completions", server.chat, methods=["POST"]),
             Route("/v1/completions", server.completions, methods=["POST"]),
             Route("/v1/models", server.models, methods=["GET"]),
+            Route("/v1/models/{name:path}", server.one_model, methods=["GET"]),
             Route("/health", server.health, methods=["GET"]),
         ],
         exception_handlers=handlers,

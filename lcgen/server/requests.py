@@ -100,7 +100,7 @@ class Message(_Strict):
 class JsonSchemaFormat(_Strict):
     name: str = "output"
     description: str | None = None
-    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
@@ -162,6 +162,12 @@ class ChatRequest(_Common):
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
+    @model_validator(mode="after")
+    def _check(self) -> ChatRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true (as OpenAI's API)")
+        return self
+
     def callable_tools(self) -> list[Tool]:
         """The tools this reply may call (see :func:`lcgen.server.tools.active`).
 
@@ -184,7 +190,15 @@ class ChatRequest(_Common):
 
 
 class CompletionRequest(_Common):
-    prompt: str | Annotated[list[str], Field(min_length=1, max_length=MAX_N)]
+    # text, several texts, token ids, or several lists of token ids (as OpenAI's API takes)
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1, max_length=MAX_N)]
+        | Annotated[list[int], Field(min_length=1)]
+        | Annotated[
+            list[Annotated[list[int], Field(min_length=1)]], Field(min_length=1, max_length=MAX_N)
+        ]
+    )
     logprobs: Annotated[int, Field(ge=0, le=5)] | None = None
     # 0 with echo: the prompt's log-probabilities alone (scoring, as evaluation harnesses do).
     max_tokens: Annotated[int, Field(ge=0)] | None = None
@@ -216,9 +230,23 @@ def parse(cls: type[R], body: bytes) -> R:
         first = exc.errors(include_url=False)[0]
         if first["type"] == "json_invalid":
             raise APIError(400, f"the body is not valid JSON: {first['msg']}") from None
-        param = ".".join(str(part) for part in first["loc"]) or None
+        message = first["msg"].removeprefix("Value error, ")
+        # pydantic's path, less the tags it adds for a union's members (``str``, ``list[...]``)
+        path = [str(part) for part in first["loc"] if not _union_tag(part)]
+        param = ".".join(path) or _field_named_in(message, cls)
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
-        raise APIError(400, f"{param}: {first['msg']}{more}", param=param) from None
+        where = f"{param}: " if path else ""
+        raise APIError(400, f"{where}{message}{more}", param=param) from None
+
+
+def _union_tag(part: int | str) -> bool:
+    return isinstance(part, str) and (part in {"str", "int", "float", "bool"} or "[" in part)
+
+
+def _field_named_in(message: str, cls: type[BaseModel]) -> str | None:
+    """The field a whole-request check is about: its message starts with the field's name."""
+    name = message.split(" ", 1)[0].rstrip(":,")
+    return name if name in cls.model_fields else None
 
 
 # lcgen's options ---------------------------------------------------------------------------
@@ -347,8 +375,16 @@ def _compile(name: str, value: Any) -> lcgen.Grammar:
     except lcgen.GrammarError:
         if strict:
             raise
-        # Not strict: best effort, a JSON object of any shape.
-        return lcgen.Grammar.from_json_schema({"type": "object"})
+        # Not strict: best effort, a JSON value of the type the schema names (an object where
+        # it names none).
+        named = schema.get("type") if isinstance(schema, dict) else None
+        kinds = [named] if isinstance(named, str) else named
+        if not isinstance(kinds, list) or not kinds or not set(kinds) <= _JSON_TYPES:
+            kinds = ["object"]
+        return lcgen.Grammar.from_json_schema({"type": kinds})
+
+
+_JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}
 
 
 def _format_schema(req: ChatRequest | CompletionRequest) -> tuple[Any, bool] | None:

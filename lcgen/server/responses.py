@@ -39,6 +39,8 @@ class Output:
     finish_reason: str | None = None
     cached_tokens: int = 0
     _calls: list[dict[str, Any]] | None = None
+    start: int = 0  # where the generated text starts (after an echoed prompt)
+    token_chars: int = 0  # the characters of the tokens so far (a stop string may cut them)
 
     @property
     def text(self) -> str:
@@ -72,6 +74,7 @@ class Reply:
         logprobs: bool,
         tools: bool = False,
         parallel: bool = False,
+        plans: list[lcgen.Plan] | None = None,
     ) -> None:
         self.kind, self.model_name, self.model, self.with_logprobs = (
             kind,
@@ -80,26 +83,52 @@ class Reply:
             logprobs,
         )
         self.tools, self.parallel = tools, parallel
+        self.plans = plans or []
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
     # gathering -------------------------------------------------------------------------
     def take(self, out: Output, chunk: Chunk) -> list[dict[str, Any]]:
-        """Add a chunk to a choice; returns its log-probability entries (empty without)."""
-        entries = self._logprobs(chunk, out.n_chars) if self.with_logprobs else []
+        """Add a chunk to a choice; returns its log-probability entries (empty without).
+
+        A stop string cuts the text, not the tokens: entries of tokens that start past the
+        returned text are dropped (they describe text the reply does not have). A constrained
+        choice that a stop string or token cut before it matched ends with ``"length"``, the
+        reason OpenAI's clients read as cut short (``"stop"`` would pass it off as complete).
+        """
+        entries = self._logprobs(chunk, out.token_chars) if self.with_logprobs else []
+        out.token_chars += sum(len(each.text) for each in chunk.logprobs)
         out.parts.append(chunk.text)
         out.n_chars += len(chunk.text)
         out.n_tokens += len(chunk.tokens)
-        out.logprobs += entries
         if chunk.finish_reason is not None:
+            entries = [e for e in entries if e["text_offset"] < out.n_chars]
+            out.logprobs = [e for e in out.logprobs if e["text_offset"] < out.n_chars]
             out.finish_reason = FINISH_REASONS[chunk.finish_reason]
+            if chunk.finish_reason == "stop" and self._cut_short(out, chunk):
+                out.finish_reason = "length"
+        out.logprobs += entries
         return entries
+
+    def _cut_short(self, out: Output, chunk: Chunk) -> bool:
+        """Whether a choice that stopped is constrained and does not match its constraint."""
+        plan = self.plans[out.index] if out.index < len(self.plans) else None
+        if plan is None or plan.constraint is None:
+            return False
+        text = lcgen.Text(out.text[out.start :])
+        text.finish_reason, text.stop, text.tokens = "stop", chunk.stop, chunk.tokens
+        try:
+            plan.check_complete(text, self.model.vocab)
+        except lcgen.IncompleteOutputError:
+            return True
+        return False
 
     def echo(self, out: Output, text: str, scored: tuple[int, list[TokenLogprob]] | None) -> None:
         """Start a choice with its echoed prompt (text and, when asked, log-probabilities:
         none for the first token)."""
         out.parts.append(text)
         out.n_chars += len(text)
+        out.start = out.token_chars = out.n_chars
         if self.with_logprobs and scored is not None:
             first, rest = scored
             lead = self.model.detokenize([first])
