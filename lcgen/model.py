@@ -22,7 +22,9 @@ from lcgen._native.log import init, supports_gpu_offload
 from lcgen._native.model import ModelHandle, render_chat_template
 from lcgen.decoding import Chunk, GenerateOptions, Plan, Text, make_plan
 from lcgen.decoding.generator import logprobs_of
+from lcgen.decoding.options import shown
 from lcgen.decoding.results import SchemaLike, TokenLogprob, check_complete, parse_structured
+from lcgen.decoding.sampling import check_seed
 from lcgen.errors import ContextFullError
 from lcgen.runtime import Context, Run, Scheduler, Sequence
 from lcgen.runtime.kvstore import KVStore
@@ -401,11 +403,14 @@ class Model:
 
         Raises:
             SlotsExhaustedError: all ``n_seq_max`` slots are held by live sequences.
+            TypeError: the prompt is neither text nor token ids.
+            ValueError: a token id is outside the vocabulary, or ``seed`` is not an int >= 0.
         """
+        check_seed(seed)  # before a slot is taken
         if isinstance(prompt, str):
             tokens = self.tokenize(prompt, special=special) if prompt else []
         elif isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Seq):
-            raise TypeError(f"a prompt is a str or a list of token ids, got {prompt!r}")
+            raise TypeError(f"a prompt is a str or a list of token ids, got {shown(prompt)}")
         else:
             tokens = self.vocab.check_tokens(prompt)  # type: ignore[arg-type]
         return Sequence(self, tokens, seed=seed)
@@ -496,14 +501,16 @@ class Model:
             with self.sequence(self._prompt(prompt, suffix)) as seq:
                 return seq.generate(schema=schema, **options)
         if not isinstance(prompt, list | tuple) or not all(isinstance(p, str) for p in prompt):
-            raise TypeError(f"a prompt is a str or a list of str, got {prompt!r}")
+            ids = isinstance(prompt, list | tuple) and all(isinstance(p, int) for p in prompt)
+            hint = " (token ids: model.sequence(tokens).generate(...))" if ids else ""
+            raise TypeError(f"a prompt is a str or a list of str, got {shown(prompt)}{hint}")
         plan = make_plan(schema=schema, **options)
         tokens = [
             self.tokenize(p) if suffix is None else self.infill_tokens(p, suffix) for p in prompt
         ]
         texts = self._generate_batch(tokens, plan)
         for text in texts:
-            check_complete(text, plan.constraint, self.vocab)
+            check_complete(text, plan.constraint, self.vocab, plan.stop_tokens)
         return texts if schema is None else [parse_structured(t, schema) for t in texts]
 
     def prompt_logprobs(self, prompt: str | Seq[int], *, top: int = 0) -> list[TokenLogprob]:

@@ -111,7 +111,8 @@ class Vocab:
             TypeError: a token id is not an int.
         """
         if isinstance(tokens, str | bytes | bytearray):
-            raise TypeError(f"token ids are a list of int, got {tokens!r}")
+            shown = f"{tokens[:40]!r}..." if len(tokens) > 40 else repr(tokens)
+            raise TypeError(f"token ids are a list of int, got {type(tokens).__name__} {shown}")
         try:
             out = [operator.index(t) for t in tokens]
         except TypeError:

@@ -3,19 +3,26 @@ process (a crash there cannot take the test run with it) with a time limit, and 
 the child prints PASS and exits normally.
 
 These are the cases that used to end the process (a segfault or abort in llama.cpp), hang, or
-leave a sequence broken.
+leave a sequence broken. After them, bad options and values that got another library's error
+(or none): those run in this process.
 """
 
 from __future__ import annotations
 
+import re
 import shutil
 import struct
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
+
+import lcgen
 
 PRELUDE = """
 import sys, threading, time, os, signal
@@ -53,6 +60,7 @@ def test_everything_after_close_raises_closed_error() -> None:
         m = lcgen.load()
         seq = m.sequence("Hello there")
         seq.generate(max_tokens=2)
+        fresh = m.sequence("Not decoded yet")
         state = lcgen.Grammar.choice(["yes", "no"]).state(m)
         text = lcgen.continuous(lcgen.generate.text(m, max_tokens=2))
         s = text("Hi")
@@ -64,7 +72,8 @@ def test_everything_after_close_raises_closed_error() -> None:
             lambda: m.cache.pin("x"), lambda: seq.generate(max_tokens=2), lambda: seq.fork(),
             lambda: seq.rewind(1), lambda: seq.to_bytes(), lambda: seq.text,
             lambda: state.allows(3), lambda: state.allowed(), lambda: text(s),
-            lambda: m.sequence("again"),
+            lambda: m.sequence("again"), lambda: fresh.fork(), lambda: fresh.append(" x"),
+            lambda: seq.append_tokens([5]), lambda: seq.checkpoint(), lambda: m.cache.clear(),
         ]:
             expect(lcgen.ClosedError, call)
         assert "closed" in repr(m)
@@ -246,3 +255,189 @@ def test_a_full_memory_in_the_middle_of_a_prefill_leaves_the_sequence_usable() -
         assert out.stats.tokens == 3
         """)
     )
+
+
+# Bad options and values: a clear error naming the option and the value (nothing here can end
+# the process, so these run in it, on the shared model).
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"logit_bias": [(28, 5)]}, TypeError, "logit_bias takes a mapping of token id to number"),
+        ({"logit_bias": 5}, TypeError, "logit_bias takes a mapping"),
+        ({"logit_bias": {28: float("nan")}}, ValueError, "logit_bias values must not be NaN"),
+        ({"logit_bias": {28: "5"}}, TypeError, "logit_bias values are numbers, got '5'"),
+        ({"stop": 5}, TypeError, "stop takes a string or a list of strings, got 5"),
+        ({"stop": [5]}, TypeError, "stop string 5 is a int"),
+        ({"stop_tokens": 28}, TypeError, "use stop_tokens=[28]"),
+        ({"stop_tokens": "ab"}, TypeError, "stop_tokens takes a list of token ids (int), got 'ab'"),
+        ({"stop_tokens": [1.5]}, TypeError, "stop_tokens must be an int, got 1.5"),
+        ({"seed": True}, ValueError, "seed must be an int >= 0 or None, got True"),
+    ],
+)
+def test_bad_generation_options_are_named(
+    model: lcgen.Model, options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error) as caught:
+        model.generate("Hi", max_tokens=2, **options)
+    assert message in str(caught.value)
+
+
+def test_infinite_logit_biases_ban_and_force(model: lcgen.Model) -> None:
+    inf = float("inf")
+    first = model.generate("Hi", max_tokens=1).tokens[0]
+    assert first not in model.generate("Hi", max_tokens=4, logit_bias={first: -inf}).tokens
+    assert model.generate("Hi", max_tokens=2, logit_bias={28: inf}).tokens == (28, 28)
+    pairs: Any = [(28, -inf)]  # pairs, as a list: kept as a tuple of them
+    assert lcgen.SamplerConfig(logit_bias=pairs).logit_bias == ((28, -inf),)
+    # +inf on a token the grammar refuses: it stays refused (-inf + inf made NaN logits)
+    for temperature in (0.0, 0.7):
+        out = model.generate(
+            "Say", max_tokens=3, logit_bias={28: inf}, choice=["yes", "no"], temperature=temperature
+        )
+        assert out in ("yes", "no")
+
+
+@pytest.mark.parametrize("seed", [-1, 1.5, "x", True, [1, 2]])
+def test_bad_seeds_are_refused_everywhere_as_generate_refuses_them(
+    model: lcgen.Model, seed: Any
+) -> None:
+    message = f"seed must be an int >= 0 or None, got {seed!r}"
+    with pytest.raises(ValueError, match=re.escape(message)):
+        model.generate("Hi", max_tokens=1, seed=seed)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        model.sequence("Hi", seed=seed)
+    slots = model.cache.available_slots()
+    with model.sequence("Hi", seed=3) as seq:
+        with pytest.raises(ValueError, match=re.escape(message)):
+            seq.fork(seed=seed)
+        with pytest.raises(ValueError, match=re.escape(message)):
+            seq.reseed(seed)
+        seq.reseed(4)
+        assert seq.generate(max_tokens=1) is not None  # the sequence goes on
+    assert model.cache.available_slots() == slots  # no slot was taken by a refused seed
+
+
+def test_generator_step_takes_a_list_and_refuses_what_is_not_logits(model: lcgen.Model) -> None:
+    n = model.vocab.n_vocab
+    logits = [0.0] * n
+    logits[42] = 5.0
+    assert lcgen.Generator(model, max_tokens=2).step(logits).tokens == (42,)
+    for bad in (None, ["1.5"] * n, [[1.0], 2.0], np.zeros(n, dtype=bool)):
+        with pytest.raises(TypeError, match="logits must be a numpy array"):
+            lcgen.Generator(model, max_tokens=2).step(bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=rf"logits must have shape \({n},\), got \(3,\)"):
+        lcgen.Generator(model, max_tokens=2).step([0.0] * 3)
+
+
+def test_infinite_logits_raise_decode_error_and_minus_infinity_bans(model: lcgen.Model) -> None:
+    n = model.vocab.n_vocab
+    one = np.zeros(n, dtype=np.float32)
+    one[5] = np.inf
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no RuntimeWarning, no NaN log-probability
+        cases: list[tuple[np.ndarray, dict[str, Any]]] = [
+            (one, {"logprobs": 2}),
+            (one, {"temperature": 0.7, "seed": 1}),
+            (one, {"logit_bias": {3: 1.0}}),
+            (np.full(n, np.inf, dtype=np.float32), {}),
+        ]
+        for logits, options in cases:
+            gen = lcgen.Generator(model, max_tokens=2, **options)
+            with pytest.raises(lcgen.DecodeError, match="the logits hold \\+inf, which is not"):
+                gen.step(logits)
+        with pytest.raises(lcgen.DecodeError, match="hold \\+inf"):
+            lcgen.Generator(model, max_tokens=2).step(one, exclude=[1])
+        with pytest.raises(lcgen.DecodeError, match="hold \\+inf"):
+            lcgen.Generator(model, max_tokens=2, logprobs=2).accept(5, one)
+        banned = np.zeros(n, dtype=np.float32)
+        banned[:7] = -np.inf
+        chunk = lcgen.Generator(model, max_tokens=2, logprobs=2).step(banned)
+        assert chunk.tokens == (7,) and chunk.logprob is not None and np.isfinite(chunk.logprob)
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ({"type": "number", "multipleOf": NAN}, "multipleOf at # is nan"),
+        ({"type": "number", "minimum": NAN}, "minimum at # is nan"),
+        ({"type": "integer", "maximum": INF}, "maximum at # is inf"),
+        ({"type": "number", "exclusiveMinimum": -INF}, "exclusiveMinimum at # is -inf"),
+        ({"type": "number", "exclusiveMaximum": NAN}, "exclusiveMaximum at # is nan"),
+        ({"type": "number", "multipleOf": -INF}, "multipleOf at # is -inf"),
+        ({"items": {"minimum": NAN}}, "minimum at #/items is nan"),
+        ({"properties": {"x": {"maximum": INF}}}, "maximum at #/properties/x is inf"),
+        ({"anyOf": [{"multipleOf": INF}]}, "multipleOf at #/anyOf/0 is inf"),
+        ({"not": {"minimum": NAN}}, "minimum at #/not is nan"),
+        ({"$defs": {"a": {"minimum": NAN}}, "$ref": "#/$defs/a"}, "minimum at #/$defs/a is nan"),
+        ({"minLength": NAN}, "minLength at # is nan"),
+        ({"maxItems": INF}, "maxItems at # is inf"),
+        ({"const": NAN}, "const at # is nan"),
+        ({"const": [1, {"a": INF}]}, "const at # holds inf"),
+        ({"enum": [1, -INF]}, "enum at # holds -inf"),
+        ('{"type": "number", "minimum": NaN}', "minimum at # is nan"),
+    ],
+)
+def test_json_schema_numbers_that_are_not_finite_are_named(schema: Any, message: str) -> None:
+    with pytest.raises(lcgen.GrammarError) as caught:
+        lcgen.Grammar.from_json_schema(schema)
+    text = str(caught.value)
+    assert message in text and "not finite (JSON has no NaN or Infinity)" in text, text
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        ({"minLength": 1.5}, "minLength at #: 1.5 is not of type 'integer'"),
+        ({"properties": {"x": {"maxItems": -1}}}, "maxItems at #/properties/x: -1 is less"),
+        ({"type": "number", "minimum": "1"}, "minimum at #: '1' is not of type 'number'"),
+    ],
+)
+def test_json_schema_keywords_of_the_wrong_kind_are_named(schema: Any, message: str) -> None:
+    with pytest.raises(lcgen.GrammarError, match=re.escape(f"invalid JSON Schema: {message}")):
+        lcgen.Grammar.from_json_schema(schema)
+
+
+def test_annotations_may_hold_what_json_cannot() -> None:
+    # pydantic writes a default of inf as it is: annotations constrain nothing, so they pass
+    lcgen.Grammar.from_json_schema({"type": "number", "default": INF, "examples": [NAN]})
+    lcgen.Grammar.from_json_schema({"type": "string", "minLength": 2.0})  # a whole count
+
+
+@pytest.mark.parametrize(
+    ("length_penalty", "error", "message"),
+    [
+        (NAN, ValueError, "length_penalty must be a finite number in [-10, 10], got nan"),
+        (INF, ValueError, "length_penalty must be a finite number in [-10, 10], got inf"),
+        (1000, ValueError, "got 1000"),  # n ** 1000 overflowed when ranking
+        (-1000, ValueError, "got -1000"),  # and n ** -1000 divided by zero
+        (True, TypeError, "length_penalty must be a number, got True"),
+        ("x", TypeError, "length_penalty must be a number, got 'x'"),
+    ],
+)
+def test_bad_length_penalties_are_refused(
+    model: lcgen.Model, length_penalty: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        lcgen.generate.text(model, beams=2, length_penalty=length_penalty)
+
+
+def test_beam_search_refuses_a_logit_bias_that_is_no_mapping(model: lcgen.Model) -> None:
+    with pytest.raises(TypeError, match="logit_bias takes a mapping"):
+        lcgen.generate.text(model, beams=2, logit_bias=[(1, 2.0)])  # type: ignore[arg-type]
+
+
+def test_long_prompts_are_shortened_in_messages(model: lcgen.Model) -> None:
+    with pytest.raises(TypeError) as caught:
+        ids: Any = list(range(4096))
+        model.generate(ids)
+    text = str(caught.value)
+    assert "a list of 4096 items [0, 1, 2, 3, ...]" in text and len(text) < 200, text
+    assert "model.sequence(tokens)" in text
+    with pytest.raises(TypeError) as caught:
+        model.sequence({i: i for i in range(4096)})  # type: ignore[arg-type]
+    assert len(str(caught.value)) < 200, str(caught.value)

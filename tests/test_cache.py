@@ -512,3 +512,16 @@ def test_padding_needs_a_spare_sequence_id_and_room(model_path: Path) -> None:
         small.generate(prefix[: len(prefix) // 2], max_tokens=1)
         small.generate(prefix[: len(prefix) // 2] + QUESTION, max_tokens=2)  # room: padded
         assert small.context.n_padded > 0
+
+
+def test_pinning_or_prefilling_what_cannot_fit_fails_before_decoding(model: lcgen.Model) -> None:
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        model.cache.pin("")  # it made an entry that a saved cache file could not hold
+    too_long = [model.vocab.bos] + [1000] * model.n_ctx
+    decoded, pinned = model.context.n_decoded, model.cache.stats.pinned
+    with pytest.raises(lcgen.ContextFullError, match=f"exceeds the context of {model.n_ctx}"):
+        model.cache.pin(too_long)
+    with pytest.raises(lcgen.ContextFullError), model.sequence(too_long) as seq:
+        seq.prefill()
+    assert model.context.n_decoded == decoded  # refused before a token was decoded
+    assert model.cache.stats.pinned == pinned

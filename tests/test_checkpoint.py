@@ -160,7 +160,7 @@ def test_rewind_errors(model: lcgen.Model) -> None:
         seq.generate(max_tokens=3)
         with pytest.raises(lcgen.RewindError, match=f"up to position {n - 4} has changed"):
             seq.rewind(mid)
-    with pytest.raises(lcgen.RewindError, match="closed"):
+    with pytest.raises(lcgen.ClosedError, match="closed"):  # as everything after close
         seq.rewind(1)
 
 
@@ -366,7 +366,56 @@ def test_rewind_targets_that_are_not_checkpoints_of_it(model: lcgen.Model) -> No
             with pytest.raises(TypeError, match="Checkpoint or a number"):
                 seq.rewind(bad)  # type: ignore[arg-type]
         other = seq.run(max_tokens=4).generator
-        with pytest.raises(ValueError, match="another generator"):
+        before = seq.tokens
+        with pytest.raises(lcgen.RewindError, match="another generator"):
             seq.rewind(cp, other)
+        assert seq.tokens == before  # refused before anything changed
         run.rewind(cp)
         assert run.step().tokens
+
+
+def test_a_run_refuses_a_sequence_changed_behind_its_back(model: lcgen.Model) -> None:
+    """A rewind, an append or another run on the sequence while a generation is live: the
+    generation raises at its next step instead of sampling on from the wrong tokens (its
+    regex broken, its stream no longer the sequence's text)."""
+    regex = r" \(\d{3}\) \d{3}-\d{4}"
+    with model.sequence("Call us at", seed=1) as seq:
+        stream = seq.stream(max_tokens=20, regex=regex)
+        [next(stream) for _ in range(3)]
+        seq.rewind(2)
+        with pytest.raises(lcgen.RewindError, match="changed outside this generation"):
+            next(stream)
+    with model.sequence("Call us at", seed=1) as seq:
+        run = seq.run(max_tokens=20, regex=regex)
+        run.step()
+        seq.append(" hello")
+        with pytest.raises(lcgen.RewindError, match="changed outside"):
+            run.step()
+    with model.sequence("Once upon a time", seed=1) as seq:
+        first, second = seq.run(max_tokens=8), seq.run(max_tokens=8)
+        first.step()
+        with pytest.raises(lcgen.RewindError, match="changed outside"):
+            second.step()  # the first run's token is not its own
+        first.step()  # the first one goes on
+        # the documented way to rewind a run through its sequence: both restored together
+        cp = first.checkpoint()
+        first.step()
+        seq.rewind(cp, first.generator)
+        first.step()
+        assert seq.tokens[-len(first.generator.tokens) :] == first.generator.tokens
+
+
+def test_a_checkpoint_of_another_run_is_refused_and_changes_nothing(model: lcgen.Model) -> None:
+    with model.sequence("A pet as JSON:\n", seed=4) as seq:
+        first = seq.run(max_tokens=10, temperature=0.8)
+        checkpoints = []
+        for _ in range(5):
+            first.step()
+            checkpoints.append(first.checkpoint())
+        second = seq.run(max_tokens=5)
+        second.step()
+        tokens = seq.tokens
+        with pytest.raises(lcgen.RewindError, match="another generator"):
+            second.rewind(checkpoints[1])
+        assert seq.tokens == tokens  # nothing changed: the second run goes on
+        second.step()

@@ -178,3 +178,11 @@ def test_rewinding_into_held_stop_text_regenerates_the_same(model: lcgen.Model) 
         assert again[-1].stats is not None and again[-1].stats.rewinds == 1
         assert "".join(c.text for c in chunks) == " 5, 6,"
         assert chunks[-1].stop == stop[0]
+
+
+def test_a_stream_of_no_tokens_still_ends_with_a_last_chunk(model: lcgen.Model) -> None:
+    chunks = list(model.stream("Hello", max_tokens=0))
+    assert len(chunks) == 1 and chunks[0].text == "" and chunks[0].tokens == ()
+    assert chunks[0].finish_reason == "length" and chunks[0].stats is not None
+    assert chunks[0].stats.tokens == 0
+    assert model.generate("Hello", max_tokens=0).finish_reason == "length"

@@ -52,3 +52,18 @@ def test_a_cut_stream_ends_with_length(model: lcgen.Model) -> None:
     assert chunks[-1].finish_reason == "length"
     text = "".join(c.text for c in chunks)
     assert lcgen.Grammar.from_pydantic(Cat).state(model).accepts_text(text, complete=False)
+
+
+def test_a_stop_token_or_string_that_cuts_a_constrained_output_raises(model: lcgen.Model) -> None:
+    grammar = lcgen.Grammar('root ::= " 1 2 3 4 5 6"')
+    four = model.tokenize("4", add_bos=False)[0]
+    with pytest.raises(lcgen.IncompleteOutputError, match=f"the stop token {four} ") as info:
+        model.generate("Count:", grammar=grammar, stop_tokens=[four], fast_forward=False)
+    assert info.value.text == " 1 2 3 "
+    with pytest.raises(lcgen.IncompleteOutputError, match="the stop string ' 4'"):
+        model.generate("Count:", grammar=grammar, stop=" 4", fast_forward=False)
+    # cut where the output is complete, or ended by an end token: returned whole
+    optional = lcgen.Grammar('root ::= " 1 2 3 " ("4 5 6")?')
+    text = model.generate("Count:", grammar=optional, stop_tokens=[four], fast_forward=False)
+    assert text == " 1 2 3 " and text.finish_reason == "stop"
+    assert model.generate("Yes or no?", choice=["yes", "no"]) in ("yes", "no")

@@ -45,6 +45,12 @@ BY_TYPE = {
     ),
 }  # fmt: skip
 CONSTRAINING = GENERIC.union(*BY_TYPE.values())
+# Keywords whose value is a number: a bound or a step; and those whose value is a count.
+NUMBERS = BY_TYPE["number"]
+COUNTS = frozenset(
+    ["minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
+     "minContains", "maxContains"]
+)  # fmt: skip
 UNSUPPORTED = frozenset(
     ["unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$recursiveRef"]
 )
@@ -144,6 +150,19 @@ def type_of(value: Any) -> str:
         return "integer"
     kinds = {float: "number", str: "string", list: "array", dict: "object"}
     return kinds[type(value)]
+
+
+def not_finite(value: Any) -> float | Decimal | None:
+    """The first NaN or infinity in ``value`` (a number, or one inside a list or object), which
+    JSON cannot write; None when there is none."""
+    if isinstance(value, float | Decimal):
+        return None if math.isfinite(value) else value
+    if isinstance(value, list | tuple | dict):
+        for item in value.values() if isinstance(value, dict) else value:
+            found = not_finite(item)
+            if found is not None:
+                return found
+    return None
 
 
 def constants(schema: Any) -> set[str] | None:

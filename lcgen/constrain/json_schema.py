@@ -23,13 +23,14 @@ import decimal
 import difflib
 import functools
 import warnings
+from collections.abc import Iterable
 from typing import Any, Literal
 from urllib.parse import unquote
 
 import jsonschema
 
 from lcgen.constrain import json_rules as spec
-from lcgen.constrain.json_rules import Conj, Unsatisfiable
+from lcgen.constrain.json_rules import Conj, Unsatisfiable, not_finite
 from lcgen.constrain.json_values import (
     FALSE,
     NOT_IN,
@@ -70,7 +71,7 @@ def schema_to_gbnf(
             try:
                 validator_cls.check_schema(schema)
             except jsonschema.SchemaError as exc:
-                raise GrammarError(f"invalid JSON Schema: {exc.message}") from None
+                raise _schema_error(exc) from None
         with decimal.localcontext() as context:
             context.prec = 1000  # bounds such as 1e300 are whole numbers of 301 digits
             return _Compiler(schema, close_objects, whitespace == "compact").compile()
@@ -81,6 +82,26 @@ def schema_to_gbnf(
         ) from None
     except ArithmeticError as exc:
         raise GrammarError(f"a numeric bound of the JSON Schema is out of range: {exc!r}") from None
+
+
+def _pointer(parts: Iterable[Any]) -> str:
+    """A location in the schema as the paths in lcgen's messages write it (``#/items/0``)."""
+    return "/".join(["#", *(str(p).replace("~", "~0").replace("/", "~1") for p in parts)])
+
+
+def _schema_error(exc: jsonschema.SchemaError) -> GrammarError:
+    """The error for a schema its draft's meta-schema refuses, naming the keyword and where."""
+    parts = list(exc.absolute_path)
+    if parts and parts[-1] in spec.KNOWN:
+        where = f"{parts[-1]} at {_pointer(parts[:-1])}"
+    else:
+        where = f"the schema at {_pointer(parts)}"
+    if not_finite(exc.instance) is not None:
+        return GrammarError(
+            f"invalid JSON Schema: {where} is {exc.instance!r:.80}, a number that is not finite "
+            "(JSON has no NaN or Infinity)"
+        )
+    return GrammarError(f"invalid JSON Schema: {where}: {exc.message}")
 
 
 _OLD_DRAFTS = ("Draft3Validator", "Draft4Validator", "Draft6Validator", "Draft7Validator")
@@ -224,6 +245,7 @@ class _Compiler(ValueCompiler):
         for key in schema:
             if key in spec.UNSUPPORTED:
                 raise GrammarError(f"unsupported JSON Schema keyword {key!r} at {path}")
+            self.check_number(key, schema[key], path)
             nested_id = key == "$id" or (
                 key == "id" and self.draft4 and isinstance(schema[key], str)
             )
@@ -237,6 +259,25 @@ class _Compiler(ValueCompiler):
                         f"mean {close[0]!r}?)",
                         stacklevel=5,
                     )
+
+    @staticmethod
+    def check_number(key: str, value: Any, path: str) -> None:
+        """Refuse a number JSON cannot write (NaN, infinities) where the keyword reads numbers,
+        and a count that is not a whole number (the meta-schema refuses most: not all drafts)."""
+        if key in spec.NUMBERS or key in spec.COUNTS or key in ("const", "enum"):
+            bad = not_finite(value)
+            if bad is not None:
+                held = "is" if bad is value else "holds"
+                raise GrammarError(
+                    f"invalid JSON Schema: {key} at {path} {held} {bad!r}, a number that is not "
+                    "finite (JSON has no NaN or Infinity)"
+                )
+        if key in spec.COUNTS and not (
+            isinstance(value, int | float) and not isinstance(value, bool) and value % 1 == 0
+        ):
+            raise GrammarError(
+                f"invalid JSON Schema: {key} at {path} must be a whole number, got {value!r:.80}"
+            )
 
     # not --------------------------------------------------------------------------------------
     def negate(self, schema: Any, path: str) -> list[Conj]:

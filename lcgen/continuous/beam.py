@@ -187,7 +187,7 @@ def _incomplete(spec: GenerateSpec, beam: _Beam) -> IncompleteOutputError | None
     last = beam.last
     reason, stop = (last.finish_reason, last.stop) if last is not None else ("length", None)
     text = Text.of([Chunk("".join(beam.parts), (), reason, stop)])
-    return incomplete(text, spec.plan.constraint, spec.model.vocab)
+    return incomplete(text, spec.plan.constraint, spec.model.vocab, spec.plan.stop_tokens)
 
 
 def _finished(search: BeamSearch, beam: _Beam) -> Element:

@@ -139,7 +139,9 @@ def _finish(spec: GenerateSpec, job: _Job, last: Chunk | None) -> None:
     settle(job.elem, job.seq.tokens, job.run.token_logprobs)
     if last is not None and last.stop is not None:
         cut_at_stop(model, job.elem, job.text_before, "".join(c.text for c in job.chunks))
-    job.incomplete = incomplete(Text.of(job.chunks), spec.plan.constraint, model.vocab)
+    job.incomplete = incomplete(
+        Text.of(job.chunks), spec.plan.constraint, model.vocab, spec.plan.stop_tokens
+    )
     job.close()
 
 

@@ -31,6 +31,10 @@ _BACKTRACK_OPTIONS = frozenset(
     ("hooks", "validators", "banned", "banned_ignore_case", "max_retries", "lookback")
 )
 
+# The largest length_penalty either way: n ** 10 neither overflows nor vanishes for any n a
+# context holds.
+MAX_LENGTH_PENALTY = 10
+
 __all__ = ["GenerateSpec", "choice", "grammar", "json", "regex", "text"]
 
 
@@ -44,7 +48,8 @@ class GenerateSpec:
             the constraint compiled.
         beams: beam search width, or None to sample (or decode greedily) as the plan says.
         length_penalty: with beams, finished beams are ranked by their summed log-probability
-            divided by ``n_generated ** length_penalty`` (0 ranks by the plain sum).
+            divided by ``n_generated ** length_penalty`` (0 ranks by the plain sum); a finite
+            number in [-10, 10].
     """
 
     model: ModelLike
@@ -74,8 +79,9 @@ def _spec(
         ValueError: an option is out of range, or beam search is combined with sampling.
         GrammarError: the constraint cannot be built.
     """
+    _check_length_penalty(length_penalty)
     if beams is not None:
-        _check_beams(model, beams, length_penalty, options)
+        _check_beams(model, beams, options)
     plan = make_plan(**options)
     model.vocab.check_tokens(plan.stop_tokens)
     model.vocab.check_tokens(tok for tok, _ in plan.sampler.logit_bias)
@@ -92,9 +98,19 @@ def _changed(options: Mapping[str, Any], names: Seq[str]) -> dict[str, Any]:
     }
 
 
-def _check_beams(
-    model: ModelLike, beams: int, length_penalty: float, options: Mapping[str, Any]
-) -> None:
+def _check_length_penalty(length_penalty: object) -> None:
+    """A finite number within [-MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY] (``n **
+    length_penalty`` stays a float above 0 for any length a context holds)."""
+    if isinstance(length_penalty, bool) or not isinstance(length_penalty, int | float):
+        raise TypeError(f"length_penalty must be a number, got {length_penalty!r:.80}")
+    if not -MAX_LENGTH_PENALTY <= length_penalty <= MAX_LENGTH_PENALTY:  # (NaN fails too)
+        raise ValueError(
+            f"length_penalty must be a finite number in [-{MAX_LENGTH_PENALTY}, "
+            f"{MAX_LENGTH_PENALTY}], got {length_penalty!r}"
+        )
+
+
+def _check_beams(model: ModelLike, beams: int, options: Mapping[str, Any]) -> None:
     if isinstance(beams, bool) or not isinstance(beams, int) or beams < 1:
         raise ValueError(f"beams must be an integer >= 1, got {beams!r}")
     n_slots = model.context.n_seq_max
@@ -103,8 +119,6 @@ def _check_beams(
             f"beams={beams} needs {beams} live sequences but the model has n_seq_max="
             f"{n_slots} slots: load it with n_seq_max >= {beams}"
         )
-    if not isinstance(length_penalty, int | float):
-        raise TypeError(f"length_penalty must be a number, got {length_penalty!r}")
     truncation = _changed(options, ("top_k", "top_p", "min_p"))
     if (options.get("temperature") or 0) > 0 or options.get("sampler") is not None or truncation:
         given = {"temperature": options.get("temperature"), "sampler": options.get("sampler")}
@@ -129,12 +143,13 @@ def _check_beams(
             f"beam search does not speculate (speculate={options['speculate']!r}): each step "
             "ranks every beam's whole next-token distribution, which a draft cannot stand for"
         )
-    bias = options.get("logit_bias") or {}
-    finite = {tok: b for tok, b in dict(bias).items() if b != float("-inf")}
-    if finite:
-        raise ValueError(
-            f"beam search only takes bans (logit_bias of -inf); got finite biases {finite!r}"
-        )
+    bias = options.get("logit_bias")
+    if isinstance(bias, Mapping):  # (make_plan refuses anything else)
+        others = {tok: b for tok, b in bias.items() if b != float("-inf")}
+        if others:
+            raise ValueError(
+                f"beam search only takes bans (logit_bias of -inf); got other biases {others!r}"
+            )
 
 
 def text(

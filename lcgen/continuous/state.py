@@ -31,6 +31,7 @@ from lcgen.continuous.elements import (
     text_of,
 )
 from lcgen.continuous.specs import GenerateSpec
+from lcgen.decoding.options import shown
 from lcgen.errors import BatchMismatchError, IncompleteOutputError, SampleMismatchError
 from lcgen.runtime.tokens import ModelLike
 
@@ -242,11 +243,12 @@ def _text_grid(prompt: object, num_samples: int) -> list[list[str]]:
         grid = [list(r) for r in rows]
         if not grid[0] or any(len(r) != len(grid[0]) for r in grid):
             raise ValueError(
-                f"the [batch][sample] lists must be non-empty and equally long: {prompt!r}"
+                f"the [batch][sample] lists must be non-empty and equally long: {shown(prompt)}"
             )
         return grid
     raise TypeError(
-        f"expected a text, a non-empty list of texts or a list of lists of texts, got {prompt!r}"
+        "expected a text, a non-empty list of texts or a list of lists of texts, got "
+        f"{shown(prompt)}"
     )
 
 

@@ -131,11 +131,12 @@ class Generator:
             self._id,
         )
 
-    def restore(self, state: GeneratorState) -> None:
-        """Go back to a state taken earlier from this generator (tokens after it are dropped).
+    def check_restorable(self, state: GeneratorState) -> None:
+        """Raise what :meth:`restore` would raise for ``state``, changing nothing.
 
         Raises:
-            ValueError: the state lies beyond the tokens generated so far.
+            ValueError: the state was taken from another generator, or lies beyond the tokens
+                generated so far.
         """
         if state.generator != self._id:
             raise ValueError("the state was taken from another generator: restore it there")
@@ -143,6 +144,15 @@ class Generator:
             raise ValueError(
                 f"cannot restore to token {state.n_tokens}: only {len(self.tokens)} generated"
             )
+
+    def restore(self, state: GeneratorState) -> None:
+        """Go back to a state taken earlier from this generator (tokens after it are dropped).
+
+        Raises:
+            ValueError: the state was taken from another generator, or lies beyond the tokens
+                generated so far.
+        """
+        self.check_restorable(state)
         del self.tokens[state.n_tokens :]
         self.text_state, self.heal = state.text, state.heal
         self.rng.bit_generator.state = state.rng
@@ -174,7 +184,7 @@ class Generator:
 
     def step(
         self,
-        logits: np.ndarray,
+        logits: np.ndarray | Sequence[float],
         *,
         exclude: Collection[int] = (),
         temperature: float | None = None,
@@ -182,17 +192,19 @@ class Generator:
         """Sample the next token from ``logits`` (shape (n_vocab,)) and accept it.
 
         Args:
-            logits: the model's logits for the next position.
+            logits: the model's logits for the next position: a numpy array (a list of
+                numbers is converted to one); -inf bans a token.
             exclude: tokens that must not be drawn here (a ban, or a hook's ``Resample``).
             temperature: use this temperature for this draw instead of the sampler's.
 
         Raises:
+            TypeError: the logits are not numbers.
             ValueError: the logits have the wrong shape, or generation is already finished.
+            DecodeError: the logits hold NaN or +inf.
             NoCandidatesError: ``exclude`` and the grammar together leave no token.
         """
         n_vocab = self.vocab.n_vocab
-        if logits.shape != (n_vocab,):
-            raise ValueError(f"logits must have shape ({n_vocab},), got {logits.shape}")
+        logits = _as_logits(logits, n_vocab)
         self._check_not_done()
         allowed = logits
         if self.heal:
@@ -202,7 +214,7 @@ class Generator:
         if exclude:
             allowed = np.array(allowed, dtype=np.float32)
             allowed[self.vocab.check_tokens(exclude)] = -np.inf
-            if not np.isfinite(allowed).any():
+            if np.isneginf(allowed).all():  # (NaN or +inf left: sample says they are broken)
                 raise NoCandidatesError(f"all {n_vocab} tokens are excluded here")
         sampler = self.sampler
         if temperature is not None:
@@ -407,6 +419,33 @@ class Generator:
         self.text_state = TextState()
         self.finish_reason, self.stop_hit = reason, hit
         return Chunk(text, tokens, reason, hit)
+
+
+def _as_logits(logits: object, n_vocab: int) -> np.ndarray:
+    """``logits`` as a float array of shape (n_vocab,): an array of floats as it is; one of
+    ints, or a list of numbers, converted to float32 (as llama.cpp's logits are).
+
+    Raises:
+        TypeError: they are not numbers.
+        ValueError: their shape is not (n_vocab,).
+    """
+    given = logits
+    if not isinstance(logits, np.ndarray):
+        try:
+            logits = np.asarray(logits)
+        except (TypeError, ValueError, OverflowError):  # a ragged list, or int beyond int64
+            logits = np.asarray(None)
+    if logits.dtype.kind not in "iuf":
+        raise TypeError(
+            f"logits must be a numpy array (or a list) of {n_vocab} numbers, got "
+            f"{type(given).__name__} {given!r:.80}"
+        )
+    if logits.shape != (n_vocab,):
+        raise ValueError(f"logits must have shape ({n_vocab},), got {logits.shape}")
+    if logits.dtype.kind == "f" and given is logits:
+        return logits
+    with np.errstate(over="ignore"):  # beyond float32's range: +-inf (+inf is refused)
+        return logits.astype(np.float32)
 
 
 def _tokens_after(vocab: Vocab, before: bytes, data: bytes) -> list[int]:

@@ -14,19 +14,23 @@ import difflib
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack
 
 from lcgen.constrain import Grammar
 from lcgen.decoding.hooks import BannedPhrases, Hook, Validator
-from lcgen.decoding.results import SchemaLike
+from lcgen.decoding.results import SchemaLike, Text, check_complete
 from lcgen.decoding.sampling import SamplerConfig
 from lcgen.decoding.speculation import MAX_DRAFT, MODEL_DRAFT, NGRAM_DRAFT, Speculation
 from lcgen.decoding.text import NO_STOPS, Stops
+
+if TYPE_CHECKING:
+    from lcgen.vocab import Vocab
 
 DEFAULT_MAX_TOKENS = 256
 DEFAULT_MAX_RETRIES = 64
 DEFAULT_LOOKBACK = 16
 MAX_LOGPROBS = 50
+_SHOWN_ITEMS = 4  # the items of a long list an error message shows
 
 
 class GenerateOptions(TypedDict, total=False):
@@ -35,7 +39,7 @@ class GenerateOptions(TypedDict, total=False):
     max_tokens: int
     stop: str | Sequence[str] | None
     include_stop: bool
-    stop_tokens: Iterable[int]
+    stop_tokens: Iterable[int] | None
     sampler: SamplerConfig | None
     temperature: float | None
     top_k: int | None
@@ -118,6 +122,15 @@ class Plan:
         """The same plan sampling with ``seed``."""
         return dataclasses.replace(self, sampler=dataclasses.replace(self.sampler, seed=seed))
 
+    def check_complete(self, text: Text, vocab: Vocab) -> None:
+        """Raise when ``text``, generated with this plan, stopped before it matched the plan's
+        constraint (``max_tokens``, a stop string or one of ``stop_tokens`` cut it).
+
+        Raises:
+            IncompleteOutputError: with the partial text.
+        """
+        check_complete(text, self.constraint, vocab, self.stop_tokens)
+
 
 _KEYS = frozenset(GenerateOptions.__annotations__)
 
@@ -168,7 +181,14 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
     stop = options.get("stop")
     if isinstance(stop, bytes | bytearray):
         raise TypeError(f"stop strings are str, got the bytes {stop!r}: decode them first")
+    if stop is not None and not isinstance(stop, str | Iterable):
+        raise TypeError(f"stop takes a string or a list of strings, got {shown(stop)}")
     bias = options.get("logit_bias")
+    if bias is not None and not isinstance(bias, Mapping):
+        raise TypeError(
+            "logit_bias takes a mapping of token id to number (e.g. {28: -inf} bans token 28), "
+            f"got {shown(bias)}"
+        )
     sampler = (options.get("sampler") or SamplerConfig()).with_options(
         temperature=options.get("temperature"),
         top_k=options.get("top_k"),
@@ -188,7 +208,7 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
             (stop,) if isinstance(stop, str) else tuple(stop or ()),
             bool(options.get("include_stop", False)),
         ),
-        stop_tokens=frozenset(_int("stop_tokens", t) for t in options.get("stop_tokens", ())),
+        stop_tokens=_token_ids("stop_tokens", options.get("stop_tokens")),
         logprobs=logprobs,
         token_healing=bool(options.get("token_healing", False)),
         constraint=_constraint(options, schema),
@@ -197,6 +217,28 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
         speculation=_speculation(options),
         fast_forward=_bool("fast_forward", options.get("fast_forward", True)),
     )
+
+
+def shown(value: object, limit: int = 80) -> str:
+    """``value`` for an error message, kept short: a long list or tuple as its type, length and
+    first items; anything else as its repr, cut after ``limit`` characters."""
+    if isinstance(value, list | tuple) and len(value) > _SHOWN_ITEMS:
+        head = ", ".join(f"{item!r:.{limit // _SHOWN_ITEMS}}" for item in value[:_SHOWN_ITEMS])
+        return f"a {type(value).__name__} of {len(value)} items [{head}, ...]"
+    text = repr(value)
+    return text if len(text) <= limit else f"{type(value).__name__} {text[:limit]}..."
+
+
+def _token_ids(name: str, value: object) -> frozenset[int]:
+    """An option that takes a list of token ids (None: none); a lone int is refused with the
+    list it stands for, as a lone string is for the options that take strings."""
+    if value is None:
+        return frozenset()
+    if isinstance(value, int) and not isinstance(value, bool):
+        raise TypeError(f"{name} takes a list of token ids, got {value!r}: use {name}=[{value!r}]")
+    if isinstance(value, str | bytes | bytearray | Mapping) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} takes a list of token ids (int), got {shown(value)}")
+    return frozenset(_int(name, t) for t in value)
 
 
 def _bool(name: str, value: object) -> bool:

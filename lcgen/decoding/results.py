@@ -4,7 +4,7 @@ cost (:class:`GenerationStats`), and the parsed value of a schema-constrained ca
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -166,36 +166,46 @@ class Text(str):
         return text
 
 
-def check_complete(text: Text, constraint: Grammar | None, vocab: Vocab) -> None:
+def check_complete(
+    text: Text, constraint: Grammar | None, vocab: Vocab, stop_tokens: Collection[int] = ()
+) -> None:
     """Raise when a constrained generation stopped before its output matched the constraint
-    (a cut choice, a half-written JSON value): it never comes back as if it were complete.
+    (a cut choice, a half-written JSON value, a stop string or one of ``stop_tokens`` part way):
+    it never comes back as if it were complete.
 
     Raises:
         IncompleteOutputError: with the partial text.
     """
-    error = incomplete(text, constraint, vocab)
+    error = incomplete(text, constraint, vocab, stop_tokens)
     if error is not None:
         raise error
 
 
 def incomplete(
-    text: Text, constraint: Grammar | None, vocab: Vocab
+    text: Text, constraint: Grammar | None, vocab: Vocab, stop_tokens: Collection[int] = ()
 ) -> IncompleteOutputError | None:
     """The error saying how a constrained generation was cut short, or None when its output
     matches the constraint (or there is none); see :func:`check_complete`."""
     from lcgen.errors import GrammarError, IncompleteOutputError
 
-    if constraint is None or (text.finish_reason == "stop" and not text.stop):
-        return None  # the end token is allowed only where the grammar is complete
+    if constraint is None:
+        return None
+    by_token = bool(text.tokens) and text.tokens[-1] in stop_tokens
+    if text.finish_reason == "stop" and not text.stop and not by_token:
+        # an end token (allowed only where the grammar is complete), or the grammar could
+        # only end there
+        return None
     try:
         if constraint.accepts(vocab, str(text)):
-            return None  # cut by max_tokens exactly where it could end
+            return None  # complete (an end token, or a cut exactly where it could end)
     except GrammarError:
         pass
     if text.stop:
         reason = f"the stop string {text.stop!r} cut it"
     elif text.finish_reason == "length":
         reason = "generation reached max_tokens"
+    elif by_token:
+        reason = f"the stop token {text.tokens[-1]} (stop_tokens) ended it"
     else:
         reason = "the retries ran out"
     return IncompleteOutputError(

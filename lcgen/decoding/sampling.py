@@ -38,8 +38,11 @@ class SamplerConfig:
         min_p: drop tokens less likely than min_p times the most likely one.
         repeat_penalty: divide positive (multiply negative) logits of recent tokens; 1 is off.
         repeat_last_n: how many recent tokens the penalties look at.
-        seed: makes sampling reproducible; None draws a fresh seed.
-        logit_bias: added to the logits of the given token ids (-inf bans a token).
+        seed: makes sampling reproducible (an int >= 0); None draws a fresh seed.
+        logit_bias: added to the logits of the given token ids, a mapping of token id to
+            number (or pairs of them): -inf bans a token, +inf forces it (among the tokens
+            given +inf that are allowed, equally likely; greedy takes the first); NaN is
+            refused.
         frequency_penalty: subtracted from a recent token's logit once per time it occurs
             (OpenAI's ``frequency_penalty``), after the repeat penalty; 0 is off.
         presence_penalty: subtracted once from the logit of every recent token (OpenAI's
@@ -74,9 +77,7 @@ class SamplerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {value!r}")
-        seed = self.seed
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
-            raise ValueError(f"seed must be an int >= 0 or None, got {seed!r}")
+        check_seed(self.seed)
         if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
         if self.top_k < 0:
@@ -89,13 +90,17 @@ class SamplerConfig:
             raise ValueError(f"repeat_penalty must be > 0 and finite, got {self.repeat_penalty!r}")
         if self.repeat_last_n < 0:
             raise ValueError(f"repeat_last_n must be >= 0, got {self.repeat_last_n!r}")
-        if isinstance(self.logit_bias, Mapping):
-            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         for tok, bias in self.logit_bias:
             if isinstance(tok, bool) or not isinstance(tok, int):
                 raise TypeError(f"logit_bias keys are token ids (int), got {tok!r}")
-            if isinstance(bias, bool) or not isinstance(bias, int | float) or bias != bias:
+            if isinstance(bias, bool) or not isinstance(bias, int | float):
                 raise TypeError(f"logit_bias values are numbers, got {bias!r} for token {tok}")
+            if bias != bias:
+                raise ValueError(
+                    "logit_bias values must not be NaN (a number: -inf bans the token, +inf "
+                    f"forces it), got {bias!r} for token {tok}"
+                )
         object.__setattr__(self, "only_bans", all(bias <= 0 for _, bias in self.logit_bias))
         object.__setattr__(self, "biased", frozenset(tok for tok, _ in self.logit_bias))
 
@@ -114,16 +119,54 @@ class SamplerConfig:
         return dataclasses.replace(self, **{k: v for k, v in options.items() if v is not None})
 
 
+def check_seed(seed: object) -> int | None:
+    """``seed`` if it is a seed: an int >= 0 (not a bool), or None.
+
+    Raises:
+        ValueError: it is not one (the value is named).
+    """
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+        raise ValueError(f"seed must be an int >= 0 or None, got {seed!r:.80}")
+    return seed
+
+
+def _bias_pairs(bias: object) -> tuple[tuple[Any, Any], ...]:
+    """``logit_bias`` as (token, bias) pairs: from a mapping, or from pairs already.
+
+    Raises:
+        TypeError: it is neither.
+    """
+    if isinstance(bias, Mapping):
+        return tuple(bias.items())
+    if isinstance(bias, tuple | list) and all(
+        isinstance(pair, tuple | list) and len(pair) == 2 for pair in bias
+    ):
+        return tuple((tok, value) for tok, value in bias)
+    raise TypeError(
+        "logit_bias takes a mapping of token id to number (e.g. {28: -inf} bans token 28), "
+        f"got {type(bias).__name__} {bias!r:.80}"
+    )
+
+
 def new_rng(seed: int | None) -> np.random.Generator:
-    """A PCG64 generator; its ``bit_generator.state`` is a plain dict that can be restored."""
-    if seed is None:
+    """A PCG64 generator; its ``bit_generator.state`` is a plain dict that can be restored.
+
+    Raises:
+        ValueError: ``seed`` is not an int >= 0 or None.
+    """
+    if check_seed(seed) is None:
         seed = int.from_bytes(os.urandom(8), "little")
     return np.random.Generator(np.random.PCG64(seed))
 
 
 def log_normalizer(logits: np.ndarray) -> float:
-    """``log(sum(exp(logits)))`` in float64: a log-probability is a logit minus this."""
+    """``log(sum(exp(logits)))`` in float64: a log-probability is a logit minus this.
+
+    Raises:
+        DecodeError: the logits hold NaN or +inf.
+    """
     top = float(logits.max())
+    _check_raw(top)
     return top + float(np.log(np.exp(logits - top, dtype=np.float64).sum()))
 
 
@@ -157,7 +200,8 @@ def _adjusted_logits(logits: np.ndarray, cfg: SamplerConfig, recent: Iterable[in
                 new = new - (counts * cfg.frequency_penalty + cfg.presence_penalty)
             out[ids] = np.where(np.isfinite(vals), np.clip(new, -_FLOAT32_MAX, _FLOAT32_MAX), vals)
     for tok, bias in cfg.logit_bias:
-        out[tok] += bias
+        if out[tok] != -np.inf:  # a token banned here stays banned (-inf + inf would be NaN)
+            out[tok] += bias
     return out
 
 
@@ -173,6 +217,20 @@ def _candidates(logits: np.ndarray, top_k: int) -> tuple[np.ndarray, np.ndarray]
 def _softmax(x: np.ndarray) -> np.ndarray:
     e = np.exp(x - x[0])
     return e / e.sum()  # type: ignore[no-any-return]
+
+
+def _check_raw(top: float) -> None:
+    """Raise where the largest of the logits as given (before any bias) shows them broken: NaN
+    (what np.argmax and max return where there is one) or +inf (no probabilities follow from
+    it; -inf is a banned token, and a +inf ``logit_bias`` forces one)."""
+    if top != top:
+        raise DecodeError("the logits hold NaN: the model's weights or settings are broken")
+    if top == math.inf:
+        raise DecodeError(
+            "the logits hold +inf, which is not finite: a logit must be a finite number or -inf "
+            "(a banned token); the model's weights or settings are broken, or broken logits "
+            "were handed in"
+        )
 
 
 def _check_best(logit: float) -> None:
@@ -203,14 +261,17 @@ def sample(
 
     Raises:
         NoCandidatesError: every logit is -inf once biased (``logit_bias`` bans every token).
-        DecodeError: the logits hold NaN (a broken model, or broken logits handed in).
+        DecodeError: the logits hold NaN or +inf (a broken model, or broken logits handed in).
     """
     if cfg.is_greedy and not cfg.penalizes and cfg.only_bans:
         # Biases that only lower logits leave the raw argmax standing unless it carries one.
         best = int(np.argmax(logits))
+        _check_raw(float(logits[best]))
         if best not in cfg.biased:
             _check_best(float(logits[best]))
             return best
+    else:
+        _check_raw(float(logits.max()))
     logits = _adjusted_logits(logits, cfg, recent)
     if cfg.is_greedy:
         best = int(np.argmax(logits))

@@ -47,6 +47,19 @@ class DecodeRequest:
     n_outputs: int = 1
 
 
+def check_fits(n_tokens: int, n_ctx: int) -> None:
+    """Refuse a prompt longer than the context before anything is decoded.
+
+    Raises:
+        ContextFullError: with both numbers.
+    """
+    if n_tokens > n_ctx:
+        raise ContextFullError(
+            f"the prompt of {n_tokens} tokens exceeds the context of {n_ctx} tokens: shorten "
+            "it or load the model with a larger n_ctx"
+        )
+
+
 class Context:
     """Owns a ``llama_context``: decodes batches, edits the memory, keeps the cell ledger."""
 
@@ -306,6 +319,12 @@ class Context:
             lo, hi = max(begin, start), min(begin + len(req.tokens), end)
             if hi > lo:
                 self.ledger.decoded(req.seq_id, req.pos + lo - begin, hi - lo)
+
+    def check_open(self) -> None:
+        """Raise :class:`~lcgen.ClosedError` once the model is closed (or being closed)."""
+        if self._closing:
+            self._handle.live()  # raises ClosedError once closed
+            raise ClosedError("the model is being closed")
 
     @contextlib.contextmanager
     def in_use(self) -> Iterator[None]:

@@ -27,7 +27,7 @@ import numpy as np
 
 from lcgen.errors import SlotsExhaustedError, StateFileError
 from lcgen.runtime import statefile
-from lcgen.runtime.context import Context, DecodeRequest
+from lcgen.runtime.context import Context, DecodeRequest, check_fits
 from lcgen.vocab import Vocab
 
 EntryState = Literal["live", "parked", "pinned", "dropped"]
@@ -412,10 +412,14 @@ class KVStore:
             How many tokens were decoded for it.
 
         Raises:
+            ValueError: the prompt is empty.
             SlotsExhaustedError: no slot can be had for it.
-            ContextFullError: the memory has no room for it.
+            ContextFullError: it is longer than the context, or the memory has no room for it.
         """
         tokens = self._tokens_of(prompt, special)
+        if not tokens:
+            raise ValueError("nothing to pin: the prompt is empty")
+        check_fits(len(tokens), self._ctx.n_ctx)
         with self._cond:
             for entry in self._entries.values():
                 if entry.state == "pinned" and entry.tokens == tokens:
@@ -472,7 +476,12 @@ class KVStore:
 
     def clear(self, *, pinned: bool = False) -> None:
         """Drop every parked entry (and, with ``pinned``, every pinned one); live sequences
-        keep theirs."""
+        keep theirs.
+
+        Raises:
+            ClosedError: the model is closed.
+        """
+        self._ctx.check_open()
         with self._cond:
             for entry in list(self._entries.values()):
                 if entry.state == "parked" or (pinned and entry.state == "pinned"):

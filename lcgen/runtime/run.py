@@ -20,6 +20,7 @@ import numpy as np
 from lcgen.decoding import Chunk, GenerationStats, Generator
 from lcgen.decoding.results import TokenLogprob
 from lcgen.decoding.speculation import Drafter
+from lcgen.errors import RewindError
 from lcgen.runtime.checkpoint import Checkpoint
 from lcgen.runtime.tokens import TokenSequence
 
@@ -122,6 +123,7 @@ class SequenceRun:
     def __init__(self, seq: TokenSequence, gen: Generator, drafter: Drafter | None = None) -> None:
         self.sequence, self.generator = seq, gen
         self._start = (seq.stats.tokens_decoded, seq.n_decoded)
+        self._base = len(seq) - len(gen.tokens)  # where the generated tokens start
         # With ``logprobs``: each generated token's entry (its log-probability, alternatives).
         self.token_entries: list[TokenLogprob] = []
         self.drafter = drafter
@@ -151,7 +153,25 @@ class SequenceRun:
         return self.generator.is_done
 
     def sequences(self) -> tuple[TokenSequence]:
+        self._check_in_step()
         return (self.sequence,)
+
+    def _check_in_step(self) -> None:
+        """Refuse to go on when the sequence no longer ends with this generation's tokens: it
+        was rewound, appended to or generated on by another run behind this one's back (going
+        on would sample from the wrong tokens, past its grammar).
+
+        Raises:
+            RewindError: the sequence was changed outside this generation.
+        """
+        seq, gen = self.sequence, self.generator
+        end = self._base + len(gen.tokens)
+        if len(seq) != end or seq.tokens[self._base :] != gen.tokens:
+            raise RewindError(
+                f"the sequence changed outside this generation ({len(seq)} tokens, where the "
+                f"generation left {end}): rewind it with run.rewind(cp) or "
+                "seq.rewind(cp, run.generator), or start a new run"
+            )
 
     def advance(self, rows: Seq[np.ndarray]) -> Chunk:
         """Sample from the logits after the sequence's last token; after a draft, walk its

@@ -9,10 +9,11 @@ from typing import Any, TypeVar, Unpack, overload
 
 from lcgen.decoding import Chunk, GenerateOptions, Generator, Plan, Text, make_plan
 from lcgen.decoding.results import SchemaLike, check_complete, parse_structured
+from lcgen.decoding.sampling import check_seed
 from lcgen.errors import ContextFullError, StateFileError
 from lcgen.runtime import statefile
 from lcgen.runtime.backtrack import Backtracker
-from lcgen.runtime.context import DecodeRequest
+from lcgen.runtime.context import DecodeRequest, check_fits
 from lcgen.runtime.drafts import drafter_for
 from lcgen.runtime.run import PlainRun
 from lcgen.runtime.tokens import ModelLike, TokenSequence
@@ -46,8 +47,10 @@ class Sequence(TokenSequence):
 
         Raises:
             SlotsExhaustedError: no free slot for the fork.
+            ValueError: ``seed`` is not an int >= 0 or None.
         """
         self._check_open()
+        check_seed(seed)  # before a slot is taken
         child = Sequence.__new__(Sequence)
         child._adopt(self.model, self.model.cache.fork(self._entry), self._n_decoded, None)
         child._stamps = list(self._stamps)
@@ -65,6 +68,7 @@ class Sequence(TokenSequence):
             How many tokens were decoded.
         """
         self._check_open()
+        check_fits(len(self._tokens), self._ctx.n_ctx)
         pending = self._tokens[self._n_decoded : -1]
         if pending:
             request = DecodeRequest(self._slot, pending, self._n_decoded, False)
@@ -228,11 +232,13 @@ class Sequence(TokenSequence):
         """
         plan = make_plan(schema=schema, **options)
         text = Text.of(_chunks(self.run_plan(plan)))
-        check_complete(text, plan.constraint, self.vocab)
+        check_complete(text, plan.constraint, self.vocab, plan.stop_tokens)
         return text if schema is None else parse_structured(text, schema)
 
 
 def _chunks(run: PlainRun | Backtracker) -> Iterator[Chunk]:
+    if run.is_done:  # max_tokens=0: still a last chunk, with the finish reason and stats
+        yield Chunk("", (), run.generator.finish_reason, stats=run.stats())
     while not run.is_done:
         yield run.step()
 

@@ -234,12 +234,13 @@ class TokenSequence:
 
         Raises:
             RewindError: the target is not reachable: past the start, a checkpoint of another
-                sequence, one beyond the current position after an earlier rewind, one whose
-                history was since replaced, or the sequence is closed.
+                sequence, one beyond the current position after an earlier rewind, or one whose
+                history was since replaced.
+                Also a checkpoint whose generator state is another generator's (nothing changes).
+            ClosedError: the sequence is closed.
             ValueError: a generator was given but the checkpoint holds no generator state.
         """
-        if self.is_closed:
-            raise RewindError("cannot rewind a closed sequence")
+        self._check_open()
         if generator is not None and (isinstance(target, int) or target.generation is None):
             raise ValueError(
                 "to restore a generator, rewind to a checkpoint taken with it: "
@@ -247,6 +248,15 @@ class TokenSequence:
             )
         if isinstance(target, bool) or not isinstance(target, int | Checkpoint):
             raise TypeError(f"rewind takes a Checkpoint or a number of tokens, got {target!r}")
+        if (
+            generator is not None
+            and isinstance(target, Checkpoint)
+            and target.generation is not None
+        ):
+            try:  # checked before anything changes
+                generator.check_restorable(target.generation)
+            except ValueError as exc:
+                raise RewindError(f"the checkpoint cannot restore this generator: {exc}") from None
         if isinstance(target, int):
             if not 0 <= target <= len(self._tokens):
                 raise RewindError(
@@ -404,6 +414,7 @@ class TokenSequence:
     def _check_open(self) -> None:
         if self.is_closed:
             raise ClosedError("the sequence is closed; start a new one with model.sequence()")
+        self._ctx.check_open()  # its model may have been closed
 
     # lifetime --------------------------------------------------------------------------
     def close(self) -> None:
