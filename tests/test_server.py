@@ -867,6 +867,9 @@ def test_request_errors_have_their_status(url: str, model: lcgen.Model) -> None:
     )
     assert status == 400 and reply["error"]["code"] == "context_length_exceeded"
     assert str(model.n_ctx) in reply["error"]["message"]
+    several = {"model": NAME, "prompt": ["Hi", long], "max_tokens": 8}
+    status, reply = request(url, "/v1/completions", json.dumps(several).encode())
+    assert status == 400 and "(prompt 1 of 2)" in reply["error"]["message"], reply
     # a chat without max_tokens generates to the end of the context: no negative count
     chat_long = {"model": NAME, "messages": [{"role": "user", "content": long}]}
     status, reply = request(url, "/v1/chat/completions", json.dumps(chat_long).encode())

@@ -166,7 +166,7 @@ class SequenceRun:
         """
         seq, gen = self.sequence, self.generator
         end = self._base + len(gen.tokens)
-        if len(seq) != end or seq.tokens[self._base :] != gen.tokens:
+        if len(seq) != end or seq.tokens_from(self._base) != gen.tokens:
             raise RewindError(
                 f"the sequence changed outside this generation ({len(seq)} tokens, where the "
                 f"generation left {end}): rewind it with run.rewind(cp) or "

@@ -106,6 +106,10 @@ class TokenSequence:
         """A copy of all tokens: prompt, appended text and generated tokens."""
         return list(self._tokens)
 
+    def tokens_from(self, start: int) -> list[int]:
+        """A copy of the tokens from position ``start`` on (cheaper than all of them)."""
+        return self._tokens[start:]
+
     @property
     def text(self) -> str:
         """The detokenized text of all tokens (special tokens not rendered)."""

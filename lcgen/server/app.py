@@ -232,10 +232,13 @@ class _Server:
             limit = max(n_ctx - longest, 1) if to_end else COMPLETION_MAX_TOKENS
         if longest + max(limit, 1) > n_ctx:
             asked = "" if to_end else f" + {limit} max_tokens = {longest + limit}"
+            which = ""
+            if len(prompts) > 1:  # which of the prompts: the longest
+                which = f" (prompt {[len(p) for p in prompts].index(longest)} of {len(prompts)})"
             raise APIError(
                 400,
                 f"this model's context is {n_ctx} tokens; the request needs {longest} prompt "
-                f"tokens{asked} and room for a token to generate: shorten the prompt"
+                f"tokens{which}{asked} and room for a token to generate: shorten the prompt"
                 + ("" if to_end else " or lower max_tokens"),
                 param="messages" if kind == "chat" else "prompt",
                 code="context_length_exceeded",
