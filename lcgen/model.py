@@ -74,25 +74,38 @@ def _check_int(name: str, value: object, low: int, high: int) -> int:
 
 
 def _check_messages(messages: object) -> list[dict[str, str]]:
-    """Chat messages as dicts, each with a str role and content.
+    """Chat messages as dicts, each with a str role and content (OpenAI's list of text parts,
+    ``[{"type": "text", "text": ...}]``, is joined into one).
 
     Raises:
         TypeError: not a list of mappings (a lone string is named).
-        ValueError: a message without a str role or content.
+        ValueError: no message, or a message without a str role or content.
     """
     if isinstance(messages, str) or not isinstance(messages, Seq):
         raise TypeError(
-            f"chat takes a list of messages, got {messages!r}: use "
+            f"chat takes a list of messages, got {messages!r:.200}: use "
             "[{'role': 'user', 'content': ...}]"
         )
+    if not messages:
+        raise ValueError("chat takes at least one message, got []")
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, Mapping):
-            raise TypeError(f"chat message {i} is not a mapping: {message!r}")
+            raise TypeError(f"chat message {i} is not a mapping: {message!r:.200}")
+        message = dict(message)
+        parts = message.get("content")
+        if isinstance(parts, list) and all(
+            isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
+            for p in parts
+        ):
+            message["content"] = "".join(p["text"] for p in parts)
         for key in ("role", "content"):
             if not isinstance(message.get(key), str):
-                raise ValueError(f"chat message {i} needs a str {key!r}: {dict(message)!r}")
-        out.append(dict(message))
+                raise ValueError(
+                    f"chat message {i} needs a str {key!r} (or, for content, a list of "
+                    f"text parts): {message!r:.200}"
+                )
+        out.append(message)
     return out
 
 

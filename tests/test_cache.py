@@ -525,3 +525,72 @@ def test_pinning_or_prefilling_what_cannot_fit_fails_before_decoding(model: lcge
         seq.prefill()
     assert model.context.n_decoded == decoded  # refused before a token was decoded
     assert model.cache.stats.pinned == pinned
+
+
+def test_saving_to_a_folder_or_a_missing_one_raises_a_state_file_error(
+    model: lcgen.Model, tmp_path: Path
+) -> None:
+    (tmp_path / "files").mkdir()
+    model.generate("Saved to a folder", max_tokens=2)
+    with model.sequence("A sequence to save") as seq:
+        for target, reason in [
+            (tmp_path / "files", "it is a directory"),
+            (tmp_path / "missing" / "s.lcs", "No such file or directory"),
+        ]:
+            with pytest.raises(lcgen.StateFileError, match=reason) as err:
+                seq.save(target)
+            assert f"cannot write sequence file {str(target)!r}" in str(err.value)
+            with pytest.raises(lcgen.StateFileError, match=reason) as err:
+                model.cache.save(target)
+            assert f"cannot write cache file {str(target)!r}" in str(err.value)
+            assert ".tmp" not in str(err.value)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["files"]  # no temp file left
+
+
+def test_loading_a_sequence_into_something_else_than_a_model_is_a_type_error(
+    model: lcgen.Model, tmp_path: Path
+) -> None:
+    with model.sequence("A sequence") as seq:
+        seq.save(tmp_path / "s.lcs")
+    with pytest.raises(TypeError, match=r"expects the lcgen\.Model .* got NoneType"):
+        lcgen.Sequence.load(None, tmp_path / "s.lcs")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="got PosixPath"):
+        lcgen.Sequence.load(tmp_path / "s.lcs", model)  # type: ignore[arg-type]
+
+
+def test_loading_more_entries_than_slots_returns_how_many_are_held(
+    model: lcgen.Model, model_path: Path, tmp_path: Path
+) -> None:
+    for p in ["A cat", "A dog", "A cow"]:
+        model.generate(p + " is an animal that", max_tokens=2)
+    path = tmp_path / "three.lcc"
+    assert model.cache.save(path) == 3
+    with lcgen.Model(model_path, n_seq_max=2, n_ctx=1024) as small:
+        assert small.cache.load(path) == 2
+        stats = small.cache.stats
+        assert stats.entries == 2 and stats.evictions == 1
+        assert small.cache.load(path) == 2 and small.cache.stats.entries == 2  # again
+
+
+def test_the_cache_off_loads_only_the_pinned_entries_of_a_file(
+    model: lcgen.Model, cold_model: lcgen.Model, tmp_path: Path
+) -> None:
+    parked = "A parked prompt that a model without a cache must not reuse"
+    model.cache.pin(FEW_SHOT)
+    try:
+        model.generate(parked, max_tokens=2)
+        path = tmp_path / "mixed.lcc"
+        assert model.cache.save(path) == 2
+        assert cold_model.cache.load(path) == 1
+        stats = cold_model.cache.stats
+        assert stats.entries == 1 and stats.pinned == 1
+        before, hits = cold_model.context.n_decoded, cold_model.cache.stats.hits
+        cold_model.generate(parked, max_tokens=2)
+        assert cold_model.context.n_decoded - before == len(cold_model.tokenize(parked)) + 1
+        assert cold_model.cache.stats.hits == hits
+        before = cold_model.context.n_decoded
+        cold_model.generate(FEW_SHOT + "Q: What is 1 plus 1?\nA:", max_tokens=2)
+        assert cold_model.context.n_decoded - before < 20  # the pinned prefix is reused
+    finally:
+        model.cache.unpin(FEW_SHOT)
+        cold_model.cache.unpin(FEW_SHOT)

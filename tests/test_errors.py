@@ -186,6 +186,7 @@ def test_unclear_errors_now_name_the_value(model: lcgen.Model) -> None:
         (TypeError, "token ids must be ints", lambda: model.sequence(["a", "b"])),
         (TypeError, "chat takes a list of messages", lambda: model.chat("Hello")),
         (ValueError, "needs a str 'content'", lambda: model.chat([{"role": "user"}])),
+        (ValueError, "at least one message, got []", lambda: model.chat([])),
         (
             TypeError,
             "schema takes a JSON Schema (a dict, JSON text, True or False) or a pydantic model "

@@ -212,3 +212,12 @@ def test_the_default_thread_count_follows_the_cores_really_available(
     assert model_module._default_threads() == 3  # a quota of 3 CPUs
     monkeypatch.setattr(model_module, "_cgroup_quota", lambda: None)
     assert model_module._default_threads() == 8  # at most 8
+
+
+def test_chat_takes_openai_text_parts(model: lcgen.Model) -> None:
+    parts = [{"type": "text", "text": "Name three "}, {"type": "text", "text": "colors."}]
+    whole = [{"role": "user", "content": "Name three colors."}]
+    assert model.chat_tokens([{"role": "user", "content": parts}]) == model.chat_tokens(whole)
+    assert model.chat([{"role": "user", "content": parts}], max_tokens=4, temperature=0) == (
+        model.chat(whole, max_tokens=4, temperature=0)
+    )

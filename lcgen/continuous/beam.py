@@ -54,6 +54,7 @@ class BeamSearch:
     finished: list[tuple[float, Element]] = field(default_factory=list)  # (rank, beam), best first
     # id of a finished beam a constraint left cut short -> how
     cut: dict[int, IncompleteOutputError] = field(default_factory=dict)
+    texts: dict[int, str] = field(default_factory=dict)  # id of a finished beam -> its text
 
     @property
     def width(self) -> int:
@@ -117,7 +118,8 @@ Kept = tuple[int, int, _Beam]  # (parent index, token, child)
 
 def _expand(search: BeamSearch, rows: list[np.ndarray], width: int, bans: list[int]) -> list[Kept]:
     """The best continuations, best first: all that finish among the first ``2 * width``
-    candidates, and up to ``width`` that go on."""
+    candidates, and up to ``width`` that go on; of continuations with the same text (the
+    same words in other tokens, which a constraint allows as readily) only the best."""
     candidates = []
     for i, (beam, row) in enumerate(zip(search.live, rows, strict=True)):
         log_norm = log_normalizer(row)
@@ -126,16 +128,21 @@ def _expand(search: BeamSearch, rows: list[np.ndarray], width: int, bans: list[i
             candidates.append((beam.score + logprob, i, tok, logprob))
     candidates.sort(key=lambda c: -c[0])
     kept: list[Kept] = []
+    seen: set[tuple[str, bool]] = set()
     n_live = 0
     for _, i, tok, logprob in candidates[: 2 * width]:
         parent = search.live[i]
         child = _Beam(None, parent.gen.clone(), [*parent.logprobs, logprob], list(parent.parts))
         child.last = child.gen.accept(tok)
         child.parts.append(child.last.text)
+        key = ("".join(child.parts), child.gen.is_done)
+        if key in seen:
+            continue
         if not child.gen.is_done:
             if n_live == width:
                 continue
             n_live += 1
+        seen.add(key)
         kept.append((i, tok, child))
     return kept
 
@@ -149,6 +156,7 @@ def _step(search: BeamSearch, rows: list[np.ndarray]) -> None:
     for _, _, child in kept:
         if child.gen.is_done:
             elem = _finished(search, child)
+            search.texts[id(elem)] = "".join(child.parts)
             cut = _incomplete(spec, child)
             if cut is None:
                 ranked.append((_rank(child, spec.length_penalty), elem))
@@ -156,7 +164,12 @@ def _step(search: BeamSearch, rows: list[np.ndarray]) -> None:
                 search.cut[id(elem)] = cut
                 ranked.append((-math.inf, elem))
     ranked.sort(key=lambda e: -e[0])
-    search.finished = ranked[:width]
+    texts = set()  # one beam per text: the best ranked (an earlier step's may be it)
+    search.finished = []
+    for rank, elem in ranked:
+        if search.texts[id(elem)] not in texts and len(search.finished) < width:
+            texts.add(search.texts[id(elem)])
+            search.finished.append((rank, elem))
     _fork_children(search.live, going)
     search.live = [child for _, _, child in going]
 
@@ -186,7 +199,7 @@ def _incomplete(spec: GenerateSpec, beam: _Beam) -> IncompleteOutputError | None
     """How a finished beam's output was cut short of the spec's constraint, or None."""
     last = beam.last
     reason, stop = (last.finish_reason, last.stop) if last is not None else ("length", None)
-    text = Text.of([Chunk("".join(beam.parts), (), reason, stop)])
+    text = Text.of([Chunk("".join(beam.parts), tuple(beam.gen.tokens), reason, stop)])
     return incomplete(text, spec.plan.constraint, spec.model.vocab, spec.plan.stop_tokens)
 
 
@@ -206,6 +219,12 @@ def _start(spec: GenerateSpec, root: Element, started: list[BeamSearch]) -> Run:
     gen = seq.run_plan(spec.element_plan(None)).generator
     search = BeamSearch(spec, root, text_of(spec.model, root.tokens), [_Beam(seq, gen)])
     started.append(search)
+    if gen.is_done:  # max_tokens=0: the root is the one result, as without beams
+        beam = search.live.pop()
+        elem = _finished(search, beam)
+        search.texts[id(elem)] = ""
+        search.finished = [(0.0, elem)]
+        seq.close()
     return search
 
 

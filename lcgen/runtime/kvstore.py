@@ -494,6 +494,9 @@ class KVStore:
 
         Returns:
             How many entries were written.
+
+        Raises:
+            StateFileError: ``path`` cannot be written (a directory, a missing folder...).
         """
         with self._cond:
             kept = [
@@ -517,14 +520,20 @@ class KVStore:
 
             total = sum(sizes) + _BLOB_LEN.size * len(kept)
             data = statefile.encode(header, total, write_kv, statefile.CACHE)
-        statefile.write_atomic(path, data)
+        statefile.write_atomic(path, data, statefile.CACHE)
         return len(kept)
 
     def load(self, path: str | os.PathLike[str]) -> int:
         """Load entries written by :meth:`save` (as they were: parked or pinned).
 
+        With the cache off (``cache=False``, which keeps nothing of closed sequences) only the
+        file's pinned entries are loaded; its parked ones are skipped.
+
         Returns:
-            How many entries were loaded.
+            How many of the file's entries the cache holds once loaded: not those skipped
+            (parked ones with the cache off), nor those evicted to make room for later ones
+            (more parked entries than slots, or than the cell budget), nor those another
+            entry already covers (dropped as duplicates).
 
         Raises:
             StateFileError: the file is corrupt, truncated, of another format version or of
@@ -543,16 +552,20 @@ class KVStore:
         with self._cond:
             try:
                 for (tokens, pinned), blob in zip(items, blobs, strict=True):
+                    if not (pinned or self.enabled):
+                        continue
                     loaded.append(self._load_entry(tokens, blob))
                     loaded[-1].state = "pinned" if pinned else "parked"
             except BaseException:
                 for entry in loaded:
-                    self._drop(entry)
+                    if entry.state != "dropped":  # an evicted one's slot may be another's now
+                        self._drop(entry)
                 raise
             for entry in loaded:
-                self._dedupe(entry)
+                if entry.state != "dropped":
+                    self._dedupe(entry)
             self._fit_budget()
-        return len(loaded)
+            return sum(self._entries.get(e.slot) is e for e in loaded)
 
     def _load_entry(self, tokens: list[int], blob: memoryview) -> Entry:
         entry = Entry(self._take_slot(keep=None), tokens, "parked", next(self._clock))

@@ -101,7 +101,11 @@ class Sequence(TokenSequence):
         return statefile.encode(header, size, write_kv)
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write :meth:`to_bytes` to ``path`` atomically (a crash never leaves a broken file)."""
+        """Write :meth:`to_bytes` to ``path`` atomically (a crash never leaves a broken file).
+
+        Raises:
+            StateFileError: ``path`` cannot be written (a directory, a missing folder...).
+        """
         statefile.write_atomic(path, self.to_bytes())
 
     @classmethod
@@ -109,8 +113,10 @@ class Sequence(TokenSequence):
         """Rebuild a sequence saved with :meth:`to_bytes`, in a new slot of ``model``.
 
         Raises:
+            TypeError: ``model`` is not a model (an :class:`lcgen.Model`).
             StateFileError: corrupted, truncated, another format version, or another model.
         """
+        _check_model(model)
         header, kv = statefile.decode(data)
         tokens, n_decoded = _checked_header(header, model)
         seq = cls(model)
@@ -135,7 +141,14 @@ class Sequence(TokenSequence):
 
     @classmethod
     def load(cls, model: ModelLike, path: str | os.PathLike[str]) -> Sequence:
-        """Load a sequence written by :meth:`save` (see :meth:`from_bytes`)."""
+        """Load a sequence written by :meth:`save` into a new slot of ``model``
+        (see :meth:`from_bytes`).
+
+        Raises:
+            TypeError: ``model`` is not a model (an :class:`lcgen.Model`).
+            StateFileError: the file cannot be read, or see :meth:`from_bytes`.
+        """
+        _check_model(model)
         return cls.from_bytes(model, statefile.read_file(path))
 
     # generation ------------------------------------------------------------------------
@@ -241,6 +254,15 @@ def _chunks(run: PlainRun | Backtracker) -> Iterator[Chunk]:
         yield Chunk("", (), run.generator.finish_reason, stats=run.stats())
     while not run.is_done:
         yield run.step()
+
+
+def _check_model(model: object) -> None:
+    """Raise TypeError unless ``model`` has what a sequence needs of its model."""
+    if not all(hasattr(model, a) for a in ("vocab", "context", "cache", "fingerprint", "path")):
+        raise TypeError(
+            "Sequence.load/from_bytes(model, ...) expects the lcgen.Model to load into as its "
+            f"first argument, got {type(model).__name__}"
+        )
 
 
 def _checked_header(header: dict[str, Any], model: ModelLike) -> tuple[list[int], int]:

@@ -101,14 +101,22 @@ def decode(
     return header, kv
 
 
-def write_atomic(path: str | os.PathLike[str], data: bytes | bytearray) -> None:
+def write_atomic(
+    path: str | os.PathLike[str], data: bytes | bytearray, kind: FileKind = SEQUENCE
+) -> None:
     """Write ``data`` to ``path`` so that a crash leaves either the old file or the new one.
 
     The data goes to a temporary file of a name no other writer uses (process, thread and a
     random part), is synced, renamed over ``path``, and the folder is synced. Temporary files
     that writers which died left beside ``path`` are removed.
+
+    Raises:
+        StateFileError: ``path`` cannot be written (a directory, a missing folder, no
+            permission, a full disk...); no temporary file is left behind.
     """
     target = Path(path)
+    if target.is_dir():
+        raise StateFileError(f"cannot write {kind[1]} file {str(path)!r}: it is a directory")
     _remove_orphans(target)
     tmp = target.with_name(
         f".{target.name}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}.tmp"
@@ -120,6 +128,9 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | bytearray) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, target)
         _sync_folder(target.parent)
+    except OSError as exc:
+        reason = "it is a directory" if target.is_dir() else exc.strerror or str(exc)
+        raise StateFileError(f"cannot write {kind[1]} file {str(path)!r}: {reason}") from None
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
