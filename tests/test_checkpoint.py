@@ -283,7 +283,7 @@ def test_save_is_atomic(
             raise OSError("disk full")
 
         monkeypatch.setattr(os, "replace", crash)
-        with pytest.raises(OSError, match="disk full"):
+        with pytest.raises(lcgen.StateFileError, match=f"cannot write .*{path.name}.*: disk full"):
             seq.save(path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["story.lcs"]

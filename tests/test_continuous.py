@@ -326,8 +326,11 @@ def test_a_constrained_output_cut_short_raises_with_the_state(model: lcgen.Model
     with pytest.raises(lcgen.IncompleteOutputError, match="2 beams stopped") as info:
         beams("Pick one:")
     assert info.value.state.shape == (1, 2)
-    done = continuous(generate.choice(model, options, max_tokens=12, beams=2))("Pick one:")
-    assert all(text[len("Pick one:") :] in options for text in done)
+    # room to finish: each beam an option, no text twice (the same words in other tokens
+    # take no beam of their own)
+    done = continuous(generate.choice(model, options, max_tokens=24, beams=2))("Pick one:")
+    endings = [text[len("Pick one:") :] for text in done]
+    assert endings and all(e in options for e in endings) and len(set(endings)) == len(endings)
 
 
 def test_state_api_and_errors(model: lcgen.Model) -> None:
