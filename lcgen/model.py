@@ -23,7 +23,7 @@ from lcgen._native.model import ModelHandle, render_chat_template
 from lcgen.decoding import Chunk, GenerateOptions, Plan, Text, make_plan
 from lcgen.decoding.generator import logprobs_of
 from lcgen.decoding.options import shown
-from lcgen.decoding.results import SchemaLike, TokenLogprob, check_complete, parse_structured
+from lcgen.decoding.results import SchemaLike, TokenLogprob, parse_structured
 from lcgen.decoding.sampling import check_seed
 from lcgen.errors import ContextFullError
 from lcgen.runtime import Context, Run, Scheduler, Sequence
@@ -523,7 +523,7 @@ class Model:
         ]
         texts = self._generate_batch(tokens, plan)
         for text in texts:
-            check_complete(text, plan.constraint, self.vocab, plan.stop_tokens)
+            plan.check_complete(text, self.vocab)
         return texts if schema is None else [parse_structured(t, schema) for t in texts]
 
     def prompt_logprobs(self, prompt: str | Seq[int], *, top: int = 0) -> list[TokenLogprob]:

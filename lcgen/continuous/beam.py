@@ -167,7 +167,9 @@ def _step(search: BeamSearch, rows: list[np.ndarray]) -> None:
     texts = set()  # one beam per text: the best ranked (an earlier step's may be it)
     search.finished = []
     for rank, elem in ranked:
-        if search.texts[id(elem)] not in texts and len(search.finished) < width:
+        if len(search.finished) == width:
+            break
+        if search.texts[id(elem)] not in texts:
             texts.add(search.texts[id(elem)])
             search.finished.append((rank, elem))
     _fork_children(search.live, going)

@@ -332,9 +332,7 @@ class Context:
         buffer). :meth:`close` waits until no other thread is inside one."""
         me = threading.get_ident()
         with self.lock:
-            if self._closing:
-                self._handle.live()  # raises ClosedError once closed
-                raise ClosedError("the model is being closed")
+            self.check_open()
             self._in_use[me] = self._in_use.get(me, 0) + 1
         try:
             yield

@@ -5,11 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
-from lcgen.decoding.options import shown
 from lcgen.decoding.sampling import SamplerConfig, new_rng, sample
 from lcgen.decoding.speculation import AdaptiveLength, Drafter, NgramDrafter, Speculation
 from lcgen.runtime.run import decode
-from lcgen.runtime.tokens import ModelLike, TokenSequence
+from lcgen.runtime.tokens import ModelLike, TokenSequence, check_model
 
 
 class ModelDrafter(AdaptiveLength):
@@ -86,9 +85,8 @@ def check_draft_model(target: ModelLike, draft: ModelLike) -> None:
         ValueError: it is the target itself (it would share the target's context and its
             logits buffer: load it again), or its vocabulary differs.
     """
-    for role, model in (("model", target), ("draft model", draft)):
-        if not (hasattr(model, "vocab") and hasattr(model, "context")):
-            raise TypeError(f"the {role} must be an lcgen.Model, got {shown(model)}")
+    check_model(target, "the model must be an lcgen.Model")
+    check_model(draft, "the draft model must be an lcgen.Model")
     if draft.context is target.context:
         raise ValueError(
             "the draft model is the model generating: load the file again as a separate "

@@ -8,7 +8,7 @@ from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar, Unpack, overload
 
 from lcgen.decoding import Chunk, GenerateOptions, Generator, Plan, Text, make_plan
-from lcgen.decoding.results import SchemaLike, check_complete, parse_structured
+from lcgen.decoding.results import SchemaLike, parse_structured
 from lcgen.decoding.sampling import check_seed
 from lcgen.errors import ContextFullError, StateFileError
 from lcgen.runtime import statefile
@@ -16,9 +16,15 @@ from lcgen.runtime.backtrack import Backtracker
 from lcgen.runtime.context import DecodeRequest, check_fits
 from lcgen.runtime.drafts import drafter_for
 from lcgen.runtime.run import PlainRun
-from lcgen.runtime.tokens import ModelLike, TokenSequence
+from lcgen.runtime.tokens import ModelLike, TokenSequence, check_model
 
 _M = TypeVar("_M")
+
+
+_LOAD_INTO = (
+    "Sequence.load/from_bytes(model, ...) expects the lcgen.Model to load into as its first "
+    "argument"
+)
 
 
 class Sequence(TokenSequence):
@@ -116,7 +122,7 @@ class Sequence(TokenSequence):
             TypeError: ``model`` is not a model (an :class:`lcgen.Model`).
             StateFileError: corrupted, truncated, another format version, or another model.
         """
-        _check_model(model)
+        check_model(model, _LOAD_INTO)
         header, kv = statefile.decode(data)
         tokens, n_decoded = _checked_header(header, model)
         seq = cls(model)
@@ -148,7 +154,7 @@ class Sequence(TokenSequence):
             TypeError: ``model`` is not a model (an :class:`lcgen.Model`).
             StateFileError: the file cannot be read, or see :meth:`from_bytes`.
         """
-        _check_model(model)
+        check_model(model, _LOAD_INTO)  # before the file is read
         return cls.from_bytes(model, statefile.read_file(path))
 
     # generation ------------------------------------------------------------------------
@@ -245,7 +251,7 @@ class Sequence(TokenSequence):
         """
         plan = make_plan(schema=schema, **options)
         text = Text.of(_chunks(self.run_plan(plan)))
-        check_complete(text, plan.constraint, self.vocab, plan.stop_tokens)
+        plan.check_complete(text, self.vocab)
         return text if schema is None else parse_structured(text, schema)
 
 
@@ -254,15 +260,6 @@ def _chunks(run: PlainRun | Backtracker) -> Iterator[Chunk]:
         yield Chunk("", (), run.generator.finish_reason, stats=run.stats())
     while not run.is_done:
         yield run.step()
-
-
-def _check_model(model: object) -> None:
-    """Raise TypeError unless ``model`` has what a sequence needs of its model."""
-    if not all(hasattr(model, a) for a in ("vocab", "context", "cache", "fingerprint", "path")):
-        raise TypeError(
-            "Sequence.load/from_bytes(model, ...) expects the lcgen.Model to load into as its "
-            f"first argument, got {type(model).__name__}"
-        )
 
 
 def _checked_header(header: dict[str, Any], model: ModelLike) -> tuple[list[int], int]:

@@ -55,6 +55,13 @@ class ModelLike(Protocol):
     def path(self) -> Path: ...
 
 
+def check_model(value: object, expected: str) -> None:
+    """Raise ``TypeError("{expected}, got TYPE")`` unless ``value`` has what a sequence needs
+    of its model (:class:`ModelLike`)."""
+    if not all(hasattr(value, a) for a in ("vocab", "context", "cache", "fingerprint", "path")):
+        raise TypeError(f"{expected}, got {type(value).__name__}")
+
+
 class TokenSequence:
     """Tokens of one live generation in a KV slot, with O(1) checkpoints and rewinds.
 

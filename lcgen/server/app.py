@@ -8,7 +8,6 @@ import contextlib
 import dataclasses
 import hmac
 import json
-import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
@@ -30,6 +29,7 @@ from lcgen.server.requests import (
     APIError,
     ChatRequest,
     CompletionRequest,
+    field_named,
     max_tokens,
     n_logprobs,
     options,
@@ -248,7 +248,7 @@ class _Server:
         try:
             plan = lcgen.make_plan(max_tokens=limit, **options(req, self.model.n_vocab, self.draft))
         except (TypeError, ValueError, lcgen.LcgenError) as exc:
-            raise APIError(400, str(exc), param=_field_named(str(exc), req)) from None
+            raise APIError(400, str(exc), param=field_named(str(exc), type(req))) from None
         seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
         return Job(
             [p for p in prompts for _ in seeds],
@@ -364,12 +364,6 @@ class _Count:
     def usage(self, outputs: list[Output]) -> dict[str, Any]:
         cached = sum(outputs[k * self.n].cached_tokens for k in range(len(self.prompts)))
         return usage(sum(map(len, self.prompts)), sum(o.n_tokens for o in outputs), cached)
-
-
-def _field_named(message: str, req: AnyRequest) -> str | None:
-    """The request field an option's error is about: lcgen's messages start with its name."""
-    name = re.match(r"[a-z_]+", message)
-    return name.group() if name and name.group() in type(req).model_fields else None
 
 
 def _failure(item: Failed) -> APIError:

@@ -11,6 +11,7 @@ fields (``extra_body`` in the official client): ``banned``, ``banned_ignore_case
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -233,7 +234,7 @@ def parse(cls: type[R], body: bytes) -> R:
         message = first["msg"].removeprefix("Value error, ")
         # pydantic's path, less the tags it adds for a union's members (``str``, ``list[...]``)
         path = [str(part) for part in first["loc"] if not _union_tag(part)]
-        param = ".".join(path) or _field_named_in(message, cls)
+        param = ".".join(path) or field_named(message, cls)
         more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
         where = f"{param}: " if path else ""
         raise APIError(400, f"{where}{message}{more}", param=param) from None
@@ -243,10 +244,11 @@ def _union_tag(part: int | str) -> bool:
     return isinstance(part, str) and (part in {"str", "int", "float", "bool"} or "[" in part)
 
 
-def _field_named_in(message: str, cls: type[BaseModel]) -> str | None:
-    """The field a whole-request check is about: its message starts with the field's name."""
-    name = message.split(" ", 1)[0].rstrip(":,")
-    return name if name in cls.model_fields else None
+def field_named(message: str, cls: type[BaseModel]) -> str | None:
+    """The request field an error is about (a whole-request check's, an option's): lcgen's
+    messages start with the field's name."""
+    name = re.match(r"[a-z_]+", message)
+    return name.group() if name and name.group() in cls.model_fields else None
 
 
 # lcgen's options ---------------------------------------------------------------------------
