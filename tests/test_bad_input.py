@@ -116,6 +116,10 @@ def test_sizes_llama_cpp_would_abort_on_are_refused() -> None:
         expect(ValueError, lambda: lcgen.load(n_batch=2**32 + 1), "n_batch must be in")
         expect(ValueError, lambda: lcgen.load(n_threads=10**6), "n_threads must be in")
         expect(ValueError, lambda: lcgen.load(n_seq_max=1000), "n_seq_max must be in")
+        # A context this machine cannot hold is refused at once (llama.cpp spent 47 s
+        # failing to allocate 10**9 cells; a few million could have the process killed).
+        expect(lcgen.ModelLoadError, lambda: lcgen.load(n_ctx=10**9), "n_ctx=1000000000 needs")
+        expect(lcgen.ModelLoadError, lambda: lcgen.load(n_ctx=2**31 - 1), "more than this")
         with lcgen.load(n_ctx=8, n_batch=4) as small:  # small sizes work (slots follow them)
             assert small.context.n_seq_max == 4
             assert small.generate("a b c d e f g", max_tokens=4).stats.tokens == 4

@@ -107,3 +107,25 @@ def test_beam_arguments(model: lcgen.Model) -> None:
         generate.text(model, beams=2, repeat_penalty=1.2, frequency_penalty=0.5)
     with pytest.raises(ValueError, match="num_samples=2"):
         continuous(generate.text(model, beams=2, max_tokens=2))("x", num_samples=2)
+
+
+def test_a_batch_keeps_a_rectangle_of_complete_beams(model: lcgen.Model) -> None:
+    # "hell" + "o" and "hello" are the same text: prompts end with different numbers of
+    # distinct beams, and every element keeps as many as the one with fewest (this raised
+    # "a state needs a non-empty rectangle").
+    prompts = ["The answer is ", "Pick one: ", "x", "Name: ", "He said "]
+    pattern = r"(hello|hell|help) world"
+    searched = continuous(generate.regex(model, pattern, beams=3))
+    alone = [len(searched(p).texts[0]) for p in prompts]
+    with searched(prompts) as beams:
+        assert beams.shape == (len(prompts), min(alone))
+        for prompt, row in zip(prompts, beams.texts, strict=True):
+            endings = [text[len(prompt) :] for text in row]
+            assert len(set(endings)) == len(endings)
+            assert all(e in ("hello world", "hell world", "help world") for e in endings)
+    # A beam the token budget cut short is dropped where others are complete.
+    # (This raised IncompleteOutputError: the third beam had 3 tokens of the long option.)
+    options = [" Paris", " London", " the city of lights on the river Seine"]
+    pick = continuous(generate.choice(model, options, max_tokens=3, beams=3))
+    with pick(PROMPTS[0]) as picked:
+        assert [text[len(PROMPTS[0]) :] for text in picked] == [" Paris", " London"]

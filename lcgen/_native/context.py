@@ -4,6 +4,7 @@ KV cell pool shared by all sequence ids) and its per-sequence state."""
 from __future__ import annotations
 
 import ctypes
+import os
 from collections.abc import Sequence
 
 import llama_cpp as C
@@ -12,6 +13,43 @@ import numpy as np
 from lcgen._native.log import log_errors_since, log_mark
 from lcgen._native.model import ModelHandle
 from lcgen.errors import ClosedError, ContextFullError, DecodeError, ModelLoadError, StateFileError
+
+# What llama.cpp keeps for each cell besides its K and V: position, shift, sequence-id bits.
+_CELL_BOOKKEEPING = 40
+
+
+def machine_memory() -> int:
+    """This machine's RAM and swap in bytes (0 where the system does not say)."""
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, OSError, ValueError):
+        return 0
+    swap = 0
+    try:
+        with open("/proc/meminfo", encoding="ascii") as meminfo:
+            for line in meminfo:
+                if line.startswith("SwapTotal:"):
+                    swap = int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return ram + swap
+
+
+def check_memory(model: ModelHandle, n_ctx: int) -> None:
+    """Refuse a context whose KV cache cannot fit in this machine's memory, before llama.cpp
+    spends a minute failing to allocate it (or the process is killed touching it).
+
+    Raises:
+        ModelLoadError: naming ``n_ctx``, the bytes it needs and the bytes there are.
+    """
+    on_host = model.kv_bytes_per_cell() if model.n_offloaded == 0 else 0
+    need, have = n_ctx * (on_host + _CELL_BOOKKEEPING), machine_memory()
+    if have and need > have:
+        raise ModelLoadError(
+            f"n_ctx={n_ctx} needs about {need / 2**30:,.1f} GiB for its KV cache, more than "
+            f"this machine's {have / 2**30:,.1f} GiB of memory: load the model with a smaller "
+            "n_ctx"
+        )
 
 
 class ContextHandle:
@@ -28,6 +66,7 @@ class ContextHandle:
         swa_full: bool = True,
         spare_seq: bool = False,
     ) -> None:
+        check_memory(model, n_ctx)
         params = C.llama_context_default_params()
         if flash_attn is not None:
             params.flash_attn_type = (

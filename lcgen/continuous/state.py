@@ -357,10 +357,7 @@ class Continuous:
             )
         if spec.beams is not None:
             roots = [state.element_at(b, 0).copy() for b in range(n_batch)]
-            found = beam.search(spec, roots)
-            out = SequenceState(model, [[elem for elem, _ in row] for row in found])
-            cut = {(b, s): c for b, row in enumerate(found) for s, (_, c) in enumerate(row) if c}
-            return _complete_or_raise(out, cut, "beams")
+            return _beam_state(model, beam.search(spec, roots))
         n_out = max(n_in, num_samples)
         base = seed if seed is not None else spec.plan.sampler.seed
         rows = [[state.element_at(b, s).copy() for s in range(n_out)] for b in range(n_batch)]
@@ -377,6 +374,21 @@ class Continuous:
                 raise ValueError("the state was made with another model than this generator's")
             return prompt
         return SequenceState.from_text(self.spec.model, prompt)
+
+
+def _beam_state(
+    model: ModelLike, found: list[list[tuple[Element, IncompleteOutputError | None]]]
+) -> SequenceState:
+    """The state of beam searches' results (per batch element, best first, the beams a
+    constraint cut short last): where every element has complete beams, only those, as many
+    per element as the element with fewest (a state is a rectangle; elements can end with
+    fewer distinct texts than the width); else all beams, and an IncompleteOutputError."""
+    complete = [sum(c is None for _, c in row) for row in found]
+    n = min(complete) or min(len(row) for row in found)
+    rows = [row[:n] for row in found]
+    out = SequenceState(model, [[elem for elem, _ in row] for row in rows])
+    cut = {(b, s): c for b, row in enumerate(rows) for s, (_, c) in enumerate(row) if c}
+    return _complete_or_raise(out, cut, "beams")
 
 
 def _complete_or_raise(
