@@ -12,6 +12,7 @@ import datetime
 import enum
 import functools
 import json
+import re
 import uuid
 import warnings
 from dataclasses import dataclass, field
@@ -764,6 +765,7 @@ def test_number_ranges_are_exact(
 
 
 STEPS = ["0.01", "0.001", "0.0001", "0.25", "1.5", "0.3", "2.5", "0.05", "0.125", "7", "0.5"]
+STEPS += ["10", "3"]
 
 
 @HYPOTHESIS
@@ -786,7 +788,9 @@ def test_multiples_are_exact(
 ) -> None:
     """Every text the grammar accepts is an exact multiple within the bounds; every such text
     written without an exponent and with no more places than the step is accepted where the
-    step is a power of ten, the multiples can be listed, or only a lower bound <= 0 is set."""
+    step is a power of ten, the multiples can be listed, or only a lower bound <= 0 is set;
+    and every integer multiple within any bounds where the grammar writes integers (an integer
+    schema, or an integer step), but negatives under a lower bound alone."""
     schema: dict[str, Any] = {"type": "integer" if integer else "number"}
     schema["multipleOf"] = float(step) if "." in step else int(step)
     if lo is not None:
@@ -817,6 +821,9 @@ def test_multiples_are_exact(
     unsigned = hi is None and (lo is None or (lo <= 0 and x >= 0))  # digit by digit
     if valid and written <= places and (power_of_ten or listed or unsigned):
         assert accepted, (schema, text)
+    integral = written == 0 and (integer or Decimal(step) % 1 == 0)
+    if valid and integral and not (hi is None and lo is not None and x < 0):
+        assert accepted, (schema, text)
 
 
 @HYPOTHESIS
@@ -839,13 +846,39 @@ def test_string_lengths_are_exact(
     assert accepted == (low <= len(text) <= low + extra)
 
 
+@pytest.mark.parametrize(
+    ("pattern", "accepted", "refused"),
+    [
+        # Python's re.search takes "\n" before the end as "$", and any Unicode digit or letter
+        # for \d and \w; ECMA-262 (JSON Schema's dialect, and pydantic's) does not.
+        ("^\\d{5}$", ["12345"], ["12345\n", "\u06f8\u06f8\u06f8\u06f8\u06f8", "1234\u0663"]),
+        ("^\\w+$", ["a_Z9"], ["\u00e9t\u00e9", "ab\n"]),
+        ("^[^\\d]+$", ["abc"], ["\u0663", "a1"]),  # negated: neither side's digits
+        ("^\\D$", ["x"], ["\u0663", "5"]),
+        ("^\\s$", [" ", "\t", "\u3000"], ["\u001c", "\u0085", "\ufeff"]),
+        ("^a.b$", ["axb", "a\u00e9b"], ["a\rb", "a\u2028b", "a\nb"]),
+    ],
+)
+def test_patterns_match_only_what_ecma_262_and_python_agree_on(
+    model: lcgen.Model, pattern: str, accepted: list[str], refused: list[str]
+) -> None:
+    grammar = Grammar.from_json_schema({"type": "string", "pattern": pattern})
+    for text in accepted:
+        assert re.search(pattern, text)
+        assert grammar.accepts(model, json.dumps(text)), text
+    for text in refused:
+        assert not grammar.accepts(model, json.dumps(text)), text
+    # regex= keeps Python's meaning (re.fullmatch), as documented
+    assert Grammar.regex("\\d{5}").accepts(model, "\u06f8" * 5)
+
+
 # what cannot be enforced raises ------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("schema", "named"),
     [
-        ({"type": "number", "multipleOf": 1.5, "maximum": 10**6}, "multipleOf 1.5 with"),
+        ({"type": "number", "multipleOf": 99.7, "maximum": 10**30}, "multipleOf 99.7 with"),
         ({"type": "number", "multipleOf": 0.0000123}, "multipleOf 0.0000123"),
-        ({"type": "integer", "multipleOf": 7, "maximum": 10**9}, "multipleOf"),
+        ({"type": "integer", "multipleOf": 997, "minimum": 1}, "multipleOf 997 with"),
         ({"not": {"pattern": "^a"}}, "not of pattern"),
         ({"type": "object", "unevaluatedProperties": False}, "'unevaluatedProperties'"),
         ({"type": "array", "uniqueItems": True}, "uniqueItems"),
@@ -962,7 +995,7 @@ def test_pydantic_rejects_what_it_cannot_enforce() -> None:
         tags: set[str]
 
     class Even(pydantic.BaseModel):
-        n: float = pydantic.Field(multiple_of=1.5, ge=0, le=10**6)
+        n: float = pydantic.Field(multiple_of=99.7, ge=1, le=10**30)
 
     with pytest.raises(lcgen.GrammarError, match="uniqueItems"):
         Grammar.from_pydantic(Tagged)

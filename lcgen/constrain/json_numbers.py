@@ -16,6 +16,7 @@ from lcgen.errors import GrammarError
 
 MAX_LISTED = 256  # multiples within bounds written out as literals
 MAX_STEP_STATES = 256  # divisibility states (residues times places) of one multipleOf
+MAX_RANGE_STATES = 4096  # residues times digits of a bounded integer multipleOf
 
 
 def _common_step(steps: list[Decimal]) -> tuple[int, int]:
@@ -91,9 +92,77 @@ class NumberRules:
                 raise Unsatisfiable(f"no multiple of {step} lies within the bounds at {path}")
             if (last - first) // step < MAX_LISTED:
                 return g.alternatives(g.literal(str(v)) for v in range(first, last + 1, step))
-        if hi is not None or (lo is not None and lo > 0):
+        if hi is None and (lo is None or lo <= 0):  # no bound a multiple could pass
+            return self.divisible(step, 0, signed=lo is None, path=path)
+        options = []
+        if hi is None or hi >= 0:
+            options.append(self.natural_multiples(step, max(lo or 0, 0), hi, path))
+        if lo is None or lo < 0:
+            low = max(1, -hi) if hi is not None else 1
+            magnitude = self.natural_multiples(step, low, None if lo is None else -lo, path)
+            options.append(f'"-" {magnitude}' if magnitude else None)
+        found = [o for o in options if o]
+        if not found:
+            raise Unsatisfiable(f"no multiple of {step} lies within the bounds at {path}")
+        return g.alternatives(found)
+
+    def natural_multiples(self, step: int, lo: int, hi: int | None, path: str) -> str | None:
+        """The naturals in [lo, hi] that are multiples of ``step``, written canonically (None:
+        unbounded, as many digits as other unbounded numbers); None when there are none.
+        Digit by digit: a number as long as a bound follows that bound's digits while it is
+        tied with them, and the residue mod ``step`` of the digits so far decides where it
+        may end (the states: residues times digits still to write, plus one path per bound)."""
+        if hi is None:
+            hi = 10 ** max(len(str(lo)) + 1, g.MAX_DIGITS) - 1
+        if lo > hi:
+            return None
+        if step * len(str(hi)) > MAX_RANGE_STATES:
             raise GrammarError(f"multipleOf {step} with these bounds (at {path}) is not supported")
-        return self.divisible(step, 0, signed=lo is None, path=path)
+        rules = self.rules
+
+        def grouped(options: dict[str, list[int]]) -> str:
+            """``[digits] rest`` alternatives, one per rest."""
+            return " | ".join(f"[{''.join(map(str, ds))}] {rest}" for rest, ds in options.items())
+
+        def live(n: int, r: int) -> bool:
+            """Whether n more digits after digits of residue r can end on a multiple: when
+            the least such completion fits in n digits."""
+            return bool((-r * 10**n) % step < 10**n)
+
+        @functools.cache
+        def free(n: int, r: int) -> str:
+            """Any ``n`` more digits that end on a multiple, after digits of residue r."""
+            if n == 0:
+                return '""'
+            options: dict[str, list[int]] = {}
+            for d in range(10):
+                if live(n - 1, nxt := (10 * r + d) % step):
+                    options.setdefault(free(n - 1, nxt), []).append(d)
+            return rules.add(f"multiple-{r}-{n}", grouped(options))
+
+        def tied(a: str, b: str, i: int, low: bool, high: bool, r: int) -> str | None:
+            """The rest of a number of len(a) digits in [a, b], the first i written (residue
+            r), still equal to a's first i digits (low) or b's (high)."""
+            if not low and not high:
+                return free(len(a) - i, r) if live(len(a) - i, r) else None
+            if i == len(a):
+                return '""' if r == 0 else None
+            first, last = int(a[i]) if low else 0, int(b[i]) if high else 9
+            options: dict[str, list[int]] = {}
+            for d in range(first, last + 1):
+                tie = (low and d == first, high and d == last)
+                rest = tied(a, b, i + 1, *tie, (10 * r + d) % step)
+                if rest is not None:
+                    options.setdefault(rest, []).append(d)
+            return f"({grouped(options)})" if options else None
+
+        found = []
+        for n_digits in range(len(str(lo)), len(str(hi)) + 1):
+            a = max(lo, 10 ** (n_digits - 1) if n_digits > 1 else 0)
+            b = min(hi, 10**n_digits - 1)
+            if a <= b and (expr := tied(str(a), str(b), 0, True, True, 0)) is not None:
+                found.append(expr)
+        return g.alternatives(found) if found else None
 
     def decimal_multiples(
         self,

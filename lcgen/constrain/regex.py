@@ -31,6 +31,16 @@ _UNWRITABLE = g.ranges_of([(0, 0), (0xD800, 0xDFFF)])
 _JSON_ESCAPED = g.ranges_of([(0, 0x1F), (0x22, 0x22), (0x5C, 0x5C)])
 _ANY = ((0, g.MAX_CODEPOINT),)
 _DOT = g.complement(((0x0A, 0x0A),))
+# ECMA-262's "." stops at every line terminator, Python's only at "\n".
+_PORTABLE_DOT = g.complement(g.ranges_of([(0x0A, 0x0A), (0x0D, 0x0D), (0x2028, 0x2029)]))
+_ECMA_SPACE = "\t\n\v\f\r \xa0\u1680" + "".join(map(chr, range(0x2000, 0x200B)))
+_ECMA_SPACE += "\u2028\u2029\u202f\u205f\u3000\ufeff"
+# What ECMA-262 (JSON Schema's regex dialect) reads as \d, \w, \s.
+_ECMA_CLASSES = {
+    "d": g.ranges_of([(0x30, 0x39)]),
+    "w": g.ranges_of([(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)]),
+    "s": g.ranges_of((ord(c), ord(c)) for c in _ECMA_SPACE),
+}
 _NEVER = "[^\\x00-\\U0010FFFF]"  # a character class no character matches
 _SIMPLE_ESCAPES = {"a": 7, "f": 12, "n": 10, "r": 13, "t": 9, "v": 11}
 
@@ -76,10 +86,28 @@ def python_class(letter: str) -> g.Ranges:
     return g.complement(ranges) if letter.isupper() else ranges
 
 
+@functools.cache
+def portable_class(letter: str, *, widest: bool = False) -> g.Ranges:
+    """What ``\\d``, ``\\w``, ``\\s`` (or a negation) may stand for where Python's ``re``
+    (Unicode) and ECMA-262 must both agree: the characters both match, or with ``widest``
+    those either matches (a negated class's items, whose complement must stay narrow)."""
+    base = letter.lower()
+    python, ecma = python_class(base), _ECMA_CLASSES[base]
+    if letter.isupper():  # the complement of the other side's set
+        return g.complement(portable_class(base, widest=not widest))
+    if widest:
+        return g.ranges_of([*python, *ecma])
+    return g.complement(g.ranges_of([*g.complement(python), *g.complement(ecma)]))
+
+
 class _Parser:
-    def __init__(self, pattern: str) -> None:
+    def __init__(self, pattern: str, portable: bool = False) -> None:
         self.p = pattern
         self.i = 0
+        # JSON Schema's patterns are ECMA-262: match only what it and Python's re agree on
+        # (ASCII \d and \w, "." before any line terminator, "$" at the very end).
+        self.portable = portable
+        self.negated = False  # inside a negated character class
 
     def fail(self, what: str, at: int | None = None) -> GrammarError:
         pos = self.i if at is None else at
@@ -148,9 +176,9 @@ class _Parser:
         if c == "[":
             return Chars(self.char_class())
         if c == ".":
-            return Chars(_DOT)
+            return Chars(_PORTABLE_DOT if self.portable else _DOT)
         if c in "^$":
-            return Anchor(end=c == "$", strict=False)
+            return Anchor(end=c == "$", strict=self.portable)
         if c == "\\":
             return self.escape(in_class=False)
         return Chars(((ord(c), ord(c)),))
@@ -182,6 +210,7 @@ class _Parser:
         negate = self.peek() == "^"
         if negate:
             self.i += 1
+        self.negated = negate
         items: list[tuple[int, int]] = []
         first = True
         while first or self.peek() != "]":
@@ -198,6 +227,7 @@ class _Parser:
             else:
                 items.append((lo, lo))
         self.i += 1
+        self.negated = False
         ranges = g.ranges_of(items)
         return g.complement(ranges) if negate else ranges
 
@@ -214,6 +244,8 @@ class _Parser:
         start = self.i - 1
         c = self.take()
         if c in "dwsDWS":
+            if self.portable:
+                return Chars(portable_class(c, widest=in_class and self.negated))
             return Chars(python_class(c))
         if c in "AZ" and not in_class:
             return Anchor(end=c == "Z", strict=True)
@@ -250,8 +282,9 @@ def _char(cp: int) -> Chars:
     return Chars(((cp, cp),))
 
 
-def parse(pattern: str) -> Node:
-    """Parse ``pattern`` (checked with Python's ``re`` first) into a syntax tree.
+def parse(pattern: str, *, portable: bool = False) -> Node:
+    """Parse ``pattern`` (checked with Python's ``re`` first) into a syntax tree; with
+    ``portable``, one that matches only strings Python's ``re`` and ECMA-262 both match.
 
     Raises:
         GrammarError: the pattern is invalid, or uses a construct outside the subset.
@@ -262,7 +295,7 @@ def parse(pattern: str) -> Node:
             re.compile(pattern)
     except (re.error, FutureWarning) as exc:
         raise GrammarError(f"invalid regex /{pattern}/: {exc}") from None
-    return _Parser(pattern).parse()
+    return _Parser(pattern, portable).parse()
 
 
 def nullable(node: Node) -> bool:
@@ -302,15 +335,17 @@ def without_empty(node: Node) -> Node | None:
     return None
 
 
-def branches(pattern: str) -> list[tuple[Node, Anchor | None, Anchor | None]]:
-    """The top-level alternatives of ``pattern``, each as (body without anchors, its start
-    anchor, its end anchor).
+def branches(
+    pattern: str, *, portable: bool = False
+) -> list[tuple[Node, Anchor | None, Anchor | None]]:
+    """The top-level alternatives of ``pattern`` (see :func:`parse`), each as (body without
+    anchors, its start anchor, its end anchor).
 
     Raises:
         GrammarError: an invalid pattern, a construct outside the subset, or an anchor that is
             not at an end of a top-level alternative.
     """
-    tree = parse(pattern)
+    tree = parse(pattern, portable=portable)
     options = tree.options if isinstance(tree, Alt) else (tree,)
     return [_strip_anchors(option, pattern) for option in options]
 
@@ -441,15 +476,16 @@ def regex_to_gbnf(pattern: str, *, json_string: bool = False, search: bool = Fal
     Args:
         pattern: a Python regular expression in the supported subset.
         json_string: write each character as the body of a JSON string would.
-        search: ``re.search`` semantics (JSON Schema ``pattern``): the text need only contain
-            a match, unless anchors pin it; otherwise ``re.fullmatch`` semantics.
+        search: JSON Schema ``pattern`` semantics: the text need only contain a match,
+            unless anchors pin it, and only what Python's ``re.search`` and ECMA-262 both
+            match (see :func:`parse`); otherwise ``re.fullmatch`` semantics.
 
     Raises:
         GrammarError: an invalid pattern, or a construct outside the subset.
     """
     emitter = Emitter(json_string)
     options = []
-    for body, start, end in branches(pattern):
+    for body, start, end in branches(pattern, portable=search):
         parts = [emitter.emit(body)]
         if search and start is None:
             parts.insert(0, emitter.any_text())
