@@ -110,13 +110,17 @@ class Vocab:
             ValueError: a token id is outside ``[0, n_vocab)``.
             TypeError: a token id is not an int.
         """
-        if isinstance(tokens, str | bytes | bytearray):
-            shown = f"{tokens[:40]!r}..." if len(tokens) > 40 else repr(tokens)
+        if isinstance(tokens, str | bytes | bytearray) or not isinstance(tokens, Iterable):
+            shown = repr(tokens)
+            shown = f"{shown[:40]}..." if len(shown) > 40 else shown
             raise TypeError(f"token ids are a list of int, got {type(tokens).__name__} {shown}")
+        tokens = list(tokens)
         try:
-            out = [operator.index(t) for t in tokens]
+            out = [operator.index(t) for t in tokens if not isinstance(t, bool)]
         except TypeError:
-            raise TypeError(f"token ids must be ints, got {list(tokens)[:8]!r}...") from None
+            out = []
+        if len(out) != len(tokens):
+            raise TypeError(f"token ids must be ints, got {tokens[:8]!r}...") from None
         for tok in out:
             if not 0 <= tok < self.n_vocab:
                 raise ValueError(f"token id {tok} is outside the vocabulary [0, {self.n_vocab})")

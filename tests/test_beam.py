@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import gc
 import math
+import subprocess
+import sys
+import textwrap
 from collections.abc import Iterator
 
 import pytest
@@ -129,3 +132,45 @@ def test_a_batch_keeps_a_rectangle_of_complete_beams(model: lcgen.Model) -> None
     pick = continuous(generate.choice(model, options, max_tokens=3, beams=3))
     with pick(PROMPTS[0]) as picked:
         assert [text[len(PROMPTS[0]) :] for text in picked] == [" Paris", " London"]
+
+
+def test_a_stop_string_that_never_occurs_changes_no_beam(model: lcgen.Model) -> None:
+    # Text held back in case it starts the stop string made " around" and " 1" look like the
+    # same (empty) text, and the worse beam was dropped.
+    found = []
+    for stop in (None, [" around the world"]):
+        model.cache.clear()  # each from nothing: the same cells
+        with continuous(generate.text(model, max_tokens=6, beams=3, stop=stop))(
+            "Water boils at"
+        ) as beams:
+            found.append((beams.texts, beams.tokens))
+    assert found[0] == found[1]
+    assert len(set(found[0][0][0])) == 3
+
+
+def test_beam_searches_in_several_threads_take_turns() -> None:
+    # Each search holds slots while it forks more: two threads' searches each waited for the
+    # other's slots forever. Run in a child, so that a hang fails the test instead of CI.
+    program = textwrap.dedent("""
+        import threading, lcgen
+        from lcgen import continuous, generate
+        model = lcgen.load("smollm2-135m", n_threads=1, n_seq_max=4)
+        beam = continuous(generate.text(model, max_tokens=8, beams=4))
+        out = {}
+        def work(i):
+            out[i] = beam(f"Prompt {i % 2}: The capital of France is").texts
+        threads = [threading.Thread(target=work, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(out) == 3 and model.cache.stats.live == 0
+        for i, texts in out.items():
+            assert len(texts[0]) == 4, texts
+            assert all(t.startswith(f"Prompt {i % 2}: The capital") for t in texts[0])
+        print("PASS")
+    """)
+    done = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0 and "PASS" in done.stdout, done.stderr[-3000:]

@@ -594,3 +594,28 @@ def test_the_cache_off_loads_only_the_pinned_entries_of_a_file(
     finally:
         model.cache.unpin(FEW_SHOT)
         cold_model.cache.unpin(FEW_SHOT)
+
+
+def test_loading_what_the_cache_holds_already_loses_nothing(
+    model_path: Path, tmp_path: Path
+) -> None:
+    # Its pinned entry was loaded again into the slot of the parked one (evicted), which
+    # then had no slot: SlotsExhaustedError, and the parked entry lost.
+    with lcgen.Model(model_path, n_seq_max=2, n_ctx=1024) as small:
+        small.cache.pin("You are a helpful assistant.")
+        small.generate("Hello there", max_tokens=3)
+        path = tmp_path / "two.lcc"
+        assert small.cache.save(path) == 2
+        before = small.cache.stats
+        assert small.cache.load(path) == 2
+        after = small.cache.stats
+        assert (after.entries, after.pinned, after.evictions) == (2, 1, before.evictions)
+        before_decoded = small.context.n_decoded
+        small.generate("Hello there", max_tokens=3)
+        assert small.context.n_decoded - before_decoded <= 3  # still cached
+
+
+def test_pin_names_a_prompt_that_is_neither_text_nor_token_ids(model: lcgen.Model) -> None:
+    for bad, shown in [(123, "got int 123"), (None, "got NoneType"), ([True, 2], r"\[True, 2\]")]:
+        with pytest.raises(TypeError, match=shown):
+            model.cache.pin(bad)  # type: ignore[arg-type]

@@ -385,3 +385,24 @@ def test_states_never_keep_a_new_sequence_from_a_slot(model_path: Path) -> None:
         assert first.n_cached == 0 and second.n_cached == 1
         again = text(first)  # decoded again from its tokens, and goes on
         assert str(again).startswith(str(first))
+
+
+def test_a_batch_that_outgrows_the_context_queues_for_cells() -> None:
+    # Prompts that together need more cells than the context has: each element waits until
+    # its prompt fits (it was prefilled at once, and the batch failed with ContextFullError).
+    prompts = [
+        f"Document {i}: " + "The river flows past the old mill and the bakery. " * 9 + "Summary:"
+        for i in range(3)
+    ]
+    with lcgen.load("smollm2-135m", n_threads=1, n_ctx=256) as small:
+        assert 3 * len(small.tokenize(prompts[0])) > 256
+        texts = small.generate(prompts, max_tokens=5)
+        expected = [p + str(t) for p, t in zip(prompts, texts, strict=True)]
+        small.cache.clear()
+        state = continuous(generate.text(small, max_tokens=5))(prompts)
+        assert list(state) == expected
+        small.cache.clear()
+        assert continuous(generate.text(small, max_tokens=5, beams=3))(prompts[:2]).shape[0] == 2
+        small.cache.clear()
+        two = continuous(generate.text(small, max_tokens=5))(prompts[0], num_samples=2)
+        assert two.shape == (1, 2)

@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from lcgen.continuous.elements import Element, cut_at_stop, open_prefilled, settle, text_of
+from lcgen.continuous.elements import (
+    Element,
+    cut_at_stop,
+    open_prefilled,
+    prefill_cost,
+    settle,
+    text_of,
+)
 from lcgen.continuous.specs import GenerateSpec
 from lcgen.decoding import Chunk, Generator
 from lcgen.decoding.results import Text, incomplete
@@ -128,14 +135,18 @@ def _expand(search: BeamSearch, rows: list[np.ndarray], width: int, bans: list[i
             candidates.append((beam.score + logprob, i, tok, logprob))
     candidates.sort(key=lambda c: -c[0])
     kept: list[Kept] = []
-    seen: set[tuple[str, bool]] = set()
+    seen: set[tuple[bytes, bool]] = set()
     n_live = 0
     for _, i, tok, logprob in candidates[: 2 * width]:
         parent = search.live[i]
         child = _Beam(None, parent.gen.clone(), [*parent.logprobs, logprob], list(parent.parts))
         child.last = child.gen.accept(tok)
         child.parts.append(child.last.text)
-        key = ("".join(child.parts), child.gen.is_done)
+        # The text of every token, the text held back for a stop string or a character's
+        # later bytes included (what the parts have emitted so far is not all of it).
+        vocab = search.spec.model.vocab
+        text = b"".join(vocab.piece(t) for t in child.gen.tokens)
+        key = (text, child.gen.is_done)
         if key in seen:
             continue
         if not child.gen.is_done:
@@ -246,13 +257,18 @@ def search(
     results: list[list[tuple[Element, IncompleteOutputError | None]]] = [[] for _ in roots]
     scheduler = Scheduler(spec.model.cache)
     for root in roots:
-        scheduler.submit(functools.partial(_start, spec, root, started), n_slots=spec.beams or 1)
-    try:
-        for event in scheduler:
-            if event.is_last:
-                assert isinstance(event.run, BeamSearch)
-                results[event.ticket] = event.run.results
-    finally:
-        for search in started:
-            search.close_live()
+        scheduler.submit(
+            functools.partial(_start, spec, root, started),
+            n_slots=spec.beams or 1,
+            n_cells=prefill_cost(spec.model, root.tokens),
+        )
+    with spec.model.cache.beam_turn():  # a search forks while it holds slots: one thread's
+        try:
+            for event in scheduler:
+                if event.is_last:
+                    assert isinstance(event.run, BeamSearch)
+                    results[event.ticket] = event.run.results
+        finally:
+            for search in started:
+                search.close_live()
     return results

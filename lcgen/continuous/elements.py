@@ -16,6 +16,7 @@ import functools
 import itertools
 import math
 import os
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -42,6 +43,12 @@ class Element:
 
     def copy(self) -> Element:
         return Element(list(self.tokens), list(self.logprobs))
+
+
+def prefill_cost(model: ModelLike, tokens: list[int]) -> Callable[[], int]:
+    """The cells :func:`open_prefilled` would decode for ``tokens`` now (for the scheduler,
+    which starts it once they fit)."""
+    return lambda: len(tokens) - model.cache.cached(tokens)
 
 
 def open_prefilled(model: ModelLike, tokens: list[int]) -> Sequence:
@@ -157,7 +164,8 @@ def run(
     jobs = [_Job(elem, text_of(spec.model, elem.tokens)) for elem in elements]
     scheduler = Scheduler(spec.model.cache)
     for job, seed in zip(jobs, seeds, strict=True):
-        scheduler.submit(functools.partial(_start, spec, job, seed))
+        cost = prefill_cost(spec.model, job.elem.tokens)
+        scheduler.submit(functools.partial(_start, spec, job, seed), n_cells=cost)
     try:
         for event in scheduler:
             job = jobs[event.ticket]

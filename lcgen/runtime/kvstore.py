@@ -13,12 +13,13 @@ resource: a thread that needs one while other threads hold all of them waits for
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -156,7 +157,28 @@ class KVStore:
         self._clock = itertools.count(1)
         self._cond = threading.Condition(context.lock)
         self._hits = self._misses = self._reused = self._evictions = self._waiting = 0
+        # Beam searches take turns: each holds slots while it forks more, and two in different
+        # threads could each wait for the other's slots forever.
+        self._beam_turn = threading.Lock()
         context.on_full = self._evict_for_cells
+
+    @contextlib.contextmanager
+    def beam_turn(self) -> Iterator[None]:
+        """Hold the turn for a beam search (one thread at a time forks beams).
+
+        Raises:
+            SlotsExhaustedError: another thread's search kept the turn past ``slot_timeout``.
+        """
+        timeout = -1 if self.slot_timeout is None else self.slot_timeout
+        if not self._beam_turn.acquire(timeout=timeout):
+            raise SlotsExhaustedError(
+                f"another thread's beam search held the slots past slot_timeout="
+                f"{self.slot_timeout} s"
+            )
+        try:
+            yield
+        finally:
+            self._beam_turn.release()
 
     # opening and closing sequences ------------------------------------------------------
     def open(self, tokens: Seq[int], *, limit: int | None = None) -> tuple[Entry, int]:
@@ -530,10 +552,10 @@ class KVStore:
         file's pinned entries are loaded; its parked ones are skipped.
 
         Returns:
-            How many of the file's entries the cache holds once loaded: not those skipped
-            (parked ones with the cache off), nor those evicted to make room for later ones
-            (more parked entries than slots, or than the cell budget), nor those another
-            entry already covers (dropped as duplicates).
+            How many of the file's entries the cache holds once loaded (those it held
+            already are not loaded again): not those skipped (parked ones with the cache
+            off), nor those evicted to make room for later ones (more parked entries than
+            slots, or than the cell budget).
 
         Raises:
             StateFileError: the file is corrupt, truncated, of another format version or of
@@ -550,10 +572,22 @@ class KVStore:
         blobs = _split_blobs(kv, len(items))
         loaded: list[Entry] = []
         with self._cond:
+            # What the cache holds already is not loaded again (a file saved from this cache:
+            # its pinned entries would take the slots its parked ones need).
+            todo = [
+                (tokens, pinned, blob)
+                for (tokens, pinned), blob in zip(items, blobs, strict=True)
+                if (pinned or self.enabled) and not self._covered(tokens, pinned)
+            ]
+            n_pinned = sum(pinned for _, pinned, _ in todo)
+            room = len(self._free) + sum(e.state == "parked" for e in self._entries.values())
+            if n_pinned + (n_pinned < len(todo)) > room:
+                raise SlotsExhaustedError(
+                    f"the cache file {os.fspath(path)!r} has {n_pinned} pinned entries to "
+                    f"load: {self._exhausted_message()}"
+                )
             try:
-                for (tokens, pinned), blob in zip(items, blobs, strict=True):
-                    if not (pinned or self.enabled):
-                        continue
+                for tokens, pinned, blob in todo:
                     loaded.append(self._load_entry(tokens, blob))
                     loaded[-1].state = "pinned" if pinned else "parked"
             except BaseException:
@@ -565,7 +599,20 @@ class KVStore:
                 if entry.state != "dropped":
                     self._dedupe(entry)
             self._fit_budget()
-            return sum(self._entries.get(e.slot) is e for e in loaded)
+            return sum(self._covered(t, pinned) for t, pinned in items if pinned or self.enabled)
+
+    def _covered(self, tokens: list[int], pinned: bool) -> bool:
+        """Whether an entry holds ``tokens`` already, as :meth:`_dedupe` would keep it over a
+        new one: a parked or pinned entry that starts with them (for a pinned one, a pinned
+        entry of exactly them)."""
+        for entry in self._entries.values():
+            if entry.state == "live" or self._ctx.ledger.held(entry.slot) < len(tokens):
+                continue
+            if pinned and entry.state == "pinned" and entry.tokens == tokens:
+                return True
+            if not pinned and entry.tokens[: len(tokens)] == tokens:
+                return True
+        return False
 
     def _load_entry(self, tokens: list[int], blob: memoryview) -> Entry:
         entry = Entry(self._take_slot(keep=None), tokens, "parked", next(self._clock))

@@ -61,16 +61,20 @@ class Scheduler:
     def __init__(self, cache: KVStore) -> None:
         self.cache = cache
         self._tickets = itertools.count()
-        self._waiting: deque[tuple[int, Start, int]] = deque()
+        self._waiting: deque[tuple[int, Start, int, Callable[[], int] | None]] = deque()
         self._running: list[tuple[int, Run, int]] = []
 
-    def submit(self, start: Start, *, n_slots: int = 1) -> int:
+    def submit(
+        self, start: Start, *, n_slots: int = 1, n_cells: Callable[[], int] | None = None
+    ) -> int:
         """Queue a generation that needs ``n_slots`` slots at most while it runs (a beam
-        search: its width); returns its ticket (0, 1, ... in the order of submission)."""
+        search: its width), and whose ``start`` decodes ``n_cells()`` tokens at once (a
+        prompt it prefills: it waits until they fit beside the running work); returns its
+        ticket (0, 1, ... in the order of submission)."""
         if n_slots < 1:
             raise ValueError(f"n_slots must be >= 1, got {n_slots!r}")
         ticket = next(self._tickets)
-        self._waiting.append((ticket, start, n_slots))
+        self._waiting.append((ticket, start, n_slots, n_cells))
         return ticket
 
     @property
@@ -121,7 +125,7 @@ class Scheduler:
         Returns:
             The run when it was running; None when it was waiting, finished or unknown.
         """
-        for i, (waiting, _, _) in enumerate(self._waiting):
+        for i, (waiting, *_) in enumerate(self._waiting):
             if waiting == ticket:
                 del self._waiting[i]
                 return None
@@ -137,8 +141,8 @@ class Scheduler:
         runs done from the start (nothing to generate) come back as events without a step."""
         done: list[Event] = []
         while self._waiting:
-            ticket, start, n_slots = self._waiting[0]
-            if (self._running or done) and not self._has_room(n_slots):
+            ticket, start, n_slots, n_cells = self._waiting[0]
+            if (self._running or done) and not self._has_room(n_slots, n_cells):
                 break
             self._waiting.popleft()
             run = start()
@@ -148,9 +152,13 @@ class Scheduler:
                 self._running.append((ticket, run, n_slots))
         return done
 
-    def _has_room(self, n_slots: int) -> bool:
-        """Whether ``n_slots`` more fit beside what the running work may still take: every
-        slot it reserved but does not hold yet (a beam search forks as it goes)."""
-        held = sum(len(run.sequences()) for _, run, _ in self._running)
+    def _has_room(self, n_slots: int, n_cells: Callable[[], int] | None) -> bool:
+        """Whether ``n_slots`` more fit beside what the running work may still take (every
+        slot it reserved but does not hold yet: a beam search forks as it goes), and
+        ``n_cells()`` beside the cells its next step decodes."""
+        sequences = [seq for _, run, _ in self._running for seq in run.sequences()]
         reserved = sum(n for _, _, n in self._running)
-        return reserved - held + n_slots <= self.cache.available_slots()
+        if reserved - len(sequences) + n_slots > self.cache.available_slots():
+            return False
+        pending = sum(seq.n_pending for seq in sequences)
+        return n_cells is None or n_cells() + pending <= self.cache.free_cells()
