@@ -419,3 +419,30 @@ def test_a_checkpoint_of_another_run_is_refused_and_changes_nothing(model: lcgen
             second.rewind(checkpoints[1])
         assert seq.tokens == tokens  # nothing changed: the second run goes on
         second.step()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"hooks": [lambda step: None]}, {"validators": [lambda text: None]}, {"banned": ["x!"]}],
+    ids=["plain", "hooks", "validators", "banned"],
+)
+def test_every_run_rewinds_to_a_checkpoint_of_its_end(
+    model: lcgen.Model, options: dict[str, Any]
+) -> None:
+    """A checkpoint of the current end (no mark of a backtracking run is at it yet) is a
+    no-op rewind, mid-generation and after the run finished."""
+    with model.sequence(PROMPT) as ref_seq:
+        ref = ref_seq.generate(max_tokens=6, **options)
+    with model.sequence(PROMPT) as seq:
+        run = seq.run(max_tokens=6, **options)
+        tokens = []
+        for _ in range(3):
+            tokens.extend(run.step().tokens)
+        run.rewind(run.checkpoint())  # mid-generation: it goes on as if nothing happened
+        while not run.is_done:
+            tokens.extend(run.step().tokens)
+        assert tokens == list(ref.tokens)
+        end = run.checkpoint()
+        run.rewind(end)  # after the end: still finished, nothing changed
+        assert run.is_done and run.generator.tokens == list(ref.tokens)
+        assert run.stats().rewinds == 2

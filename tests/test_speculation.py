@@ -400,6 +400,67 @@ def test_draft_models_that_cannot_work_are_refused(
         assert seq.tokens == before
 
 
+LISTS = [f"List {i}: " + "one two three four five six seven eight nine ten " * 12 for i in (0, 1)]
+
+
+def test_a_draft_model_short_of_cells_leaves_a_batch_as_it_was(
+    model: lcgen.Model, model_path: Path
+) -> None:
+    """Two 125-token prompts and a draft model of 256 cells: one draft sequence fits, the other
+    goes without drafts (a draft is only a speed-up) until the first one's generation ends and
+    its cells can be evicted; neither fails."""
+    refs = [reference(model, prompt, max_tokens=20, temperature=0) for prompt in LISTS]
+    with lcgen.Model(model_path, n_ctx=256, n_threads=1) as small:
+        outs = model.generate(LISTS, max_tokens=20, temperature=0, speculate=small)
+        assert small.cache.stats.live == 0
+    for out, (ref, rows) in zip(outs, refs, strict=True):
+        assert_same_where_clear(out.tokens, ref, rows)
+    assert all(out.stats.drafted > 0 for out in outs)
+
+
+def test_a_draft_model_short_of_slots_drafts_where_it_has_one(
+    model: lcgen.Model, model_path: Path
+) -> None:
+    """A draft model of one slot: the batch's second sequence drafts once the first's drafter
+    gave the slot back; a generation while a stream holds the slot drafts nothing."""
+    prompts = [PROMPTS[1], PROMPTS[3]]
+    refs = [reference(model, prompt, max_tokens=24, temperature=0) for prompt in prompts]
+    with lcgen.Model(model_path, n_ctx=512, n_seq_max=1, n_threads=1) as small:
+        outs = model.generate(prompts, max_tokens=24, temperature=0, speculate=small)
+        for out, (ref, rows) in zip(outs, refs, strict=True):
+            assert_same_where_clear(out.tokens, ref, rows)
+            assert out.stats.drafted > 0
+        stream = model.stream(prompts[0], max_tokens=24, temperature=0, speculate=small)
+        first = next(stream)
+        out = model.generate(prompts[1], max_tokens=24, temperature=0, speculate=small)
+        assert_same_where_clear(out.tokens, *refs[1])
+        assert out.stats.drafted == 0
+        rest = list(stream)
+        assert_same_where_clear([t for c in [first, *rest] for t in c.tokens], *refs[0])
+        assert rest[-1].stats is not None and rest[-1].stats.drafted > 0
+        assert small.cache.stats.live == 0
+
+
+def test_closing_a_sequence_gives_its_draft_models_slot_back(
+    model: lcgen.Model, model_path: Path
+) -> None:
+    with lcgen.Model(model_path, n_ctx=512, n_seq_max=1, n_threads=1) as small:
+        seq = model.sequence("Once upon a time")
+        run = seq.run(max_tokens=20, speculate=small)
+        run.step()
+        run.step()
+        assert small.cache.stats.live == 1
+        seq.close()  # the run is still referenced: closing the sequence closes its drafter
+        assert small.cache.stats.live == 0
+        with model.sequence("Once upon a time") as seq:
+            kept = seq.run(max_tokens=20, speculate=small)
+            kept.step()
+            kept.step()
+        assert small.cache.stats.live == 0  # the with-block closed it
+        out = model.generate("Once upon a time", max_tokens=8, speculate=small)
+        assert out.stats.drafted > 0
+
+
 @pytest.mark.parametrize(
     ("options", "error", "match"),
     [

@@ -57,7 +57,8 @@ class Drafter(Protocol):
         ...
 
     def close(self) -> None:
-        """The generation is over: free what the drafter holds."""
+        """Free what the drafter holds (the generation ended, or its sequence was closed); a
+        later :meth:`propose` may take it again (a rewound run goes on)."""
         ...
 
 
@@ -94,8 +95,13 @@ class AdaptiveLength:
         if accepted:
             self._misses = 0
         else:
-            self._misses += 1
-            self._pause = min(2**self._misses, 32)
+            self.hold_off()
+
+    def hold_off(self) -> None:
+        """Pause drafting as after a draft of which nothing was accepted (also when no draft
+        could be made: a draft model without room for one tries again after the pause)."""
+        self._misses += 1
+        self._pause = min(2**self._misses, 32)
 
     def close(self) -> None:
         pass

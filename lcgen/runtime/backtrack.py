@@ -254,15 +254,25 @@ class Backtracker(SequenceRun):
         if checkpoint.generation is None:
             raise ValueError("rewind to a checkpoint taken with run.checkpoint()")
         index = checkpoint.generation.n_tokens
-        mark = self._marks[index] if index < len(self._marks) else None
-        if mark is None or mark.checkpoint is None or mark.checkpoint.stamp != checkpoint.stamp:
-            raise RewindError(
-                f"cannot rewind to generated token {index}: not in this generation's current "
-                "history, or the text before it is final (already streamed)"
-            )
-        self._rewind_quietly(index)
-        self.finish_reason = None
+        if index == len(self.generator.tokens) and self._is_end(checkpoint):
+            # The current end has no mark (one is made when the next token is sampled), and
+            # rewinding to it drops no text: final text stays as it is.
+            self.sequence.rewind(checkpoint, self.generator)
+        else:
+            mark = self._marks[index] if index < len(self._marks) else None
+            if mark is None or mark.checkpoint is None or mark.checkpoint.stamp != checkpoint.stamp:
+                raise RewindError(
+                    f"cannot rewind to generated token {index}: not in this generation's "
+                    "current history, or the text before it is final (already streamed)"
+                )
+            self._rewind_quietly(index)
+        self.finish_reason = self.generator.finish_reason  # a finished run's end stays finished
         self._user_rewinds += 1
+
+    def _is_end(self, checkpoint: Checkpoint) -> bool:
+        """Whether ``checkpoint`` was taken at the sequence's current end."""
+        seq = self.sequence
+        return checkpoint.n_tokens == len(seq) and checkpoint.stamp == seq.checkpoint().stamp
 
     def _exhausted(self, index: int) -> Chunk:
         """Every token is ruled out here: the token before was a dead end (unless it is final)."""

@@ -7,6 +7,7 @@ from collections.abc import Sequence as Seq
 
 from lcgen.decoding.sampling import SamplerConfig, new_rng, sample
 from lcgen.decoding.speculation import AdaptiveLength, Drafter, NgramDrafter, Speculation
+from lcgen.errors import ContextFullError
 from lcgen.runtime.run import decode
 from lcgen.runtime.tokens import ModelLike, TokenSequence, check_model
 
@@ -17,7 +18,10 @@ class ModelDrafter(AdaptiveLength):
     Its own sequence on the draft model follows the target's tokens: each proposal first makes
     it equal them (:meth:`~lcgen.runtime.tokens.TokenSequence.reuse` keeps the cells of the
     common prefix, so what the last draft got right is not decoded again), then decodes up to
-    k tokens, one step each (see :class:`AdaptiveLength` for k).
+    k tokens, one step each (see :class:`AdaptiveLength` for k). Where the draft model has no
+    room (the prompt is longer than its context, or its slots or cells are held), the step
+    goes without a draft: the output is the same, only slower. :meth:`close` gives the slot
+    back at any time; a later proposal opens a sequence again.
 
     Args:
         model: the draft model.
@@ -37,12 +41,39 @@ class ModelDrafter(AdaptiveLength):
 
     def propose(self, tokens: Seq[int], room: int) -> list[int]:
         k = self.next_length(min(room, self.model.context.n_ctx - len(tokens) - 1))
-        if k <= 0:
+        if k <= 0 or not self._follow(tokens):
             return []
-        if self._seq is None:
-            self._seq = TokenSequence(self.model, tokens)
-        else:
+        try:
+            return self._decode_draft(k)
+        except ContextFullError:
+            # The draft model's cells are taken (by other generations' drafts or its own
+            # sequences). A draft is only a speed-up: this step goes without one, the slot is
+            # given back (its cells stay cached for the next try) and drafting pauses.
+            self.close()
+            self.hold_off()
+            return []
+
+    def _follow(self, tokens: Seq[int]) -> bool:
+        """Make the draft sequence equal ``tokens``; False, without waiting, when the draft
+        model has no slot for it (its slots held by other generations' drafts or its own
+        sequences): generations waiting on each other's draft slots would never end."""
+        if self._seq is not None:
             self._seq.reuse(tokens)
+            return True
+        # The KV store's lock: no other thread takes the slot seen here before it is opened.
+        with self.model.context.lock:
+            if not self.model.cache.available_slots():
+                return False
+            self._seq = TokenSequence(self.model, tokens)
+        return True
+
+    def _decode_draft(self, k: int) -> list[int]:
+        """Up to ``k`` greedy tokens after the draft sequence's, one decode each.
+
+        Raises:
+            ContextFullError: the draft model's KV cache has no room for them.
+        """
+        assert self._seq is not None
         seq, draft = self._seq, []
         with self.model.context.in_use():
             for _ in range(k):

@@ -4,12 +4,14 @@ loads, and is reversible at every position (see :mod:`lcgen.runtime.tokens`)."""
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar, Unpack, overload
 
 from lcgen.decoding import Chunk, GenerateOptions, Generator, Plan, Text, make_plan
 from lcgen.decoding.results import SchemaLike, parse_structured
 from lcgen.decoding.sampling import check_seed
+from lcgen.decoding.speculation import Drafter
 from lcgen.errors import ContextFullError, StateFileError
 from lcgen.runtime import statefile
 from lcgen.runtime.backtrack import Backtracker
@@ -42,6 +44,10 @@ class Sequence(TokenSequence):
     Raises:
         SlotsExhaustedError: every slot is held by a live sequence.
     """
+
+    # Drafters of runs on this sequence (weakly: a dropped run's goes with it), closed with it
+    # so that a draft model's slot is not held by a sequence nobody generates on.
+    _drafters: weakref.WeakSet[Drafter] | None = None
 
     # forks -----------------------------------------------------------------------------
     def fork(self, *, seed: int | None = None) -> Sequence:
@@ -196,6 +202,10 @@ class Sequence(TokenSequence):
         # Checked before anything changes.
         drafter = drafter_for(plan.speculation, self.model, plan.sampler.logit_bias)
         self.drop_draft()  # one an abandoned speculative run left for its next step
+        if drafter is not None:
+            if self._drafters is None:
+                self._drafters = weakref.WeakSet()
+            self._drafters.add(drafter)
         heal = self.heal_last_token() if plan.token_healing else b""
         gen = Generator(self.vocab, plan, history=self._tokens, rng=self._rng, heal=heal)
         if plan.sampler.seed is not None:
@@ -253,6 +263,15 @@ class Sequence(TokenSequence):
         text = Text.of(_chunks(self.run_plan(plan)))
         plan.check_complete(text, self.vocab)
         return text if schema is None else parse_structured(text, schema)
+
+    # lifetime --------------------------------------------------------------------------
+    def close(self) -> None:
+        """Give the slot back, and a draft model's slot that a run on this sequence holds;
+        its cells stay in the model's KV store for later sequences that start the same way.
+        Idempotent."""
+        for drafter in list(self._drafters or ()):
+            drafter.close()
+        super().close()
 
 
 def _chunks(run: PlainRun | Backtracker) -> Iterator[Chunk]:
