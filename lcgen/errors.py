@@ -69,6 +69,24 @@ class IncompleteOutputError(LcgenError):
         self.state = state
 
 
+class SchemaValidationError(LcgenError, ValueError):
+    """Constrained output matched a pydantic model's JSON Schema, but the model's own validation
+    refused it: the model checks more than its schema says (a naive datetime, a decimal given as
+    a string, numeric dict keys, a future date...), which a grammar cannot enforce.
+
+    Attributes:
+        text: the JSON text generated.
+        errors: pydantic's errors (``ValidationError.errors()``: location, message, input).
+
+    The pydantic ``ValidationError`` is the exception's ``__cause__``.
+    """
+
+    def __init__(self, message: str, text: str, errors: list[dict[str, object]]) -> None:
+        super().__init__(message)
+        self.text = text
+        self.errors = errors
+
+
 class BatchMismatchError(LcgenError):
     """Two sequence states were combined whose batch sizes differ (and neither is 1)."""
 

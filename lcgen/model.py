@@ -509,6 +509,8 @@ class Model:
             IncompleteOutputError: with a constraint (schema, grammar, choice, regex),
                 generation stopped before the output matched it (raise ``max_tokens``); the
                 partial text is on the exception.
+            SchemaValidationError: with a pydantic ``schema``, the output matched its JSON
+                Schema but the model's own validation refused it.
         """
         if isinstance(prompt, str):
             with self.sequence(self._prompt(prompt, suffix)) as seq:

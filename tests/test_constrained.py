@@ -3,6 +3,7 @@ in step, and impossible requests fail cleanly."""
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from pathlib import Path
@@ -176,3 +177,111 @@ def test_rejected_token_is_replaced_by_the_best_allowed_one(model: lcgen.Model) 
     best = int(np.where(allowed, logits, -np.inf).argmax())
     gen = lcgen.Generator(model, grammar=grammar, max_tokens=1)
     assert gen.step(logits).tokens == (best,)
+
+
+# minProperties over extra properties ------------------------------------------------------------
+MAP_OF_STRINGS = {"type": "object", "additionalProperties": {"type": "string"}, "minProperties": 2}
+MAP_WITH_NAMES = {
+    "type": "object",
+    "properties": {"a1": {"type": "integer"}, "x": {"type": "integer"}},
+    "required": ["x"],
+    "additionalProperties": {"type": "string"},
+    "minProperties": 4,
+    "maxProperties": 5,
+}
+
+
+@pytest.mark.parametrize(
+    ("schema", "text", "accepted"),
+    [
+        (MAP_OF_STRINGS, '{"id_1": "a", "id_2": "b"}', True),
+        (MAP_OF_STRINGS, '{"1": "a", "x2": "b", "x2": "c", "free": "d"}', True),
+        (MAP_OF_STRINGS, '{"a1": "a", "a1": "b"}', False),  # one property after parsing
+        (MAP_OF_STRINGS, '{"a1": "a"}', False),
+        (MAP_OF_STRINGS, "{}", False),
+        (MAP_OF_STRINGS, '{"a": "a", "b": "b"}', False),  # narrowed: keys end in 1, 2, ...
+        (MAP_WITH_NAMES, '{"a1": 1, "x": 2, "k2": "s", "k3": "t"}', True),
+        (MAP_WITH_NAMES, '{"x": 2, "k2": "s", "k3": "t", "k4": "u", "v": "w"}', True),
+        (MAP_WITH_NAMES, '{"x": 2, "k2": "s", "k3": "t", "k4": "u", "v": "w", "y": "z"}', False),
+        (MAP_WITH_NAMES, '{"x": 2, "k1": "s", "k2": "t", "k3": "u"}', False),  # "1" ends a1
+        (MAP_WITH_NAMES, '{"x": 2, "k2": "s", "k3": "t"}', False),
+    ],
+)
+def test_min_properties_counts_only_distinct_extra_keys(
+    model: lcgen.Model, schema: dict[str, Any], text: str, accepted: bool
+) -> None:
+    """Extra keys that count toward minProperties are distinct by construction: each ends in
+    its own number (one no declared name ends in), so a repeated key never makes up the count."""
+    assert lcgen.Grammar.from_json_schema(schema).accepts(model, text) == accepted
+    if accepted:
+        validate(json.loads(text), schema)
+
+
+class Scores(pydantic.BaseModel):
+    scores: dict[str, int] = pydantic.Field(min_length=2, max_length=4)
+
+
+def test_min_properties_on_maps_generates_valid_objects(model: lcgen.Model) -> None:
+    prompt = "A JSON object mapping names to cities:\n"
+    value = model.generate(prompt, schema=MAP_OF_STRINGS, max_tokens=120)
+    validate(value, MAP_OF_STRINGS)
+    scores = model.generate("Three players' scores as JSON:\n", schema=Scores, max_tokens=120)
+    assert isinstance(scores, Scores) and 2 <= len(scores.scores) <= 4
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        (
+            {"type": "object", "patternProperties": {"^a": {}}, "additionalProperties": False,
+             "minProperties": 2},
+            "minProperties 2 on extra properties (at #) is not supported",
+        ),
+        (
+            {"properties": {"d": {"type": "object", "propertyNames": {"maxLength": 3},
+                                  "minProperties": 3}}},
+            "minProperties 3 on extra properties (at #/properties/d) is not supported",
+        ),
+        (
+            {"type": "object", "properties": {"a": {}}, "additionalProperties": False,
+             "minProperties": 2},
+            "no object satisfies minProperties 2 at #",
+        ),
+    ],
+)  # fmt: skip
+def test_min_properties_that_cannot_be_written_says_why(
+    schema: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(lcgen.GrammarError) as info:
+        lcgen.Grammar.from_json_schema(schema)
+    assert message in str(info.value) and "cannot be met" not in str(info.value)
+
+
+# pydantic types whose format says what their validation checks ---------------------------------
+class Span(pydantic.BaseModel):
+    span: datetime.timedelta
+    host: pydantic.IPvAnyAddress
+
+
+@pytest.mark.parametrize(
+    ("text", "accepted"),
+    [
+        ('{"span": "P999999Y999999M999999DT999999H999999M999999S", "host": "::1"}', True),
+        ('{"span": "P3W", "host": "10.0.0.255"}', True),
+        ('{"span": "P1000000D", "host": "::1"}', False),  # over a timedelta's range at 10**9
+        ('{"span": "P1D", "host": "localhost"}', False),
+        ('{"span": "P1D", "host": "256.0.0.1"}', False),
+    ],
+)
+def test_durations_and_ip_addresses_are_what_pydantic_accepts(
+    model: lcgen.Model, text: str, accepted: bool
+) -> None:
+    assert lcgen.Grammar.from_pydantic(Span).accepts(model, text) == accepted
+    if accepted:
+        Span.model_validate_json(text)
+
+
+def test_wild_durations_and_addresses_validate(model: lcgen.Model) -> None:
+    hot = {"temperature": 1.5, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "max_tokens": 200}
+    for seed in (2, 5):
+        assert isinstance(model.generate("JSON:", schema=Span, seed=seed, **hot), Span)

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import decimal
+import json
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
+import jsonschema
+import pydantic
 import pytest
 
 import lcgen
 from lcgen import SamplerConfig
+from lcgen.decoding.results import parse_structured
 
 
 def test_missing_file(tmp_path: Path) -> None:
@@ -139,6 +144,7 @@ def test_errors_share_one_base() -> None:
         lcgen.SlotsExhaustedError,
         lcgen.SequenceClosedError,
         lcgen.DecodeError,
+        lcgen.SchemaValidationError,
     ):
         assert issubclass(err, lcgen.LcgenError)
 
@@ -220,3 +226,143 @@ def test_schemas_that_used_to_break_the_converter(model: lcgen.Model) -> None:
         lcgen.Grammar.from_json_schema(nested)
     value = model.generate("A JSON number:", schema='{"type": "integer"}', max_tokens=8)
     assert isinstance(value, int)  # a JSON Schema given as JSON text
+
+
+# a pydantic model that checks more than its JSON Schema says -------------------------------------
+class Naive(pydantic.BaseModel):
+    when: pydantic.NaiveDatetime
+
+
+class Never(pydantic.BaseModel):
+    n: int
+
+    @pydantic.field_validator("n")
+    @classmethod
+    def refuse(cls, value: int) -> int:
+        raise ValueError("no number is ever right")
+
+
+class Price(pydantic.BaseModel):
+    price: decimal.Decimal
+
+
+class ByNumber(pydantic.BaseModel):
+    names: dict[int, str]
+
+
+class Embedded(pydantic.BaseModel):
+    numbers: pydantic.Json[list[int]]
+
+
+class Due(pydantic.BaseModel):
+    day: pydantic.FutureDate
+
+
+@pytest.mark.parametrize(
+    ("model_cls", "text", "field"),
+    [
+        (Price, '{"price": "abc"}', "price: Input should be a valid decimal"),
+        (ByNumber, '{"names": {"a": "x"}}', "names.a.[key]"),
+        (Embedded, '{"numbers": "[1, \\"x\\"]"}', "numbers.1"),
+        (Due, '{"day": "2000-01-01"}', "day: Date should be in the future"),
+    ],
+)
+def test_output_a_model_refuses_raises_an_lcgen_error(
+    model: lcgen.Model, model_cls: type[pydantic.BaseModel], text: str, field: str
+) -> None:
+    """The grammar allows it (the model's JSON Schema does), pydantic refuses it: an lcgen
+    error with the JSON text and pydantic's error as its cause, not pydantic's own."""
+    jsonschema.validate(json.loads(text), model_cls.model_json_schema())
+    assert lcgen.Grammar.from_pydantic(model_cls).accepts(model, text)
+    with pytest.raises(lcgen.SchemaValidationError) as info:
+        parse_structured(text, model_cls)
+    error = info.value
+    assert isinstance(error, lcgen.LcgenError) and isinstance(error, ValueError)
+    assert isinstance(error.__cause__, pydantic.ValidationError)
+    assert error.text == text and error.errors
+    message = str(error)
+    assert f"matched the JSON Schema of {model_cls.__name__}" in message
+    assert "own validation refused it" in message and field in message
+
+
+def test_every_path_that_parses_raises_the_lcgen_error(model: lcgen.Model) -> None:
+    """A validator the JSON Schema cannot say: one prompt, a batch, a sequence and chat all
+    raise the lcgen error."""
+    calls = [
+        lambda: model.generate("JSON:", schema=Never, max_tokens=60),
+        lambda: model.generate(["JSON:", "A number:"], schema=Never, max_tokens=60),
+        lambda: model.sequence("JSON:").generate(schema=Never, max_tokens=60),
+        lambda: model.chat([{"role": "user", "content": "A number"}], schema=Never, max_tokens=60),
+    ]
+    for call in calls:
+        with pytest.raises(lcgen.SchemaValidationError, match="no number is ever right"):
+            call()
+
+
+def test_a_naive_datetime_is_written_without_an_offset(model: lcgen.Model) -> None:
+    """pydantic's schema says only ``format: date-time`` (whose texts have an offset, which a
+    NaiveDatetime refuses): lcgen's schema for it says there is none."""
+    grammar = lcgen.Grammar.from_pydantic(Naive)
+    assert not grammar.accepts(model, '{"when": "1000-10-10T00:00:00.000000-00:00"}')
+    assert grammar.accepts(model, '{"when": "2024-02-29T23:59:59.5"}')
+    for seed in range(3):
+        value = model.generate("JSON:", schema=Naive, temperature=1.0, seed=seed, max_tokens=80)
+        assert value.when.tzinfo is None
+
+
+# schemas no value satisfies, and references ------------------------------------------------------
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        (
+            {"allOf": [{"type": "string"}, {"type": "integer"}]},
+            'no value satisfies the schema at #: the types "string" and "integer"',
+        ),
+        (
+            {"type": "object", "required": ["a"],
+             "properties": {"a": {"type": "string", "allOf": [{"type": "array"}]}}},
+            "at #/properties/a: the types",
+        ),
+        ({"enum": []}, "enum at # is empty"),
+        ({"type": "string", "minLength": 5, "maxLength": 2}, "minLength 5 / maxLength 2 at #"),
+        ({"type": "object", "minProperties": 3, "maxProperties": 2}, "minProperties 3 / max"),
+        (
+            {"anyOf": [{"type": "string", "minLength": 3, "maxLength": 1}, {"enum": []}]},
+            "no value satisfies the schema at # (no string satisfies minLength 3",
+        ),
+        (
+            {"$defs": {"a": {"$id": "a.json", "type": "integer"}},
+             "properties": {"x": {"$ref": "a.json"}}},
+            "$ref 'a.json' (at #/properties/x) names the schema at #/$defs/a by its $id",
+        ),
+        ({"properties": {"x": {"$ref": "#bar"}}}, "no $anchor 'bar' is defined"),
+        ({"$ref": "other.json#/a"}, "refers to another document: only local references"),
+    ],
+)  # fmt: skip
+def test_refused_schemas_raise_a_plain_grammar_error_naming_where(
+    schema: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(lcgen.GrammarError) as info:
+        lcgen.Grammar.from_json_schema(schema)
+    assert type(info.value) is lcgen.GrammarError  # no internal subclass leaks
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$defs": {"a": {"$anchor": "foo", "type": "integer"}},
+         "properties": {"x": {"$ref": "#foo"}}},
+        {"$defs": {"a": {"$anchor": "foo", "type": "integer"}},
+         "properties": {"x": {"$ref": "#foo", "minimum": 0}}},
+        {"$schema": "http://json-schema.org/draft-07/schema#",
+         "definitions": {"a": {"$id": "#foo", "type": "integer"}},
+         "properties": {"x": {"$ref": "#foo"}}},
+        {"$id": "https://example.com/root.json", "$defs": {"a": {"type": "integer"}},
+         "properties": {"x": {"$ref": "root.json#/$defs/a"}}},
+    ],
+)  # fmt: skip
+def test_anchors_and_the_root_id_resolve(model: lcgen.Model, schema: dict[str, Any]) -> None:
+    grammar = lcgen.Grammar.from_json_schema(schema)
+    assert grammar.accepts(model, '{"x": 3}')
+    assert not grammar.accepts(model, '{"x": "3"}')

@@ -264,6 +264,38 @@ CASES = [
         ["dog", "ca t", ""],
     ),
     Case(
+        # lengths beside a pattern or a format: a part of the texts both allow (each piece
+        # its share of the lengths), never one outside them
+        "string-pattern-lengths",
+        {"type": "string", "pattern": "^[a-z]+[0-9]+$", "minLength": 3, "maxLength": 8},
+        ["ab1", "abcd123"],
+        ["a1", "abcdefg12", "abc", "abcdefgh"],
+    ),
+    Case(
+        "string-search-lengths",
+        {"type": "string", "pattern": "cat", "maxLength": 6},
+        ["cat", "a cat", "cats"],
+        ["a big cat", "dog", ""],
+    ),
+    Case(
+        "uri-lengths",  # pydantic's AnyUrl: format uri, minLength 1, maxLength 2083
+        {"type": "string", "format": "uri", "minLength": 1, "maxLength": 2083},
+        ["https://example.com/a?b=1", "mailto:ada@example.com"],
+        ["", "x:" + "a" * 2100],
+    ),
+    Case(
+        "email-lengths",
+        {"type": "string", "format": "email", "maxLength": 24},
+        ["ada@mail.io", "a.b@x.io"],
+        ["ada", "ada.lovelace.countess@example.com"],
+    ),
+    Case(
+        "date-lengths",  # the format's texts are all within the lengths
+        {"type": "string", "format": "date", "minLength": 10, "maxLength": 12},
+        ["2024-02-29"],
+        ["2024-2-29", "2023-02-29"],
+    ),
+    Case(
         "string-pattern-quotes",
         {"type": "string", "pattern": '^"[^"\\\\]*"$'},
         ['"hi"', '""'],
@@ -885,15 +917,24 @@ def test_patterns_match_only_what_ecma_262_and_python_agree_on(
         ({"type": "array", "contains": {}, "maxContains": 2}, "maxContains"),
         ({"type": "string", "pattern": "(a)\\1"}, "backreference"),
         ({"type": "string", "pattern": "(?=a)"}, "lookahead"),
-        ({"type": "string", "pattern": "^a", "minLength": 3}, "^a with minLength"),
+        ({"type": "string", "pattern": "^a", "format": "date"}, "date with ^a"),
+        ({"type": "string", "format": "uuid", "maxLength": 30}, "uuid with minLength/maxLength"),
         ({"type": "string", "format": "date", "maxLength": 3}, "date with minLength/maxLength"),
-        ({"type": "object", "minProperties": 2}, "minProperties"),
+        (
+            {
+                "type": "object",
+                "patternProperties": {"^a": {}},
+                "additionalProperties": False,
+                "minProperties": 2,
+            },
+            "minProperties 2 on extra properties",
+        ),
         ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf at # : alternatives 0 and 1"),
         ({"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]}, "oneOf"),
         ({"$ref": "http://example.com/s.json"}, "only local references"),
         ({"$ref": "#/$defs/missing"}, "does not resolve"),
         ({"$ref": "#", "minimum": 1}, "refers to itself"),
-        ({"type": "string", "maxLength": 5000}, "2000"),
+        ({"type": "string", "minLength": 5000}, "2000"),
         ({"type": "array", "maxItems": 5000}, "2000"),
         ({"type": "integer", "minimum": 5, "maximum": 4}, "no integer"),
         ({"type": "number", "minimum": 1, "exclusiveMaximum": 1}, "no number"),
@@ -988,6 +1029,23 @@ def test_pydantic_random_walks_validate(model: lcgen.Model) -> None:
     assert len(finished) >= WALKS // 2
     for text in finished:
         Person.model_validate_json(text)
+
+
+class Link(pydantic.BaseModel):
+    url: pydantic.AnyUrl  # format uri with minLength 1 and maxLength 2083
+    code: str = pydantic.Field(pattern=r"^[A-Z]{2,4}$", max_length=4)
+    slug: str = pydantic.Field(pattern=r"^[a-z-]+$", min_length=3, max_length=12)
+
+
+def test_pydantic_lengths_beside_patterns_and_formats(model: lcgen.Model) -> None:
+    guide = Link(url=pydantic.AnyUrl("https://example.com/x"), code="AB", slug="a-b-c")
+    with Grammar.from_pydantic(Link).state(model) as state:
+        assert state.accepts_text(guide.model_dump_json())
+        texts = [random_walk(model, state, seed, guide.model_dump_json()) for seed in range(WALKS)]
+    finished = [t for t in texts if t is not None]
+    assert len(finished) >= WALKS // 2
+    for text in finished:
+        Link.model_validate_json(text)
 
 
 def test_pydantic_rejects_what_it_cannot_enforce() -> None:

@@ -10,6 +10,7 @@ vocabulary when the sampled token was rejected.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -141,7 +142,8 @@ class Grammar:
 
         Models follow their ``extra`` setting: ``"allow"`` admits other properties, the
         default (``"ignore"``, whose extra properties would be dropped anyway) and
-        ``"forbid"`` do not.
+        ``"forbid"`` do not. A ``NaiveDatetime`` is written without an offset (its JSON
+        Schema says only ``date-time``, whose texts have one).
 
         Raises:
             TypeError: ``model_cls`` is not a pydantic model class.
@@ -150,7 +152,9 @@ class Grammar:
         schema_fn = getattr(model_cls, "model_json_schema", None)
         if not isinstance(model_cls, type) or schema_fn is None:
             raise TypeError(f"expected a pydantic BaseModel subclass, got {model_cls!r}")
-        return cls.from_json_schema(schema_fn(), close_objects=True, whitespace=whitespace)
+        return cls.from_json_schema(
+            _pydantic_schema(model_cls), close_objects=True, whitespace=whitespace
+        )
 
     @classmethod
     def choice(cls, options: list[str]) -> Grammar:
@@ -599,3 +603,27 @@ class GrammarState:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@functools.cache
+def _precise_schema_generator() -> type[Any]:
+    """pydantic's JSON Schema generator, saying what its schema leaves out and a grammar can
+    keep: a naive datetime has no offset (lcgen's own format ``lcgen-naive-date-time``; other
+    validators take an unknown format as an annotation)."""
+    from pydantic.json_schema import GenerateJsonSchema
+
+    class Precise(GenerateJsonSchema):
+        def datetime_schema(self, schema: Any) -> Any:
+            out = super().datetime_schema(schema)
+            if schema.get("tz_constraint") == "naive":
+                out = {**out, "format": "lcgen-naive-date-time"}
+            return out
+
+    return Precise
+
+
+def _pydantic_schema(model_cls: type[Any]) -> dict[str, Any]:
+    schema: dict[str, Any] = model_cls.model_json_schema(
+        schema_generator=_precise_schema_generator()
+    )
+    return schema

@@ -17,7 +17,8 @@ Conj = list[dict[str, Any]]  # a conjunction of plain (applicator-free) schemas
 
 
 class Unsatisfiable(GrammarError):
-    """No value of one alternative validates (other alternatives may)."""
+    """No value of one alternative validates (other alternatives may). Internal: the schema
+    compiler raises it to users as a plain :class:`GrammarError`."""
 
 
 ANNOTATIONS = frozenset(
@@ -68,9 +69,8 @@ NON_NUMERIC = ("null", "boolean", "string", "array", "object")
 WS = "[ \\t\\n]{0,24}"
 HEX = "[0-9a-fA-F]"
 # One character of a JSON string; \\u escapes of surrogates only as a pair (one character).
-RAW_CHAR = g.char_class(
-    g.subtract(((0x20, g.MAX_CODEPOINT),), ((0x22, 0x22), (0x5C, 0x5C), *g.SURROGATES))
-)
+RAW_RANGES = g.subtract(((0x20, g.MAX_CODEPOINT),), ((0x22, 0x22), (0x5C, 0x5C), *g.SURROGATES))
+RAW_CHAR = g.char_class(RAW_RANGES)
 CHAR = (
     f'{RAW_CHAR} | "\\\\" (["\\\\/bfnrt] | "u" ('
     f"[0-9a-cA-CefEF] {HEX}{{3}} | [dD] [0-7] {HEX}{{2}} | "
@@ -100,7 +100,7 @@ def _ipv6() -> str:
     return " | ".join([groups(8), *compressed])
 
 
-DURATION = '"P" (dur-date ("T" dur-time)? | "T" dur-time | [0-9]+ "W")'
+DURATION = '"P" (dur-date ("T" dur-time)? | "T" dur-time | [0-9]{1,6} "W")'
 PRIMITIVES = {
     "ws": WS,
     "char": CHAR,
@@ -112,13 +112,18 @@ PRIMITIVES = {
     "year": '[0-9]{3} [1-9] | [0-9]{2} [1-9] "0" | [0-9] [1-9] "00" | [1-9] "000"',
     "leap-year": f'[0-9]{{2}} {LEAP_YY} | {LEAP_YY} "00"',
     "h16": f"{HEX}{{1,4}}",
-    "dur-date": '[0-9]+ "Y" ([0-9]+ "M")? ([0-9]+ "D")? | [0-9]+ "M" ([0-9]+ "D")? | [0-9]+ "D"',
-    "dur-time": '[0-9]+ "H" ([0-9]+ "M")? ([0-9]+ "S")? | [0-9]+ "M" ([0-9]+ "S")? | [0-9]+ "S"',
+    # At most 6 digits a field: every such duration fits a timedelta (under 10**9 days).
+    "dur-date": 'dur-n "Y" (dur-n "M")? (dur-n "D")? | dur-n "M" (dur-n "D")? | dur-n "D"',
+    "dur-time": 'dur-n "H" (dur-n "M")? (dur-n "S")? | dur-n "M" (dur-n "S")? | dur-n "S"',
+    "dur-n": "[0-9]{1,6}",
     "day28": '"0" [1-9] | "1" [0-9] | "2" [0-8]',
     "date": DATE,
     "time": f'{HOUR} ":" [0-5] [0-9] ":" [0-5] [0-9] ("." [0-9]{{1,6}})? '
     f'("Z" | [+-] {HOUR} ":" [0-5] [0-9])',
     "date-time": 'date "T" time',
+    # pydantic's NaiveDatetime (Grammar.from_pydantic names it so): a date-time with no offset.
+    "lcgen-naive-date-time": 'date "T" naive-time',
+    "naive-time": f'{HOUR} ":" [0-5] [0-9] ":" [0-5] [0-9] ("." [0-9]{{1,6}})?',
     "uuid": ' "-" '.join(f"{HEX}{{{n}}}" for n in (8, 4, 4, 4, 12)),
     "email": '[A-Za-z0-9_%+-]+ ("." [A-Za-z0-9_%+-]+)* "@" label ("." label)+',
     "label": "[A-Za-z0-9] ([A-Za-z0-9-]* [A-Za-z0-9])?",
@@ -131,14 +136,31 @@ PRIMITIVES = {
     "uri-reference": f"{URI_CHAR}*",
     "duration": DURATION,
     "octet": '"25" [0-5] | "2" [0-4] [0-9] | "1" [0-9] [0-9] | [1-9] [0-9] | [0-9]',
+    # pydantic's IPvAnyAddress (an unknown format, so any string: either address is one)
+    "ipvanyaddress": "ipv4 | ipv6",
 }
 DEPENDS = {"value": ("object", "array", "string", "number"), "object": ("ws", "string", "value"),
            "array": ("ws", "value"), "string": ("char",), "date": ("year", "leap-year", "day28"),
-           "date-time": ("date", "time"), "email": ("label",), "ipv4": ("octet",),
-           "hostname": ("hlabel",), "ipv6": ("h16",),
-           "duration": ("dur-date", "dur-time")}  # fmt: skip
+           "date-time": ("date", "time"), "lcgen-naive-date-time": ("date", "naive-time"),
+           "email": ("label",), "ipv4": ("octet",),
+           "hostname": ("hlabel",), "ipv6": ("h16",), "ipvanyaddress": ("ipv4", "ipv6"),
+           "duration": ("dur-date", "dur-time", "dur-n"), "dur-date": ("dur-n",),
+           "dur-time": ("dur-n",)}  # fmt: skip
+# Formats with no longest text, as patterns (the same strings as their rules above): with
+# minLength/maxLength they are bounded like a pattern is (lcgen.constrain.regex.within_lengths).
+_LABEL = "[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_URI_CHAR = "(?:[a-zA-Z0-9._~:/?#@!$&'()*+,;=-]|%[0-9A-Fa-f]{2})"
+FORMAT_PATTERNS = {
+    "uri": f"^[a-zA-Z][a-zA-Z0-9+.-]*:{_URI_CHAR}*$",
+    "uri-reference": f"^{_URI_CHAR}*$",
+    "email": f"^[A-Za-z0-9_%+-]+(?:\\.[A-Za-z0-9_%+-]+)*@{_LABEL}(?:\\.{_LABEL})+$",
+}
+# The fewest and most characters of the other formats' texts.
+FORMAT_LENGTHS = {"date": (10, 10), "time": (9, 21), "date-time": (20, 32), "uuid": (36, 36),
+                  "ipv4": (7, 15), "ipv6": (2, 39), "hostname": (1, 247), "duration": (3, 44),
+                  "ipvanyaddress": (2, 39), "lcgen-naive-date-time": (19, 26)}  # fmt: skip
 FORMATS = ("date", "time", "date-time", "uuid", "email", "ipv4", "ipv6", "hostname", "uri",
-           "uri-reference", "duration")  # fmt: skip
+           "uri-reference", "duration", "ipvanyaddress", "lcgen-naive-date-time")  # fmt: skip
 
 
 def type_of(value: Any) -> str:

@@ -1,10 +1,12 @@
 """JSON Schema to GBNF, exactly: every text the grammar allows is JSON that validates.
 
 The grammar may allow less than the schema (a fixed property order, canonical escapes of ASCII,
-numbers without exponents where bounded, whitespace of at most 24 characters, fewer extra
-keys where ``patternProperties`` meets a ``propertyNames`` that says more than a pattern or
-where telling keys apart by their patterns would take an automaton of over 512 states), never
-more. A keyword lcgen cannot enforce raises :class:`~lcgen.errors.GrammarError` naming it and
+numbers without exponents where bounded, whitespace of at most 24 characters, durations of at
+most 6 digits a field, fewer extra keys where ``patternProperties`` meets a ``propertyNames``
+that says more than a pattern or where telling keys apart by their patterns would take an
+automaton of over 512 states, and where ``minProperties`` needs two or more extra properties,
+keys that each end in their own number, so that no repeat can make up the count), never more.
+A keyword lcgen cannot enforce raises :class:`~lcgen.errors.GrammarError` naming it and
 where it is, instead of being dropped; unknown keywords are annotations, ignored as the
 specification says (a likely misspelling of a keyword warns).
 
@@ -25,7 +27,7 @@ import functools
 import warnings
 from collections.abc import Iterable
 from typing import Any, Literal
-from urllib.parse import unquote
+from urllib.parse import unquote, urldefrag, urljoin
 
 import jsonschema
 
@@ -75,6 +77,8 @@ def schema_to_gbnf(
         with decimal.localcontext() as context:
             context.prec = 1000  # bounds such as 1e300 are whole numbers of 301 digits
             return _Compiler(schema, close_objects, whitespace == "compact").compile()
+    except Unsatisfiable as exc:  # internal: users see a plain GrammarError
+        raise GrammarError(str(exc)) from None
     except RecursionError:
         raise GrammarError(
             "the JSON Schema nests too deeply to compile (or has too many properties in one "
@@ -105,6 +109,40 @@ def _schema_error(exc: jsonschema.SchemaError) -> GrammarError:
 
 
 _OLD_DRAFTS = ("Draft3Validator", "Draft4Validator", "Draft6Validator", "Draft7Validator")
+# Keywords whose values are data, not schemas: no anchor or $id inside them counts.
+_DATA = frozenset(["const", "enum", "default", "examples"])
+
+
+def _index(root: Any, id_key: str, old_draft: bool) -> tuple[dict[str, Any], dict[str, str]]:
+    """The anchors of the root document (name: its subschema) and the embedded resources
+    (``$id`` as written: where it is). Drafts up to 7 write an anchor as an ``$id`` that is a
+    bare fragment; later ones as ``$anchor`` (and ``$dynamicAnchor``, which a ``$ref`` also
+    finds). An embedded resource's anchors are its own: not the root's."""
+    anchors: dict[str, Any] = {}
+    embedded: dict[str, str] = {}
+
+    def walk(node: Any, parts: list[Any]) -> None:
+        if isinstance(node, list):
+            for i, item in enumerate(node):
+                walk(item, [*parts, i])
+            return
+        if not isinstance(node, dict):
+            return
+        ident = node.get(id_key)
+        if parts and isinstance(ident, str):
+            if not (old_draft and ident.startswith("#")):
+                embedded.setdefault(ident, _pointer(parts))
+                return
+            anchors.setdefault(ident[1:], node)
+        for key in () if old_draft else ("$anchor", "$dynamicAnchor"):
+            if isinstance(node.get(key), str):
+                anchors.setdefault(node[key], node)
+        for key, value in node.items():
+            if key not in _DATA:
+                walk(value, [*parts, key])
+
+    walk(root, [])
+    return anchors, embedded
 
 
 class _Compiler(ValueCompiler):
@@ -117,6 +155,8 @@ class _Compiler(ValueCompiler):
         name = type(self.validator).__name__
         self.old_draft = name in _OLD_DRAFTS  # $ref ignores its siblings
         self.draft4 = name in _OLD_DRAFTS[:2]  # boolean exclusiveMinimum/Maximum
+        self.id_key = "id" if self.draft4 else "$id"
+        self.anchors, self.embedded = _index(root, self.id_key, self.old_draft)
 
     def compile(self) -> str:
         return self.rules.text(self.visit(self.root, "#"))
@@ -218,16 +258,40 @@ class _Compiler(ValueCompiler):
             self.expanding.pop()
 
     def resolve_ref(self, ref: str, path: str) -> Any:
-        if not ref.startswith("#"):
-            raise GrammarError(f"$ref {ref!r} (at {path}): only local references are supported")
+        fragment = ref[1:] if ref.startswith("#") else self.local_fragment(ref, path)
+        fragment = unquote(fragment)
+        if fragment and not fragment.startswith("/"):  # a plain name: an anchor
+            if fragment not in self.anchors:
+                raise GrammarError(f"$ref {ref!r} (at {path}): no $anchor {fragment!r} is defined")
+            return self.anchors[fragment]
         target: Any = self.root
-        for part in filter(None, unquote(ref[1:]).split("/")):
+        for part in filter(None, fragment.split("/")):
             key = part.replace("~1", "/").replace("~0", "~")
             try:
                 target = target[int(key)] if isinstance(target, list) else target[key]
             except (KeyError, IndexError, ValueError, TypeError):
                 raise GrammarError(f"$ref {ref!r} (at {path}) does not resolve") from None
         return target
+
+    def local_fragment(self, ref: str, path: str) -> str:
+        """The fragment of a ``$ref`` that names the root document by its ``$id``; raising
+        for any other document (an embedded resource named, with where it is)."""
+        root_id = self.root.get(self.id_key) if isinstance(self.root, dict) else None
+        base = root_id if isinstance(root_id, str) else ""
+        uri, fragment = urldefrag(urljoin(base, ref))
+        if base and uri == urldefrag(base)[0]:
+            return fragment
+        for ident, where in self.embedded.items():
+            if uri == urldefrag(urljoin(base, ident))[0]:
+                raise GrammarError(
+                    f"$ref {ref!r} (at {path}) names the schema at {where} by its {self.id_key} "
+                    f"{ident!r}: embedded resources (an {self.id_key} inside a subschema) are not "
+                    f"supported; drop that {self.id_key} and refer to it as '{where}'"
+                )
+        raise GrammarError(
+            f"$ref {ref!r} (at {path}) refers to another document: only local references "
+            "('#/...' pointers, '#name' anchors) are supported"
+        )
 
     def ref(self, ref: str, path: str) -> str:
         if ref in self.refs:
@@ -246,10 +310,11 @@ class _Compiler(ValueCompiler):
             if key in spec.UNSUPPORTED:
                 raise GrammarError(f"unsupported JSON Schema keyword {key!r} at {path}")
             self.check_number(key, schema[key], path)
-            nested_id = key == "$id" or (
-                key == "id" and self.draft4 and isinstance(schema[key], str)
+            nested_id = schema is not self.root and (
+                key == "$id" or (key == "id" and self.draft4 and isinstance(schema[key], str))
             )
-            if nested_id and path != "#":
+            if nested_id and not (self.old_draft and str(schema[key]).startswith("#")):
+                # (drafts 4 to 7 write an anchor as an $id that is a bare fragment)
                 raise GrammarError(f"{key!r} inside a subschema (at {path}) is not supported")
             if key not in spec.KNOWN and key not in spec.QUIET and not key.startswith("x-"):
                 close = difflib.get_close_matches(key, spec.KNOWN, n=1, cutoff=0.85)

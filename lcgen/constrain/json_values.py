@@ -6,6 +6,7 @@ objects is gathered, and keywords of one type constrain only values of that type
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
@@ -47,9 +48,23 @@ def first_satisfiable(options: list[Callable[[], str]], path: str) -> str:
             reasons.append(str(exc))
     if found:
         return g.alternatives(found)
-    if len(set(reasons)) == 1:
-        raise Unsatisfiable(reasons[0])
-    raise Unsatisfiable(f"no value satisfies the schema at {path}")
+    unique = list(dict.fromkeys(reasons))
+    if len(unique) == 1:
+        raise Unsatisfiable(unique[0])
+    shown = "; ".join(unique[:3]) + "; ..." * (len(unique) > 3)
+    raise Unsatisfiable(f"no value satisfies the schema at {path}" + f" ({shown})" * bool(shown))
+
+
+@dataclasses.dataclass
+class _Members:
+    """What :meth:`ValueCompiler.member_chain` writes an object's members from."""
+
+    kvs: list[tuple[bool, str]]  # (required, member) of each declared property, in order
+    extra: str | None  # one extra member; its key may repeat another (and then counts once)
+    numbered: Callable[[int], list[str]] | None  # n extra members whose keys are all distinct
+    bounds: tuple[int, int | None]  # minProperties, maxProperties
+    memo: dict[tuple[int, bool, int], str] = dataclasses.field(default_factory=dict)
+    undistinct: bool = False  # a way needed distinct extra keys, and numbered was None
 
 
 _OLD_DRAFTS = ("Draft3Validator", "Draft4Validator", "Draft6Validator", "Draft7Validator")
@@ -106,6 +121,12 @@ class ValueCompiler:
             allowed = self.types_of(member)
             if allowed is not None:
                 types = [t for t in types if t in allowed]
+        if not types:
+            declared = " and ".join(json.dumps(m["type"]) for m in conj if "type" in m)
+            raise Unsatisfiable(
+                f"no value satisfies the schema at {path}: the types {declared} (joined by "
+                "allOf or $ref) have none in common"
+            )
         if "number" in types and "integer" in types:
             types.remove("integer")
         return first_satisfiable(
@@ -154,6 +175,8 @@ class ValueCompiler:
             if all(check(value) for check in checks)
             and all(value not in m.get(NOT_IN, ()) for m in conj)
         ]
+        if not values:
+            raise Unsatisfiable(f"enum at {path} is empty: no value satisfies it")
         if not kept:
             raise Unsatisfiable(f"no value of enum/const at {path} satisfies the other keywords")
         return g.alternatives(self.const(v, path) for v in kept)
@@ -195,17 +218,33 @@ class ValueCompiler:
         patterns = {m["pattern"] for m in conj if "pattern" in m}
         excluded = [v for m in conj for v in m.get(NOT_IN, ())]
         lengths = low > 0 or high is not None
-        if len(formats) + len(patterns) + lengths + bool(excluded) > 1:
+        if len(formats) + len(patterns) + bool(excluded) > 1 or (excluded and lengths):
             used = [*sorted(formats), *sorted(patterns)]
             used += ["minLength/maxLength"] * lengths + ["not enum"] * bool(excluded)
             raise GrammarError(f"{' with '.join(used)} on one string (at {path}) is not supported")
         if high is not None and low > high:
             raise Unsatisfiable(f"no string satisfies minLength {low} / maxLength {high} at {path}")
-        if formats:
-            return f'"\\"" {self.prim(formats.pop())} "\\""'
+        if high is not None and high > g.MAX_REPEAT >= low:
+            high = g.MAX_REPEAT  # longer strings are never written (the grammar's size)
+        fmt = formats.pop() if formats else None
+        if fmt is not None and lengths and fmt in spec.FORMAT_PATTERNS:
+            patterns, fmt = {spec.FORMAT_PATTERNS[fmt]}, None
+        if fmt is not None:
+            least, most = spec.FORMAT_LENGTHS.get(fmt, (0, None))
+            if low > least or (high is not None and (most is None or most > high)):
+                raise GrammarError(
+                    f"{fmt} with minLength/maxLength on one string (at {path}) is not "
+                    f"supported (its texts have {least} to {most} characters)"
+                )
+            return f'"\\"" {self.prim(fmt)} "\\""'
         if patterns:
             try:
-                body = regex_to_gbnf(patterns.pop(), json_string=True, search=True)
+                body = regex_to_gbnf(
+                    patterns.pop(),
+                    json_string=True,
+                    search=True,
+                    lengths=(low, high) if lengths else None,
+                )
             except GrammarError as exc:
                 raise GrammarError(f"pattern at {path}: {exc}") from None
             return f'"\\"" {body} "\\""'
@@ -343,16 +382,35 @@ class ValueCompiler:
             return self.prim("object")
         self.prim("ws")
         kvs = [(n in required, self.member(n, s, f"{path}/properties/{n}")) for n, s in allowed]
-        extra_kvs = []
+        extra_kvs, numbered = [], None
         for key, value in extras:
             with contextlib.suppress(Unsatisfiable):  # no such key then
                 value_expr = self.visit(value, f"{path}/additionalProperties")
                 key_expr = self.key_not_in(names) if key is None else key
                 extra_kvs.append(f'{key_expr} ws ":" ws {value_expr} ws')
+                if key is None:  # any key: n distinct ones can be spelled
+                    numbered = functools.partial(self.numbered_extras, names, value_expr, path)
         extra = self.named("extra", g.alternatives(extra_kvs)) if extra_kvs else None
-        if sum(r for r, _ in kvs) > (high if high is not None else math.inf):
-            raise Unsatisfiable(f"more properties are required than maxProperties at {path}")
-        chain = self.member_chain(kvs, extra, 0, True, 0, (low, high), {})
+        n_required = sum(r for r, _ in kvs)
+        if n_required > (high if high is not None else math.inf):
+            raise Unsatisfiable(
+                f"{n_required} properties are required at {path}, more than maxProperties {high}"
+            )
+        members = _Members(kvs, extra, numbered, (low, high))
+        try:
+            chain = self.member_chain(members, 0, True, 0)
+        except Unsatisfiable:
+            if members.undistinct:
+                raise GrammarError(
+                    f"minProperties {low} on extra properties (at {path}) is not supported where "
+                    "patternProperties or propertyNames spell their keys: the grammar cannot keep "
+                    "those keys distinct"
+                ) from None
+            raise Unsatisfiable(
+                f"no object satisfies minProperties {low}"
+                + f" / maxProperties {high}" * (high is not None)
+                + f" at {path} with the properties it allows"
+            ) from None
         return '"{" ws ' + chain + ' "}"'
 
     def member_schema(self, member: dict[str, Any], name: str) -> Any:
@@ -455,48 +513,66 @@ class ValueCompiler:
         self.prim("ws")
         return f'{self.const(name, path)} ws ":" ws {self.visit(schema, path)} ws'
 
-    def member_chain(
-        self,
-        kvs: list[tuple[bool, str]],
-        extra: str | None,
-        i: int,
-        first: bool,
-        count: int,
-        bounds: tuple[int, int | None],
-        memo: dict[tuple[int, bool, int], str],
-    ) -> str:
+    def member_chain(self, m: _Members, i: int, first: bool, count: int) -> str:
         """Members i.. of an object in order (``count`` taken so far): required ones always,
-        optional ones maybe, then extra ones, within min/maxProperties. Extra keys may repeat
-        (a repeat counts once), so at most one extra counts toward minProperties."""
-        low, high = bounds
-        if (i, first, count) in memo:
-            return memo[(i, first, count)]
+        optional ones maybe, then extra ones, within min/maxProperties."""
+        key = (i, first, count)
+        if key in m.memo:
+            return m.memo[key]
         comma = "" if first else '"," ws '
-        if i == len(kvs):
-            need = max(low - count, 0)
-            room = None if high is None else high - count
-            if need > 1 or (need and extra is None) or (room is not None and room < 0):
-                raise Unsatisfiable("minProperties/maxProperties cannot be met")
-            if extra is None or room == 0:
-                return '""'
-            tail = g.repeat(f'("," ws {extra})', 0, None if room is None else room - 1)
-            body = f"{comma}{extra} {tail}"
-            body = body if need else f"({body})?"
+        if i == len(m.kvs):
+            body = self.extra_members(m, comma, count)
+            if body == '""':
+                return body
         else:
             options = []
-            required = kvs[i][0]
+            required = m.kvs[i][0]
             with contextlib.suppress(Unsatisfiable):
-                counted = count + (bounds != (0, None))
-                rest = self.member_chain(kvs, extra, i + 1, False, counted, bounds, memo)
-                options.append(f"{comma}{kvs[i][1]} {rest}")
+                counted = count + (m.bounds != (0, None))
+                rest = self.member_chain(m, i + 1, False, counted)
+                options.append(f"{comma}{m.kvs[i][1]} {rest}")
             if not required:
                 with contextlib.suppress(Unsatisfiable):
-                    options.append(self.member_chain(kvs, extra, i + 1, first, count, bounds, memo))
+                    options.append(self.member_chain(m, i + 1, first, count))
             if not options:
                 raise Unsatisfiable("minProperties/maxProperties cannot be met")
             body = g.alternatives(options)
-        memo[(i, first, count)] = self.rules.add("members", body)
-        return memo[(i, first, count)]
+        m.memo[key] = self.rules.add("members", body)
+        return m.memo[key]
+
+    def extra_members(self, m: _Members, comma: str, count: int) -> str:
+        """The extra members after ``count`` declared ones. An extra key may repeat another
+        (a repeat counts once), so beyond one, those that count toward minProperties have
+        keys distinct by construction."""
+        low, high = m.bounds
+        need = max(low - count, 0)
+        room = None if high is None else high - count
+        if (room is not None and room < need) or (need and m.extra is None):
+            raise Unsatisfiable("minProperties/maxProperties cannot be met")  # object() says where
+        if m.extra is None or room == 0:
+            return '""'
+        if need <= 1:
+            tail = g.repeat(f'("," ws {m.extra})', 0, None if room is None else room - 1)
+            body = f"{comma}{m.extra} {tail}"
+            return body if need else f"({body})?"
+        if m.numbered is None:
+            m.undistinct = True
+            raise Unsatisfiable("extra keys cannot be kept distinct")
+        tail = g.repeat(f'("," ws {m.extra})', 0, None if room is None else room - need)
+        return comma + ' "," ws '.join(m.numbered(need)) + f" {tail}"
+
+    def numbered_extras(self, names: list[str], value: str, path: str, n: int) -> list[str]:
+        """``n`` extra members whose keys differ from each other and from ``names``: the k-th
+        key is any text that does not end in a digit, then the k-th number (its trailing digits
+        tell it apart) that is no name's trailing digits."""
+        if n > g.MAX_REPEAT:
+            raise GrammarError(f"minProperties at {path} is over {g.MAX_REPEAT}")
+        taken = {name[len(name.rstrip("0123456789")) :] for name in names}
+        numbers = itertools.islice((str(k) for k in itertools.count(1) if str(k) not in taken), n)
+        non_digit = g.char_class(g.subtract(spec.RAW_RANGES, ((0x30, 0x39),)))
+        prefix = self.rules.add("nkey-prefix", f"({spec.RAW_CHAR})* {non_digit}")
+        value = self.named("extra-value", value)
+        return [f'"\\"" {prefix}? "{k}\\"" ws ":" ws {value} ws' for k in numbers]
 
     def key_not_in(self, names: list[str]) -> str:
         """A JSON string of raw characters (no escapes) that is none of ``names``."""

@@ -470,7 +470,108 @@ def json_string_literal(text: str) -> str:
     return Emitter(json_string=True).emit(Seq(tuple(_char(ord(ch)) for ch in text)))
 
 
-def regex_to_gbnf(pattern: str, *, json_string: bool = False, search: bool = False) -> str:
+def span(node: Node) -> tuple[int, int | None]:
+    """The fewest and the most characters ``node`` matches (None: no most)."""
+    if isinstance(node, Chars):
+        return 1, 1
+    if isinstance(node, Anchor):
+        return 0, 0
+    if isinstance(node, Seq | Alt):
+        spans = [span(n) for n in (node.items if isinstance(node, Seq) else node.options)]
+        highs = [x for _, x in spans]
+        if isinstance(node, Seq):
+            return sum(m for m, _ in spans), None if None in highs else sum(highs)  # type: ignore[arg-type]
+        return min(m for m, _ in spans), None if None in highs else max(highs)  # type: ignore[type-var]
+    low, high = span(node.item)
+    if high == 0 or node.high == 0:
+        return 0, 0
+    return node.low * low, None if high is None or node.high is None else node.high * high
+
+
+def within_lengths(node: Node, low: int, high: int | None) -> Node | None:
+    """A node matching only strings ``node`` matches whose length is in [low, high] (None: no
+    most): all of them where the bounds cut nothing off, else a part (repetitions given fewer
+    or more copies, each part of a sequence its share of the lengths); None when no part is
+    found. Never a string outside both."""
+    least, most = span(node)
+    if least >= low and (high is None or (most is not None and most <= high)):
+        return node
+    if high is not None and least > high:
+        return None
+    if isinstance(node, Alt):
+        kept = [b for o in node.options if (b := within_lengths(o, low, high)) is not None]
+        return None if not kept else kept[0] if len(kept) == 1 else Alt(tuple(kept))
+    if isinstance(node, Seq):
+        return _seq_within(node, low, high)
+    if isinstance(node, Rep):
+        return _rep_within(node, low, high)
+    return None  # one character, or an anchor, outside the lengths
+
+
+def _seq_within(node: Seq, low: int, high: int | None) -> Node | None:
+    """Share the lengths among the items: each its least, more for those that can grow until
+    ``low`` is reached, then what ``high`` leaves to the bounded ones, the rest evenly to the
+    unbounded ones."""
+    spans = [span(item) for item in node.items]
+    lows = [m for m, _ in spans]
+    need = low - sum(lows)
+    for i, (m, x) in enumerate(spans):
+        if need <= 0:
+            break
+        grow = need if x is None else min(x - m, need)
+        lows[i] += grow
+        need -= grow
+    if need > 0:
+        return None
+    if high is None:  # the least raised; each as long as it likes
+        highs: list[int | None] = [x for _, x in spans]
+    else:
+        fixed, budget = list(lows), high - sum(lows)
+        for i, (_, x) in enumerate(spans):
+            if x is not None:
+                grow = min(x - fixed[i], budget)
+                fixed[i] += grow
+                budget -= grow
+        unbounded = [i for i, (_, x) in enumerate(spans) if x is None]
+        for k, i in enumerate(unbounded):  # the first ones one more where it does not divide
+            fixed[i] += budget // len(unbounded) + (k < budget % len(unbounded))
+        highs = list(fixed)
+    items = [within_lengths(n, a, b) for n, a, b in zip(node.items, lows, highs, strict=True)]
+    return None if None in items else Seq(tuple(i for i in items if i is not None))
+
+
+def _rep_within(node: Rep, low: int, high: int | None) -> Node | None:
+    """Fewer or more copies. Under a most, copies of varied length are held to lengths that
+    keep every count in bounds: a copy of bounded length to its shortest (``%XX`` or a
+    character: characters), an unbounded one to what the most leaves each required copy
+    (one label of a domain rather than several of one character)."""
+    item = without_empty(node.item)
+    if item is None:
+        return node if low == 0 else None
+    least, most = span(item)
+    copies_low = max(node.low, -(-low // least))
+    size = least
+    if least != most and high is not None:
+        size = least if most is not None else max(least, high // max(copies_low, 1))
+        held = within_lengths(item, least, size)
+        if held is None:
+            return None
+        item = held
+    copies_high = node.high if high is None else high // size
+    if node.high is not None and copies_high is not None:
+        copies_high = min(node.high, copies_high)
+    if copies_high is not None and copies_low > copies_high:
+        return None
+    return Rep(item, copies_low, copies_high)
+
+
+def regex_to_gbnf(
+    pattern: str,
+    *,
+    json_string: bool = False,
+    search: bool = False,
+    lengths: tuple[int, int | None] | None = None,
+) -> str:
     """A GBNF expression for the strings ``pattern`` matches.
 
     Args:
@@ -479,11 +580,26 @@ def regex_to_gbnf(pattern: str, *, json_string: bool = False, search: bool = Fal
         search: JSON Schema ``pattern`` semantics: the text need only contain a match,
             unless anchors pin it, and only what Python's ``re.search`` and ECMA-262 both
             match (see :func:`parse`); otherwise ``re.fullmatch`` semantics.
+        lengths: with ``search``, only texts of these many characters (minLength and
+            maxLength beside the pattern): all of them or a part (:func:`within_lengths`).
 
     Raises:
         GrammarError: an invalid pattern, or a construct outside the subset.
     """
     emitter = Emitter(json_string)
+    if lengths is not None:
+        assert search
+        anything = Rep(Chars(_ANY), 0, None)
+        found = [
+            within_lengths(
+                Seq((anything,) * (start is None) + (body,) + (anything,) * (end is None)), *lengths
+            )
+            for body, start, end in branches(pattern, portable=True)
+        ]
+        kept = [emitter.emit(node) for node in found if node is not None]
+        if not kept:
+            raise GrammarError(f"no text of {lengths[0]} to {lengths[1]} characters matches")
+        return g.alternatives(kept)
     options = []
     for body, start, end in branches(pattern, portable=search):
         parts = [emitter.emit(body)]

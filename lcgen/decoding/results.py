@@ -222,6 +222,8 @@ def parse_structured(text: str, schema: SchemaLike) -> Any:
     Raises:
         IncompleteOutputError: generation stopped (max_tokens, a stop string) before the JSON
             value was complete; the partial text is on the exception.
+        SchemaValidationError: the JSON matched the pydantic model's JSON Schema, but the
+            model's own validation (which checks more than its schema says) refused it.
     """
     from lcgen.errors import IncompleteOutputError
 
@@ -234,4 +236,32 @@ def parse_structured(text: str, schema: SchemaLike) -> Any:
             text,
         ) from None
     validate = getattr(schema, "model_validate", None)
-    return value if validate is None else validate(value)
+    return value if validate is None else _validated(validate, value, text, schema)
+
+
+def _validated(validate: Any, value: Any, text: str, model: Any) -> Any:
+    """``model.model_validate(value)``, its pydantic ValidationError made an lcgen error."""
+    import pydantic
+
+    from lcgen.errors import SchemaValidationError
+
+    try:
+        return validate(value)
+    except pydantic.ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        name = getattr(model, "__name__", repr(model))
+        listed = "; ".join(_describe(e) for e in errors[:3]) + "; ..." * (len(errors) > 3)
+        raise SchemaValidationError(
+            f"the output matched the JSON Schema of {name}, but {name}'s own validation refused "
+            f"it ({len(errors)} error{'s' * (len(errors) != 1)}: {listed}): the model checks "
+            "more than its JSON Schema says, which the grammar cannot enforce; use a type whose "
+            "schema says it all, or catch SchemaValidationError (.text holds the JSON)",
+            text,
+            [dict(e) for e in errors],
+        ) from exc
+
+
+def _describe(error: Mapping[str, Any]) -> str:
+    """One pydantic error as ``field.sub: message (input ...)``."""
+    where = ".".join(str(part) for part in error.get("loc", ())) or "(the value)"
+    return f"{where}: {error.get('msg', '')} (input {error.get('input')!r:.60})"

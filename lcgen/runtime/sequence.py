@@ -258,6 +258,8 @@ class Sequence(TokenSequence):
             IncompleteOutputError: with a constraint (schema, grammar, choice, regex),
                 generation stopped before the output matched it (the partial text is on the
                 exception).
+            SchemaValidationError: with a pydantic ``schema``, the output matched its JSON
+                Schema but the model's own validation refused it.
         """
         plan = make_plan(schema=schema, **options)
         text = Text.of(_chunks(self.run_plan(plan)))
