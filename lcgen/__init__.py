@@ -65,6 +65,7 @@ from lcgen.errors import (
     SampleMismatchError,
     SchemaValidationError,
     SequenceClosedError,
+    SlotBusyError,
     SlotsExhaustedError,
     StateFileError,
 )
@@ -144,6 +145,7 @@ __all__ = [
     "SequenceClosedError",
     "SequenceState",
     "SequenceStats",
+    "SlotBusyError",
     "SlotsExhaustedError",
     "StateFileError",
     "Step",

@@ -34,6 +34,11 @@ class SlotsExhaustedError(LcgenError):
     """Every sequence slot of the context is in use."""
 
 
+class SlotBusyError(SlotsExhaustedError):
+    """No slot now, in a thread that holds slots and asked not to wait for other threads'
+    (``model.cache.without_waiting()``: the scheduler admits work so, and retries later)."""
+
+
 class DecodeError(LcgenError):
     """``llama_decode`` failed for a reason other than a full context."""
 

@@ -407,6 +407,46 @@ def test_slot_timeout_bounds_the_wait(model_path: Path) -> None:
         assert small.generate("waiting", max_tokens=1).stats.tokens == 1
 
 
+def test_a_thread_that_holds_slots_is_not_left_waiting_for_anothers(model_path: Path) -> None:
+    """A batch admits more work only without waiting: it holds slots, and waiting for another
+    thread's (which may wait for its own) could last forever. Two threads' batches, each more
+    prompts than slots, all finish."""
+    with lcgen.Model(model_path, n_ctx=1024, n_seq_max=2) as small:
+        taken, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with small.sequence("held"):
+                taken.set()
+                release.wait(30)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        taken.wait(30)
+        try:
+            with (
+                small.sequence("mine"),
+                small.cache.without_waiting(),
+                pytest.raises(lcgen.SlotBusyError, match="2 by live sequences"),
+            ):
+                small.sequence("third")
+        finally:
+            release.set()
+            holder.join()
+        outs: dict[int, list[lcgen.Text]] = {}
+
+        def batch(k: int) -> None:
+            outs[k] = small.generate([f"Batch {k}, number {i} is" for i in range(5)], max_tokens=3)
+
+        threads = [threading.Thread(target=batch, args=(k,)) for k in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads)
+        assert sorted(outs) == [0, 1, 2] and all(len(o) == 5 for o in outs.values())
+        assert small.cache.stats.live == 0
+
+
 def test_more_prompts_than_slots_in_one_call_queue(model_path: Path) -> None:
     with lcgen.Model(model_path, n_ctx=1024, n_seq_max=2) as small:
         outs = small.generate([f"Number {i} is" for i in range(7)], max_tokens=3)

@@ -142,6 +142,7 @@ def test_errors_share_one_base() -> None:
         lcgen.ModelNotFoundError,
         lcgen.ContextFullError,
         lcgen.SlotsExhaustedError,
+        lcgen.SlotBusyError,
         lcgen.SequenceClosedError,
         lcgen.DecodeError,
         lcgen.SchemaValidationError,

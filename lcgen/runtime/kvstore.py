@@ -26,7 +26,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from lcgen.errors import SlotsExhaustedError, StateFileError
+from lcgen.errors import SlotBusyError, SlotsExhaustedError, StateFileError
 from lcgen.runtime import statefile
 from lcgen.runtime.context import Context, DecodeRequest, check_fits
 from lcgen.vocab import Vocab
@@ -160,7 +160,20 @@ class KVStore:
         # Beam searches take turns: each holds slots while it forks more, and two in different
         # threads could each wait for the other's slots forever.
         self._beam_turn = threading.Lock()
+        self._local = threading.local()  # .no_wait: this thread's opens raise, not wait
         context.on_full = self._evict_for_cells
+
+    @contextlib.contextmanager
+    def without_waiting(self) -> Iterator[None]:
+        """Within it, this thread's requests for a slot that other threads hold raise
+        :class:`SlotBusyError` at once instead of waiting (a thread holding slots that waits
+        for another's could wait forever, each for the other)."""
+        before = getattr(self._local, "no_wait", False)
+        self._local.no_wait = True
+        try:
+            yield
+        finally:
+            self._local.no_wait = before
 
     @contextlib.contextmanager
     def beam_turn(self) -> Iterator[None]:
@@ -334,6 +347,8 @@ class KVStore:
         me = threading.get_ident()
         if not any(e.state == "live" and e.owner != me for e in self._entries.values()):
             raise SlotsExhaustedError(self._exhausted_message())
+        if getattr(self._local, "no_wait", False):
+            raise SlotBusyError(self._exhausted_message())
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             raise SlotsExhaustedError(

@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from lcgen.decoding import Chunk
+from lcgen.errors import SlotBusyError
 from lcgen.runtime.kvstore import KVStore
 from lcgen.runtime.run import Run, step
 
@@ -142,10 +143,19 @@ class Scheduler:
         done: list[Event] = []
         while self._waiting:
             ticket, start, n_slots, n_cells = self._waiting[0]
-            if (self._running or done) and not self._has_room(n_slots, n_cells):
-                break
+            if self._running or done:
+                if not self._has_room(n_slots, n_cells):
+                    break
+                # Another thread may have taken the slot seen free: this one holds slots now,
+                # so it must not wait for theirs (each could wait for the other's forever).
+                try:
+                    with self.cache.without_waiting():
+                        run = start()
+                except SlotBusyError:
+                    break
+            else:
+                run = start()
             self._waiting.popleft()
-            run = start()
             if run.is_done:
                 done.append(Event(ticket, run, None))
             else:

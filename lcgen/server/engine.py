@@ -24,7 +24,7 @@ from typing import Literal
 import numpy as np
 
 import lcgen
-from lcgen import Chunk
+from lcgen import Chunk, SlotBusyError
 
 
 class QueueFullError(Exception):
@@ -251,13 +251,21 @@ class Engine:
     def _start(self, choice: _Choice) -> _Guarded:
         """Open the choice's sequence from the longest cached prefix, prefill it (so the
         choices admitted next share its cells) and start its run."""
+        job = choice.job
+        try:
+            seq = self.model.sequence(job.prompts[choice.index])
+        except SlotBusyError:  # another thread took the slot: the choice waits on (not started)
+            raise
+        except Exception as exc:
+            seq, failed = None, exc
         with self._counts.lock:
             self._counts.waiting -= 1
             self._counts.running += 1
         choice.started = True
-        job = choice.job
         try:
-            choice.seq = self.model.sequence(job.prompts[choice.index])
+            if seq is None:
+                raise failed
+            choice.seq = seq
             choice.seq.prefill()
             return _Guarded(choice.seq, choice.seq.run_plan(job.plans[choice.index]))
         except Exception as exc:
