@@ -31,14 +31,34 @@ class UsageError(ValueError):
     that cannot be used), found before generating: status 2, as argparse's own usage errors."""
 
 
+def _int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an int in [low, high] (out of range: a usage error, status 2)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
+        return value
+
+    return parse
+
+
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "model", help="registry name (see `lcgen models`), .gguf path or hf:org/repo/file"
     )
-    p.add_argument("--n-ctx", type=int, default=4096, help="context size in tokens (default 4096)")
+    p.add_argument(
+        "--n-ctx",
+        type=_int_in(0, 2**31 - 1),
+        default=4096,
+        help="context size in tokens (default 4096; 0: the model's training context)",
+    )
     p.add_argument(
         "--threads",
-        type=int,
+        type=_int_in(1, 512),
         default=None,
         help="CPU threads, fixed (default: adapts to the load, at most the cores, <= 8)",
     )
@@ -94,7 +114,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--ban-ignore-case", action="store_true", help="match --ban in any case")
     p.add_argument(
         "--max-retries",
-        type=int,
+        type=_int_in(0, 2**31 - 1),
         default=None,
         help="most rewinds and resamples for banned phrases (default 64)",
     )
@@ -416,6 +436,11 @@ Ctrl-C stops a reply; when the conversation outgrows the context, the oldest tur
 def cmd_chat(args: argparse.Namespace) -> int:
     options = _checked_options(args)  # before the model loads
     model = _load(args)
+    if args.max_tokens >= model.n_ctx:  # every turn would fail
+        raise UsageError(
+            f"--max-tokens {args.max_tokens} leaves no room for a message in the context of "
+            f"{model.n_ctx} tokens: lower it or raise --n-ctx"
+        )
     chat = ChatSession(model, options | _draft(args), args.system)
     interactive = sys.stdin.isatty()
     if interactive:

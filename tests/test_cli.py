@@ -444,6 +444,10 @@ def test_serve_is_a_command(capsys: pytest.CaptureFixture[str]) -> None:
         (["serve", "m", "--port", "-1"], "--port: the port must be in 0-65535, got -1"),
         (["serve", "m", "--max-queue", "0"], "--max-queue: the queue must hold at least 1"),
         (["serve", "m", "--max-queue", "-2"], "at least 1 choice, got -2"),
+        (["generate", "m", "p", "--n-ctx", "-5"], "--n-ctx: must be in [0, 2147483647], got -5"),
+        (["generate", "m", "p", "--threads", "0"], "--threads: must be in [1, 512], got 0"),
+        (["chat", "m", "--threads", "x"], "--threads: invalid int value: 'x'"),
+        (["generate", "m", "p", "--max-retries", "-1"], "--max-retries: must be in"),
     ],
 )
 def test_usage_errors_are_one_line_with_status_2(
@@ -484,6 +488,17 @@ def test_option_errors_are_usage_errors(
 def test_chat_option_errors_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["chat", "no-such-model", "--temperature", "-1"]) == 2
     assert capsys.readouterr().err == "lcgen: error: temperature must be >= 0, got -1.0\n"
+
+
+def test_chat_with_no_room_for_a_message_is_a_usage_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # every turn failed, saying the context left -744 tokens beside the reply
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    argv = ["chat", "smollm2-135m", "--threads", "1", "--max-tokens", "1000", "--n-ctx", "256"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--max-tokens 1000 leaves no room for a message in the context of 256" in err
 
 
 def test_an_empty_prompt_on_stdin(
