@@ -128,10 +128,13 @@ def test_sizes_llama_cpp_would_abort_on_are_refused() -> None:
 
 
 @pytest.mark.parametrize(
-    ("args", "message"),
-    [(["--threads", "1000000"], "n_threads must be in"), (["--n-ctx", "1"], "exceeds the context")],
+    ("args", "status", "message"),
+    [
+        (["--threads", "1000000"], 2, "--threads: must be in [1, 512]"),  # a usage error
+        (["--n-ctx", "1"], 1, "exceeds the context"),
+    ],
 )
-def test_the_command_line_reports_bad_sizes(args: list[str], message: str) -> None:
+def test_the_command_line_reports_bad_sizes(args: list[str], status: int, message: str) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "lcgen.cli", "generate", "smollm2-135m", "hello", *args],
         capture_output=True,
@@ -139,7 +142,7 @@ def test_the_command_line_reports_bad_sizes(args: list[str], message: str) -> No
         timeout=120,
         check=False,
     )
-    assert done.returncode == 1 and message in done.stderr, (done.returncode, done.stderr)
+    assert done.returncode == status and message in done.stderr, (done.returncode, done.stderr)
 
 
 def test_deep_grammars_and_texts_are_refused_quickly() -> None:
