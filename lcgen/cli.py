@@ -436,6 +436,11 @@ Ctrl-C stops a reply; when the conversation outgrows the context, the oldest tur
 def cmd_chat(args: argparse.Namespace) -> int:
     options = _checked_options(args)  # before the model loads
     model = _load(args)
+    try:
+        model.chat_tokens([{"role": "user", "content": "Hi"}])
+    except ValueError as exc:  # no chat template: no turn could be answered
+        print(f"lcgen: error: {exc}", file=sys.stderr)
+        return 1
     if args.max_tokens >= model.n_ctx:  # every turn would fail
         raise UsageError(
             f"--max-tokens {args.max_tokens} leaves no room for a message in the context of "

@@ -166,7 +166,7 @@ def test_beam_searches_in_several_threads_take_turns() -> None:
             t.join()
         assert len(out) == 3 and model.cache.stats.live == 0
         for i, texts in out.items():
-            assert len(texts[0]) == 4, texts
+            assert 1 <= len(texts[0]) <= 4, texts  # distinct texts: maybe fewer than 4
             assert all(t.startswith(f"Prompt {i % 2}: The capital") for t in texts[0])
         print("PASS")
     """)

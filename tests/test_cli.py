@@ -594,3 +594,12 @@ def test_serve_says_when_it_is_ready_and_when_its_port_is_taken() -> None:
         proc.wait(timeout=30)
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+def test_chat_with_a_model_without_a_chat_template_fails_at_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the bundled Gemma 3 270M is a base model: every turn failed, and the chat exited 0
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
+    assert cli.main(["chat", "gemma3-270m", "--threads", "1"]) == 1
+    assert "has no chat template" in capsys.readouterr().err

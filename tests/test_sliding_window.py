@@ -80,3 +80,31 @@ def test_the_cache_reuses_only_what_the_window_still_holds(
     assert small_swa.context.n_decoded - before == len(small_swa.tokenize(head)) + 7
     with lcgen.Model(gemma_path, n_ctx=2048, n_seq_max=1, swa_full=False, cache=False) as other:
         assert other.generate(head, max_tokens=8) == out
+
+
+def test_a_pinned_prefix_serves_where_a_longer_entry_lost_its_window(gemma_path: Path) -> None:
+    # The entry sharing the longest prefix had moved its window past it: the prompt was
+    # decoded whole (and that entry wiped), though a pinned prefix held what was needed.
+    words = [
+        "alpha",
+        "river",
+        "stone",
+        "quiet",
+        "market",
+        "lantern",
+        "harbor",
+        "violet",
+        "engine",
+        "meadow",
+    ]
+    notes = " ".join(words[(7 * i) % len(words)] for i in range(250))
+    long_question = " ".join(words[(3 * i + 1) % len(words)] for i in range(1100))
+    system = f"System: you answer questions about notes. {notes}\n"
+    with lcgen.Model(gemma_path, n_ctx=2048, n_seq_max=2, n_batch=64, swa_full=False) as m:
+        m.cache.pin(system)
+        m.generate(system + f"Q: {long_question}\nA:", max_tokens=3)
+        prompt = system + "Q: what is second?\nA:"
+        before = m.context.n_decoded
+        m.generate(prompt, max_tokens=3)
+        new = len(m.tokenize(prompt)) - len(m.tokenize(system))
+        assert m.context.n_decoded - before <= new + 3

@@ -149,6 +149,15 @@ class Context:
             needed = max(0, n_keep - self._handle.n_swa + 1) if self._handle.n_swa else 0
             return pos_max == n_keep - 1 and 0 <= pos_min <= needed
 
+    def serves(self, seq_id: int, n_keep: int) -> bool:
+        """Whether the sequence's cells can give a copy [0, n_keep) as the next token needs it
+        (see :meth:`holds_window`): a sliding-window cache that is not full size, or a state
+        restored from bytes, may have lost the start of it."""
+        with self.lock:
+            pos_min = self._handle.seq_pos_range(seq_id)[0]
+            needed = max(0, n_keep - self._handle.n_swa + 1) if self._handle.n_swa else 0
+            return 0 <= pos_min <= needed
+
     def clear_slot(self, seq_id: int) -> None:
         with self.lock:
             if self.is_open:

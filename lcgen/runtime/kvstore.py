@@ -308,7 +308,9 @@ class KVStore:
             if not (whole and kept is not None and kept[0] == n == len(tokens)):
                 n = min(n, limit)
             key = (n, n == held, entry.state == "parked", entry.last_used)
-            if n > 0 and key > best_key:
+            # An entry whose window has moved past what the prefix needs cannot give it:
+            # another (a pinned prefix) may.
+            if n > 0 and key > best_key and self._ctx.serves(entry.slot, n):
                 best, best_key = entry, key
         return best, best_key[0]
 
