@@ -1155,3 +1155,122 @@ def test_compact_whitespace(model: lcgen.Model) -> None:
     assert text == json.dumps(json.loads(text), separators=(",", ":"), ensure_ascii=False)
     with pytest.raises(ValueError, match="json_whitespace"):
         model.generate("x", schema=schema, json_whitespace="tight")  # type: ignore[typeddict-item]
+
+
+def _recursive_models() -> tuple[type[pydantic.BaseModel], type[pydantic.BaseModel]]:
+    class LNode(pydantic.BaseModel):
+        value: int
+        next: LNode | None = None
+
+    class Tree(pydantic.BaseModel):
+        name: str
+        children: list[Tree] = []
+        parent: Tree | None = None
+
+    LNode.model_rebuild(_types_namespace={"LNode": LNode})
+    Tree.model_rebuild(_types_namespace={"Tree": Tree})
+    return LNode, Tree
+
+
+def _generations_validate(model: lcgen.Model, schema: Any, check: Any) -> None:
+    """Random generations under ``schema`` all validate (``check`` raises otherwise); cut
+    short by max_tokens is allowed, but one at least completes."""
+    completed = 0
+    for seed in range(4):
+        try:
+            value = model.generate(
+                "A JSON value:\n", schema=schema, temperature=1.0, seed=seed, max_tokens=200
+            )
+        except lcgen.IncompleteOutputError:
+            continue
+        check(value)
+        completed += 1
+    assert completed, "no generation completed"
+
+
+def test_recursion_through_anyof_oneof_and_type_lists(model: lcgen.Model) -> None:
+    # A $ref to an enclosing schema inside anyOf/oneOf (or beside a type list) was expanded
+    # in place again at every level: "nests too deeply". It is now a rule that refers to itself.
+    def nullable(key: str) -> dict[str, Any]:
+        return {
+            "type": "object",
+            "properties": {"next": {key: [{"$ref": "#"}, {"type": "null"}]}},
+        }
+
+    typed = {
+        "type": ["object", "null"],
+        "properties": {"next": {"type": ["object", "null"], "$ref": "#"}},
+    }
+    valid = ["{}", '{"next": null}', '{"next": {"next": {"next": null}}}', '{"next": {}, "a": 1}']
+    invalid = ['{"next": 1}', '{"next": {"next": []}}', '{"next": {"next": "x"}}', "[]"]
+    for schema in (nullable("anyOf"), nullable("oneOf"), typed):
+        grammar = Grammar.from_json_schema(schema)
+        for text in valid:
+            assert grammar.accepts(model, text), (schema, text)
+        for text in invalid:
+            assert not grammar.accepts(model, text), (schema, text)
+    assert Grammar.from_json_schema(typed).accepts(model, "null")
+    assert not Grammar.from_json_schema(nullable("anyOf")).accepts(model, "null")
+    # An object that must be an object, its next one an object of the same shape (a $ref
+    # beside a type list: null fails the root's own type).
+    inner = {"type": "object", "properties": {"next": {"type": ["object", "null"], "$ref": "#"}}}
+    grammar = Grammar.from_json_schema(inner)
+    assert grammar.accepts(model, '{"next": {"next": {}}}')
+    assert not grammar.accepts(model, '{"next": null}')
+    closed = {
+        "type": "object",
+        "required": ["v"],
+        "additionalProperties": False,
+        "properties": {
+            "v": {"type": "integer", "minimum": 0, "maximum": 9},
+            "next": {"oneOf": [{"$ref": "#"}, {"type": "null"}]},
+        },
+    }
+    grammar = Grammar.from_json_schema(closed)
+    assert grammar.accepts(model, '{"v": 1, "next": {"v": 2, "next": {"v": 3}}}')
+    assert not grammar.accepts(model, '{"v": 1, "next": {"next": null}}')
+    check = validator(closed)
+    _generations_validate(model, closed, check.validate)
+
+
+def test_pydantic_optional_self_and_trees(model: lcgen.Model) -> None:
+    lnode, tree = _recursive_models()
+    grammar = Grammar.from_pydantic(lnode)
+    for text in ('{"value": 1}', '{"value": 1, "next": {"value": 2, "next": null}}'):
+        assert grammar.accepts(model, text)
+        lnode.model_validate_json(text)
+    for text in ('{"next": null}', '{"value": 1, "next": {"next": null}}', '{"value": "1"}'):
+        assert not grammar.accepts(model, text)
+    grammar = Grammar.from_pydantic(tree)
+    text = '{"name": "a", "children": [{"name": "b", "parent": {"name": "a"}}], "parent": null}'
+    assert grammar.accepts(model, text)
+    tree.model_validate_json(text)
+    for text in ('{"name": "a", "children": [{}]}', '{"name": "a", "parent": {"children": []}}'):
+        assert not grammar.accepts(model, text)
+    for cls in (lnode, tree):
+        _generations_validate(model, cls, lambda value, cls=cls: isinstance(value, cls))
+
+
+def test_recursion_that_never_ends_names_its_ref() -> None:
+    cases = [
+        ({"type": ["object", "null"], "$ref": "#"}, "$ref '#' at # is not supported"),
+        ({"anyOf": [{"$ref": "#"}, {"type": "null"}]}, "$ref '#' at #/anyOf/0 is not supported"),
+        (
+            {"type": "object", "required": ["n"], "properties": {"n": {"anyOf": [{"$ref": "#"}]}}},
+            "the recursion of $ref '#' at #/properties/n/anyOf/0 (back to #/properties/n) never",
+        ),
+        (
+            {"type": "object", "required": ["n"], "properties": {"n": {"$ref": "#"}}},
+            "the recursion of $ref '#' at #/properties/n (back to #) never ends",
+        ),
+        (
+            {
+                "$ref": "#/$defs/a",
+                "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}},
+            },
+            "refers only to itself",
+        ),
+    ]
+    for schema, message in cases:
+        with pytest.raises(lcgen.GrammarError, match=re.escape(message)):
+            Grammar.from_json_schema(schema)

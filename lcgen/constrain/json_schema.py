@@ -32,6 +32,7 @@ from urllib.parse import unquote, urldefrag, urljoin
 import jsonschema
 
 from lcgen.constrain import json_rules as spec
+from lcgen.constrain import lark
 from lcgen.constrain.json_rules import Conj, Unsatisfiable, not_finite
 from lcgen.constrain.json_values import (
     FALSE,
@@ -86,6 +87,33 @@ def schema_to_gbnf(
         ) from None
     except ArithmeticError as exc:
         raise GrammarError(f"a numeric bound of the JSON Schema is out of range: {exc!r}") from None
+
+
+def _shape(schema: dict[str, Any]) -> tuple[Any, ...]:
+    """A key two schemas share only when they are the same schema: the subschemas by identity
+    (a list made afresh, as the allOf that merges members is, by what it holds)."""
+    return tuple((key, _atom(value)) for key, value in schema.items())
+
+
+def _atom(value: Any) -> Any:
+    if isinstance(value, dict):
+        return ("dict", id(value))
+    if isinstance(value, list | tuple):
+        return ("list", *map(_atom, value))
+    return (type(value).__name__, value)
+
+
+def _refs(node: lark.Node) -> list[str]:
+    """The rules ``node`` refers to."""
+    if isinstance(node, lark.Ref):
+        return [node.name]
+    if isinstance(node, lark.Seq):
+        return [name for item in node.items for name in _refs(item)]
+    if isinstance(node, lark.Alt):
+        return [name for option in node.options for name in _refs(option)]
+    if isinstance(node, lark.Rep):
+        return _refs(node.item)
+    return []
 
 
 def _pointer(parts: Iterable[Any]) -> str:
@@ -152,6 +180,13 @@ class _Compiler(ValueCompiler):
         super().__init__(root, close_objects, compact)
         self.refs: dict[str, str] = {}
         self.expanding: list[str] = []
+        # Recursion through anything but a plain {"$ref": ...} (a $ref in anyOf, oneOf, beside
+        # a type list...) comes back to a subschema still being visited: that visit becomes a
+        # rule, and the inner one refers to it. (shape: [schema, its rule once one is needed])
+        self.visiting: dict[tuple[Any, ...], list[Any]] = {}
+        self.recursive: dict[tuple[Any, ...], tuple[Any, str]] = {}  # shape: (schema, rule)
+        self.cycles: dict[str, str] = {}  # rules a recursion came back to: which $ref, where
+        self.followed: list[str] = []  # every $ref followed, in order ("$ref '#' at #/...")
         name = type(self.validator).__name__
         self.old_draft = name in _OLD_DRAFTS  # $ref ignores its siblings
         self.draft4 = name in _OLD_DRAFTS[:2]  # boolean exclusiveMinimum/Maximum
@@ -159,11 +194,113 @@ class _Compiler(ValueCompiler):
         self.anchors, self.embedded = _index(root, self.id_key, self.old_draft)
 
     def compile(self) -> str:
-        return self.rules.text(self.visit(self.root, "#"))
+        text = self.rules.text(self.visit(self.root, "#"))
+        if self.cycles:
+            self.check_finite(text)
+        return text
+
+    def check_finite(self, text: str) -> None:
+        """Raise where a recursion never ends: a rule the root reaches that derives no finite
+        text (every value of it holds another, as a required property that refers back does),
+        which would leave generation no way to finish."""
+        rules = lark.parse(text)
+        finite: set[str] = set()
+
+        def ends(node: lark.Node) -> bool:
+            if isinstance(node, lark.Ref):
+                return node.name in finite
+            if isinstance(node, lark.Seq):
+                return all(ends(item) for item in node.items)
+            if isinstance(node, lark.Alt):
+                return any(ends(option) for option in node.options)
+            if isinstance(node, lark.Rep):
+                return node.low == 0 or ends(node.item)
+            return True
+
+        pending = dict(rules)
+        while True:
+            done = [name for name, node in pending.items() if ends(node)]
+            if not done:
+                break
+            finite.update(done)
+            for name in done:
+                del pending[name]
+        reached, stack = set(), ["root"]
+        while stack:
+            name = stack.pop()
+            if name in reached or name not in rules:
+                continue
+            reached.add(name)
+            stack += _refs(rules[name])
+        for name in self.cycles:
+            if name in reached and name not in finite:
+                raise Unsatisfiable(
+                    f"{self.cycles[name]} never ends: every value holds "
+                    "another (a required property or minItems that refers back), so no finite "
+                    "value validates; make the recursion optional"
+                )
 
     # schemas to alternatives of conjunctions -------------------------------------------------
     def visit(self, schema: Any, path: str) -> str:
-        """The GBNF expression of the values ``schema`` allows."""
+        """The GBNF expression of the values ``schema`` allows; a rule that refers to itself
+        where the schema's values hold values of the same schema (a visit of it comes back
+        to it, through properties or items)."""
+        if not isinstance(schema, dict):
+            return self.visit_once(schema, path)
+        key = _shape(schema)
+        done = self.recursive.get(key)
+        if done is not None:
+            return done[1]
+        entry = self.visiting.get(key)
+        if entry is not None:
+            if entry[1] is None:
+                rule = entry[1] = self.rules.reserve("rec-" + path.rsplit("/", 1)[-1])
+                via = self.followed[entry[3] : entry[3] + 1] or [f"the schema at {path}"]
+                # (the first $ref followed since that visit began: the one it went through)
+                self.cycles[rule] = f"the recursion of {via[0]} (back to {entry[2]})"
+            return str(entry[1])
+        entry = self.visiting[key] = [schema, None, path, len(self.followed)]
+        marks = (len(self.refs), len(self.recursive))
+        try:
+            body = self.visit_once(schema, path)
+        except BaseException:
+            if entry[1] is not None:  # what was made since may refer to its rule: never made
+                self.forget(marks)
+            raise
+        finally:
+            del self.visiting[key]
+        name = entry[1]
+        if name is None:
+            return body
+        if self.loops(name, body):
+            raise GrammarError(
+                f"{self.cycles[name]} refers only to itself, with no property or item in "
+                "between: no value validates"
+            )
+        self.rules.define(name, body)
+        self.recursive[key] = (schema, name)
+        return str(name)
+
+    def forget(self, marks: tuple[int, int]) -> None:
+        """Drop the rules of references and recursions made since ``marks`` (a failed visit's,
+        which may refer to a rule that is never defined)."""
+        while len(self.refs) > marks[0]:
+            self.refs.popitem()
+        while len(self.recursive) > marks[1]:
+            self.recursive.popitem()
+
+    def loops(self, name: str, body: str) -> bool:
+        """Whether ``body`` is ``name``, or a rule that is only another such rule, and so on
+        back to ``name`` (a loop that no text ends: llama.cpp calls it left recursion)."""
+        seen: set[str] = set()
+        while body not in seen and body in self.rules.rules:
+            if body == name:
+                return True
+            seen.add(body)
+            body = self.rules.rules[body]
+        return body == name
+
+    def visit_once(self, schema: Any, path: str) -> str:
         if schema is False:
             raise Unsatisfiable(f"the schema at {path} is false: no value validates")
         if isinstance(schema, dict) and "$ref" in schema and self.only_ref(schema):
@@ -248,10 +385,13 @@ class _Compiler(ValueCompiler):
     def expand_ref(self, ref: str, path: str) -> list[Conj]:
         if ref in self.expanding:
             raise GrammarError(
-                f"$ref {ref!r} beside other keywords (at {path}) refers to itself: lcgen "
-                "expands such references in place, which never ends"
+                f"$ref {ref!r} at {path} is not supported: it refers to itself with no property "
+                "or item in between (through $ref beside other keywords, allOf, anyOf, oneOf, "
+                "not, if/then/else or dependencies), a recursion that never ends (validating "
+                "it never ends either); recur through properties or items"
             )
         self.expanding.append(ref)
+        self.followed.append(f"$ref {ref!r} at {path}")
         try:
             return self.flatten(self.resolve_ref(ref, path), ref)
         finally:
@@ -295,12 +435,21 @@ class _Compiler(ValueCompiler):
 
     def ref(self, ref: str, path: str) -> str:
         if ref in self.refs:
-            return self.refs[ref]
+            name = self.refs[ref]
+            if not self.rules.rules.get(name):  # still being compiled: a recursion
+                self.cycles.setdefault(name, f"the recursion of $ref {ref!r} at {path}")
+            return name
         target = self.resolve_ref(ref, path)
         name = self.rules.reserve("ref-" + (ref.rsplit("/", 1)[-1] or "root"))
+        marks = (len(self.refs), len(self.recursive))
         self.refs[ref] = name
-        body = self.visit(target, ref)
-        if body == name:
+        self.followed.append(f"$ref {ref!r} at {path}")
+        try:
+            body = self.visit(target, ref)
+        except BaseException:
+            self.forget(marks)  # (its rule is never defined)
+            raise
+        if self.loops(name, body):
             raise GrammarError(f"$ref {ref!r} (at {path}) refers only to itself")
         self.rules.define(name, body)
         return name
@@ -428,10 +577,15 @@ class _Compiler(ValueCompiler):
             schema, seen = self.resolve_ref(schema["$ref"], "#"), seen + 1
         return schema
 
-    def json_types(self, schema: Any) -> set[str]:
+    def json_types(self, schema: Any, seen: frozenset[int] = frozenset()) -> set[str]:
+        """The JSON types ``schema`` may allow (more, never fewer; all where it comes back to
+        itself through a $ref)."""
         schema = self.resolve(schema)
         if not isinstance(schema, dict):
             return set() if schema is False else set(spec.TYPES)
+        if id(schema) in seen:
+            return set(spec.TYPES)
+        seen = seen | {id(schema)}
         found = set(spec.TYPES)
         if "const" in schema or "enum" in schema:
             values = [schema["const"]] if "const" in schema else schema["enum"]
@@ -439,9 +593,9 @@ class _Compiler(ValueCompiler):
             found |= {"number"} if "integer" in found else set()
         for key in ("anyOf", "oneOf"):
             if key in schema:
-                found &= set().union(*(self.json_types(s) for s in schema[key]))
+                found &= set().union(*(self.json_types(s, seen) for s in schema[key]))
         for sub in schema.get("allOf", ()):
-            found &= self.json_types(sub)
+            found &= self.json_types(sub, seen)
         declared = self.types_of(schema)
         return found if declared is None else found & declared
 
