@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import pydantic
 import pytest
 from helpers import running, validate
 
@@ -581,6 +582,164 @@ def test_tool_prompt_tells_the_functions_and_writes_earlier_turns(model: lcgen.M
     assert not grammar.accepts(model, " {")
 
 
+def _tool(name: str, parameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": name}
+    if parameters is not None:
+        function["parameters"] = parameters
+    return {"type": "function", "function": function}
+
+
+class _Address(pydantic.BaseModel):
+    street: str = pydantic.Field(max_length=20)
+    city: str = pydantic.Field(max_length=20)
+
+
+class _AddContact(pydantic.BaseModel):
+    """Add a contact"""
+
+    name: str = pydantic.Field(max_length=20)
+    address: _Address
+
+
+# Parameters whose refs are relative to their own root: a draft-7 schema with definitions,
+# a root $id that a ref goes through, a pointer into its own properties, "#" (recursion),
+# and an anchor.
+DRAFT7 = {
+    "$schema": "http://json-schema.org/draft-07/schema#",
+    "$id": "https://example.com/shape.json",
+    "type": "object",
+    "properties": {
+        "size": {"$ref": "#/definitions/size"},
+        "other": {"$ref": "https://example.com/shape.json#/properties/size"},
+        "inner": {"$ref": "#/definitions/named"},
+    },
+    "required": ["size"],
+    "additionalProperties": False,
+    "definitions": {
+        "size": {"type": "integer", "minimum": 1, "maximum": 9},
+        "named": {"$id": "#named", "enum": ["a", "b"]},
+    },
+}
+TREE = {
+    "$id": "tree.json",
+    "type": "object",
+    "properties": {
+        "label": {"$ref": "#/$defs/label"},
+        "kids": {"type": "array", "items": {"$ref": "#"}, "maxItems": 2},
+        "same": {"$ref": "tree.json#tag"},
+    },
+    "required": ["label"],
+    "additionalProperties": False,
+    "$defs": {"label": {"$anchor": "tag", "enum": ["x", "y"]}},
+}
+
+
+def test_tool_parameters_with_defs_refs_and_ids(client: openai.OpenAI, model: lcgen.Model) -> None:
+    from lcgen.server import tools as server_tools
+    from lcgen.server.requests import ChatRequest
+
+    tool = openai.pydantic_function_tool(_AddContact)
+    assert "$defs" in tool["function"]["parameters"]
+    ask = [{"role": "user", "content": "Add Bob, 1 Main St, Springfield"}]
+    reply = chat(client, messages=ask, tools=[tool], tool_choice="required", max_tokens=80)
+    assert reply.choices[0].finish_reason == "tool_calls", reply
+    _check_call(reply.choices[0].message.tool_calls[0], [tool])  # the original parameters
+    tools = [_tool("shape", DRAFT7), _tool("other_shape", DRAFT7)]
+    reply = chat(client, messages=ask, tools=tools, tool_choice="required", max_tokens=60)
+    _check_call(reply.choices[0].message.tool_calls[0], tools)
+
+    # The grammar: exactly the arguments each function's own parameters take.
+    def grammar_of(*tools: dict[str, Any]) -> lcgen.Grammar:
+        req = ChatRequest.model_validate({"model": NAME, "messages": ask, "tools": list(tools)})
+        return server_tools.grammar(req.callable_tools(), required=True)
+
+    grammar = grammar_of(_tool("tree", TREE), _tool("tree2", TREE))
+    good = {"label": "x", "kids": [{"label": "y", "same": "x"}, {"label": "x", "kids": []}]}
+    validate(good, TREE)
+    assert grammar.accepts(model, json.dumps({"name": "tree", "arguments": good}))
+    assert not grammar.accepts(model, '{"name": "tree", "arguments": {"label": "z"}}')
+    assert not grammar.accepts(model, '{"name": "tree", "arguments": {"kids": [{}]}}')
+    grammar = grammar_of(_tool("shape", DRAFT7))
+    shape = {"size": 3, "other": 9, "inner": "b"}
+    validate(shape, DRAFT7)
+    assert grammar.accepts(model, json.dumps({"name": "shape", "arguments": shape}))
+    assert not grammar.accepts(model, '{"name": "shape", "arguments": {"size": 0}}')
+    assert not grammar.accepts(model, '{"name": "shape", "arguments": {"size": 1, "inner": "c"}}')
+    # One wrapper schema holds all the functions: of one draft (none named: the latest).
+    with pytest.raises(lcgen.GrammarError, match="drafts"):
+        grammar_of(_tool("tree", TREE), _tool("shape", DRAFT7))
+
+
+def test_tool_arguments_are_always_an_object(client: openai.OpenAI) -> None:
+    # No parameters: none (OpenAI's meaning), arguments "{}".
+    ask = [{"role": "user", "content": "Ring the bell."}]
+    bell = _tool("ring_bell")
+    reply = chat(client, messages=ask, tools=[bell], tool_choice="required", max_tokens=40)
+    assert reply.choices[0].finish_reason == "tool_calls"
+    assert reply.choices[0].message.tool_calls[0].function.arguments == "{}"
+    # Parameters that name no type: still an object.
+    untyped = {
+        "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    count = _tool("count", untyped)
+    ask = [{"role": "user", "content": "Count to two."}]
+    reply = chat(client, messages=ask, tools=[count], tool_choice="required", max_tokens=40)
+    assert reply.choices[0].finish_reason == "tool_calls", reply
+    arguments = _check_call(reply.choices[0].message.tool_calls[0], [count])
+    assert isinstance(arguments, dict) and isinstance(arguments["a"], int)
+    # Parameters of another type: refused, named.
+    with pytest.raises(openai.BadRequestError, match="object") as info:
+        chat(client, tools=[_tool("f", {"type": "string"})], tool_choice="required")
+    assert info.value.body["param"] == "tools"  # type: ignore[index]
+
+
+def test_tools_with_a_response_format(client: openai.OpenAI, model: lcgen.Model) -> None:
+    """With tools, a response_format shapes the reply that is not calls (as OpenAI's)."""
+    from lcgen.server import tools as server_tools
+    from lcgen.server.requests import ChatRequest
+
+    words = {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}
+    fmt = {"type": "json_schema", "json_schema": {"name": "words", "schema": words}}
+    options: dict[str, Any] = {
+        "messages": [{"role": "user", "content": "Three words about the sea as a JSON array."}],
+        "tools": [WEATHER],
+        "response_format": fmt,
+        "parallel_tool_calls": False,
+        "max_tokens": 40,
+    }
+    # Without parallel calls only the format's array starts with "[": a bias makes the reply one.
+    (bracket,) = model.tokenize("[")
+    text = chat(client, logit_bias={str(bracket): 100}, **options).choices[0]
+    assert text.finish_reason == "stop" and text.message.tool_calls is None, text
+    validate(json.loads(text.message.content), words)
+    call = chat(client, tool_choice="required", **options).choices[0]
+    assert call.finish_reason == "tool_calls"
+    _check_call(call.message.tool_calls[0], [WEATHER])
+    # The grammar: calls, or JSON valid for the format (no other text); JSON that is not
+    # calls of a known function is not read as calls.
+    req = ChatRequest.model_validate({"model": NAME, "messages": ASK, "tools": [WEATHER]})
+    grammar = server_tools.grammar(req.callable_tools(), False, True, words)
+    weather = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
+    assert grammar.accepts(model, weather) and grammar.accepts(model, '["salt", "wave"]')
+    assert not grammar.accepts(model, "Sunny.") and not grammar.accepts(model, "[1]")
+    assert server_tools.parse_calls(weather, False, {"get_weather"}) is not None
+    other = '{"name": "get_time", "arguments": {}}'
+    assert server_tools.parse_calls(other, False, {"get_weather"}) is None
+    with pytest.raises(openai.BadRequestError, match="response_format"):
+        chat(
+            client,
+            **{
+                **options,
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "a", "schema": {"type": "foo"}},
+                },
+            },
+        )
+
+
 def test_completion_echo_scores_the_prompt(client: openai.OpenAI, model: lcgen.Model) -> None:
     prompt = "The capital of France is Paris, and the capital of Italy is"
     tokens = model.tokenize(prompt)
@@ -829,6 +988,14 @@ BAD = [
     (_body(messages=[{"role": "user"}]), "messages.0"),
     (_body(max_tokens=0), "max_tokens"),
     (_body(messages=[{"role": "tool", "content": "1", "tool_calls": []}]), None),
+    (_body(tool_choice="required"), "tool_choice"),  # tool_choice without tools
+    (_body(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
+    (_body(messages=[*USER, {"role": "tool", "content": "1"}]), "messages.1"),  # no tool_call_id
+    (
+        _body(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}),
+        "response_format",
+    ),  # invalid, not only unsupported: no fallback
+    (_body(banned=[""]), "banned"),
     # constraints no token can meet: found while generating, still the request's error
     (_body(choice=["\u0000"]), None),  # no token spells it
     (_body(choice=["no"], token_healing=True), None),  # healing must re-create the prompt's end
@@ -847,6 +1014,32 @@ def test_malformed_requests_get_400_naming_the_field(
     assert error["type"] == "invalid_request_error"
     if param is not None:
         assert error["param"] is not None and error["param"].startswith(param), error
+
+
+def test_error_messages_explain_the_input(url: str) -> None:
+    """A field of several types (a string or a list...) is reported by the type the input
+    is, not by the first type it could have been."""
+
+    def error(body: bytes, path: str = "/v1/chat/completions") -> dict[str, Any]:
+        status, reply = request(url, path, body)
+        assert status == 400, reply
+        return dict(reply["error"])
+
+    stops = error(_body(stop=["x"] * 17))
+    assert "at most 16 items" in stops["message"] and stops["param"] == "stop", stops
+    image = {"type": "image_url", "image_url": {"url": "http://localhost/a.png"}}
+    parts = error(_body(messages=[{"role": "user", "content": [image]}]))
+    assert "unsupported content part type 'image_url'" in parts["message"], parts
+    assert parts["param"] == "messages.0.content.0"
+    empty = error(json.dumps({"model": NAME, "prompt": []}).encode(), "/v1/completions")
+    assert "at least 1 item" in empty["message"] and empty["param"] == "prompt", empty
+    assert "more)" not in empty["message"]  # the list types' same error, once
+    tool = error(_body(messages=[*USER, {"role": "tool", "content": "1"}]))
+    assert "tool_call_id" in tool["message"], tool
+    choice = error(_body(tool_choice="auto"))
+    assert choice["message"] == "tool_choice is only allowed when tools are specified", choice
+    status, reply = request(url, "/v1/chat/completions", _body(tool_choice="none", max_tokens=2))
+    assert status == 200, reply  # "none" without tools: fine, as OpenAI's
 
 
 def test_deeply_nested_call_arguments_are_read_as_text(url: str) -> None:

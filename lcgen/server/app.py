@@ -74,7 +74,12 @@ class _Server:
         except ValueError as exc:
             raise APIError(400, f"messages: {exc}", param="messages") from None
         return await self._generate(
-            request, req, [prompt], "chat", tools=bool(callable_tools), parallel=req.tool_parallel
+            request,
+            req,
+            [prompt],
+            "chat",
+            tools=frozenset(t.function.name for t in callable_tools),
+            parallel=req.tool_parallel,
         )
 
     async def completions(self, request: Request) -> Response:
@@ -248,7 +253,8 @@ class _Server:
         try:
             plan = lcgen.make_plan(max_tokens=limit, **options(req, self.model.n_vocab, self.draft))
         except (TypeError, ValueError, lcgen.LcgenError) as exc:
-            raise APIError(400, str(exc), param=field_named(str(exc), type(req))) from None
+            param = field_named(str(exc), type(req), req.model_fields_set)
+            raise APIError(400, str(exc), param=param) from None
         seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
         return Job(
             [p for p in prompts for _ in seeds],
@@ -264,11 +270,11 @@ class _Server:
         prompts: list[list[int]],
         kind: Kind,
         *,
-        tools: bool = False,
+        tools: frozenset[str] = frozenset(),
         parallel: bool = False,
         echo: list[Echo] | None = None,
     ) -> Response:
-        """Answer ``req``; ``tools``: whether the reply may be tool calls, ``parallel``:
+        """Answer ``req``; ``tools``: the functions the reply may call, ``parallel``: whether
         several (see :class:`Reply`)."""
         loop = asyncio.get_running_loop()
         job = await run_in_threadpool(self._job, req, prompts, kind, loop)

@@ -12,6 +12,7 @@ fields (``extra_body`` in the official client): ``banned``, ``banned_ignore_case
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -66,6 +67,14 @@ class TextPart(_Strict):
     type: Literal["text"]
     text: str
 
+    @model_validator(mode="before")
+    @classmethod
+    def _known(cls, data: Any) -> Any:
+        kind = data.get("type") if isinstance(data, dict) else None
+        if isinstance(kind, str) and kind != "text":
+            raise ValueError(f"unsupported content part type {kind!r}: lcgen takes text parts")
+        return data
+
 
 class Message(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -80,6 +89,8 @@ class Message(_Strict):
             raise ValueError(f"a {self.role} message needs content")
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only an assistant message has tool_calls")
+        if self.role == "tool" and self.tool_call_id is None:
+            raise ValueError("a tool message needs tool_call_id (the id of the call it answers)")
         return self
 
     def as_dict(self) -> dict[str, Any]:
@@ -167,6 +178,8 @@ class ChatRequest(_Common):
     def _check(self) -> ChatRequest:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true (as OpenAI's API)")
+        if self.tool_choice not in (None, "none") and not self.tools:
+            raise ValueError("tool_choice is only allowed when tools are specified")
         return self
 
     def callable_tools(self) -> list[Tool]:
@@ -228,27 +241,76 @@ def parse(cls: type[R], body: bytes) -> R:
     try:
         return cls.model_validate_json(body)
     except ValidationError as exc:
-        first = exc.errors(include_url=False)[0]
-        if first["type"] == "json_invalid":
-            raise APIError(400, f"the body is not valid JSON: {first['msg']}") from None
+        errors = exc.errors(include_url=False)
+        if errors[0]["type"] == "json_invalid":
+            raise APIError(400, f"the body is not valid JSON: {errors[0]['msg']}") from None
+        # A union's members each report an error: those that only say the input is not of
+        # the member's type explain least, then type errors inside a member; the same error
+        # of several members is one.
+        tier = min(map(_tier, errors))
+        telling: dict[tuple[tuple[str, ...], str], Any] = {}
+        for error in errors:
+            if _tier(error) == tier:
+                telling.setdefault((_path(error), error["msg"]), error)
+        first = next(iter(telling.values()))
         message = first["msg"].removeprefix("Value error, ")
-        # pydantic's path, less the tags it adds for a union's members (``str``, ``list[...]``)
-        path = [str(part) for part in first["loc"] if not _union_tag(part)]
+        path = _path(first)
         param = ".".join(path) or field_named(message, cls)
-        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        more = f" (and {len(telling) - 1} more)" if len(telling) > 1 else ""
         where = f"{param}: " if path else ""
         raise APIError(400, f"{where}{message}{more}", param=param) from None
 
 
+# pydantic's errors that say only that a value is not of a type
+_TYPE_ERRORS = frozenset(
+    [
+        "string_type",
+        "int_type",
+        "float_type",
+        "bool_type",
+        "list_type",
+        "dict_type",
+        "model_type",
+        "model_attributes_type",
+        "literal_error",
+        "none_required",
+        "is_instance_of",
+    ]
+)
+
+
+def _tier(error: Any) -> int:
+    """How well an error explains the input: 0 an error outside any union, or not about a
+    type; 1 a type error inside a union's member; 2 the input is not of a member's type
+    (the error's path ends at the member's tag)."""
+    loc = error["loc"]
+    if error["type"] not in _TYPE_ERRORS or not any(map(_union_tag, loc)):
+        return 0
+    return 2 if _union_tag(loc[-1]) else 1
+
+
+def _path(error: Any) -> tuple[str, ...]:
+    """pydantic's path, less the tags it adds for a union's members (``str``, ``list[...]``)."""
+    return tuple(str(part) for part in error["loc"] if not _union_tag(part))
+
+
 def _union_tag(part: int | str) -> bool:
-    return isinstance(part, str) and (part in {"str", "int", "float", "bool"} or "[" in part)
+    # (``str``, ``list[str]``, ``literal['none','auto']``, or a model's name: fields are
+    # lower case)
+    return isinstance(part, str) and (
+        part in {"str", "int", "float", "bool"} or "[" in part or part[:1].isupper()
+    )
 
 
-def field_named(message: str, cls: type[BaseModel]) -> str | None:
+def field_named(message: str, cls: type[BaseModel], given: Iterable[str] = ()) -> str | None:
     """The request field an error is about (a whole-request check's, an option's): lcgen's
-    messages start with the field's name."""
+    messages start with the field's name, or else name (as a word) one of the fields
+    ``given`` (those the request set)."""
     name = re.match(r"[a-z_]+", message)
-    return name.group() if name and name.group() in cls.model_fields else None
+    if name and name.group() in cls.model_fields:
+        return name.group()
+    given = set(given)
+    return next((w for w in re.findall(r"[a-z_]+", message) if w in given), None)
 
 
 # lcgen's options ---------------------------------------------------------------------------
@@ -326,7 +388,8 @@ def _logit_bias(bias: dict[str, float] | None, n_vocab: int) -> dict[int, float]
 
 
 def _constraint(req: ChatRequest | CompletionRequest) -> dict[str, Any]:
-    """The one constraint given (response_format, grammar, regex or choice) as a grammar."""
+    """The one constraint given (response_format, grammar, regex or choice) as a grammar;
+    tools may come with a response_format (it shapes a reply that is not calls)."""
     callable_tools, required, parallel = [], False, False
     if isinstance(req, ChatRequest):
         callable_tools, required, parallel = (
@@ -334,25 +397,38 @@ def _constraint(req: ChatRequest | CompletionRequest) -> dict[str, Any]:
             req.tool_required,
             req.tool_parallel,
         )
+    reply_format = _format_schema(req)
     given: list[tuple[str, Any]] = [
         (name, value)
         for name, value in (
             ("tools", (callable_tools, required, parallel) if callable_tools else None),
-            ("response_format", _format_schema(req)),
+            ("response_format", reply_format),
             ("grammar", req.grammar),
             ("regex", req.regex),
             ("choice", req.choice),
         )
         if value is not None
     ]
-    if len(given) > 1:
-        names = [name for name, _ in given]
+    names = [name for name, _ in given]
+    if len(given) > 1 and names != ["tools", "response_format"]:
         raise APIError(400, f"give at most one constraint; got {names}", param=names[1])
     if not given:
         return {}
+    if len(given) > 1:  # tools: calls, or JSON text of the response_format
+        schema = _checked("response_format", lambda: _format_fallback(*given[1][1])[0])
+        value = (*given[0][1], schema)
+        return {"grammar": _checked("tools", lambda: tooling.grammar(*value))}
     name, value = given[0]
+    return {"grammar": _checked(name, lambda: _compile(name, value))}
+
+
+T = TypeVar("T")
+
+
+def _checked(name: str, make: Callable[[], T]) -> T:
+    """``make()``; its errors are 400s naming the field ``name``."""
     try:
-        return {"grammar": _compile(name, value)}
+        return make()
     except (lcgen.GrammarError, ValueError, TypeError) as exc:
         raise APIError(400, f"{name}: {exc}", param=name) from None
 
@@ -371,19 +447,29 @@ def _compile(name: str, value: Any) -> lcgen.Grammar:
         return lcgen.Grammar.regex(value)
     if name == "choice":
         return lcgen.Grammar.choice(value)
-    schema, strict = value
+    return _format_fallback(*value)[1]
+
+
+def _format_fallback(schema: Any, strict: bool) -> tuple[Any, lcgen.Grammar]:
+    """A response_format's JSON Schema, and its grammar: the schema's own, or not strict
+    (best effort) for a schema lcgen cannot enforce, a JSON value of the type the schema
+    names (an object where it names none), with that type's schema.
+
+    Raises:
+        lcgen.GrammarError: the schema is invalid, or strict and unsupported.
+    """
     try:
-        return lcgen.Grammar.from_json_schema(schema)
-    except lcgen.GrammarError:
-        if strict:
+        return schema, lcgen.Grammar.from_json_schema(schema)
+    except lcgen.GrammarError as exc:
+        # Not strict falls back for a schema lcgen cannot enforce, never for an invalid one.
+        if strict or str(exc).startswith("invalid JSON Schema"):
             raise
-        # Not strict: best effort, a JSON value of the type the schema names (an object where
-        # it names none).
         named = schema.get("type") if isinstance(schema, dict) else None
         kinds = [named] if isinstance(named, str) else named
         if not isinstance(kinds, list) or not kinds or not set(kinds) <= _JSON_TYPES:
             kinds = ["object"]
-        return lcgen.Grammar.from_json_schema({"type": kinds})
+        fallback = {"type": kinds}
+        return fallback, lcgen.Grammar.from_json_schema(fallback)
 
 
 _JSON_TYPES = {"object", "array", "string", "number", "integer", "boolean", "null"}

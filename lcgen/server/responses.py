@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -46,10 +46,13 @@ class Output:
     def text(self) -> str:
         return "".join(self.parts)
 
-    def tool_calls(self, parallel: bool) -> list[dict[str, Any]] | None:
-        """The finished output as tool calls (the same ids however often asked), or None."""
+    def tool_calls(
+        self, parallel: bool, names: Collection[str] | None = None
+    ) -> list[dict[str, Any]] | None:
+        """The finished output as tool calls of the functions ``names`` (the same ids however
+        often asked), or None."""
         if self._calls is None:
-            self._calls = parse_calls(self.text, parallel)
+            self._calls = parse_calls(self.text, parallel, names)
         return self._calls
 
 
@@ -61,8 +64,9 @@ class Reply:
         model_name: the model name the reply gives.
         model: for the text of tokens in log-probabilities.
         logprobs: whether the request asked for log-probabilities.
-        tools: whether a reply may be tool calls (they start with ``{``: streamed as one
-            ``tool_calls`` delta when the reply ends).
+        tools: the functions a reply may call, by name (calls start with ``{``: streamed as
+            one ``tool_calls`` delta when the reply ends; a reply that starts so but is not
+            calls, JSON of a ``response_format``, is streamed whole at its end).
         parallel: whether a reply may be several calls (a JSON array: it starts with ``[``).
     """
 
@@ -72,7 +76,7 @@ class Reply:
         model_name: str,
         model: lcgen.Model,
         logprobs: bool,
-        tools: bool = False,
+        tools: Collection[str] = (),
         parallel: bool = False,
         plans: list[lcgen.Plan] | None = None,
     ) -> None:
@@ -82,7 +86,7 @@ class Reply:
             model,
             logprobs,
         )
-        self.tools, self.parallel = tools, parallel
+        self.tools, self.tool_names, self.parallel = bool(tools), frozenset(tools), parallel
         self.plans = plans or []
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -217,7 +221,7 @@ class Reply:
         return self.tools and starts_call(out.text, self.parallel)
 
     def _calls(self, out: Output) -> list[dict[str, Any]] | None:
-        return out.tool_calls(self.parallel) if self.tools else None
+        return out.tool_calls(self.parallel, self.tool_names) if self.tools else None
 
     def echo_chunk(self, out: Output) -> dict[str, Any]:
         """A text stream's first chunk of a choice with an echoed prompt."""
