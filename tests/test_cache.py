@@ -8,8 +8,10 @@ an identical prompt repeats its first run bit for bit (the store kept the logits
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -386,24 +388,33 @@ def test_a_thread_that_holds_every_slot_gets_an_error_not_a_hang(model_path: Pat
         assert small.generate("three", max_tokens=1).stats.tokens == 1
 
 
+@contextlib.contextmanager
+def held_by_another_thread(model: lcgen.Model) -> Iterator[None]:
+    """A sequence that another thread holds open until the block ends."""
+    taken, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with model.sequence("held"):
+            taken.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    taken.wait(30)
+    try:
+        yield
+    finally:
+        release.set()
+        holder.join()
+
+
 def test_slot_timeout_bounds_the_wait(model_path: Path) -> None:
     with lcgen.Model(model_path, n_ctx=512, n_seq_max=1, slot_timeout=0.2) as small:
-        taken, release = threading.Event(), threading.Event()
-
-        def hold() -> None:
-            with small.sequence("held"):
-                taken.set()
-                release.wait(30)
-
-        holder = threading.Thread(target=hold)
-        holder.start()
-        taken.wait(30)
-        try:
-            with pytest.raises(lcgen.SlotsExhaustedError, match=r"slot_timeout=0\.2"):
-                small.sequence("waiting")
-        finally:
-            release.set()
-            holder.join()
+        with (
+            held_by_another_thread(small),
+            pytest.raises(lcgen.SlotsExhaustedError, match=r"slot_timeout=0\.2"),
+        ):
+            small.sequence("waiting")
         assert small.generate("waiting", max_tokens=1).stats.tokens == 1
 
 
@@ -412,26 +423,13 @@ def test_a_thread_that_holds_slots_is_not_left_waiting_for_anothers(model_path: 
     thread's (which may wait for its own) could last forever. Two threads' batches, each more
     prompts than slots, all finish."""
     with lcgen.Model(model_path, n_ctx=1024, n_seq_max=2) as small:
-        taken, release = threading.Event(), threading.Event()
-
-        def hold() -> None:
-            with small.sequence("held"):
-                taken.set()
-                release.wait(30)
-
-        holder = threading.Thread(target=hold)
-        holder.start()
-        taken.wait(30)
-        try:
-            with (
-                small.sequence("mine"),
-                small.cache.without_waiting(),
-                pytest.raises(lcgen.SlotBusyError, match="2 by live sequences"),
-            ):
-                small.sequence("third")
-        finally:
-            release.set()
-            holder.join()
+        with (
+            held_by_another_thread(small),
+            small.sequence("mine"),
+            small.cache.without_waiting(),
+            pytest.raises(lcgen.SlotBusyError, match="2 by live sequences"),
+        ):
+            small.sequence("third")
         outs: dict[int, list[lcgen.Text]] = {}
 
         def batch(k: int) -> None:
