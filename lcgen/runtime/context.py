@@ -144,10 +144,8 @@ class Context:
         """Whether the sequence holds exactly [0, n_keep) as the next token needs it: every
         position, or (a sliding-window cache that is not full size) the last window of them."""
         with self.lock:
-            pos_min, pos_max = self._handle.seq_pos_range(seq_id)
-            # The next token (position n_keep) attends to positions > n_keep - n_swa.
-            needed = max(0, n_keep - self._handle.n_swa + 1) if self._handle.n_swa else 0
-            return pos_max == n_keep - 1 and 0 <= pos_min <= needed
+            pos_max = self._handle.seq_pos_range(seq_id)[1]
+            return pos_max == n_keep - 1 and self.serves(seq_id, n_keep)
 
     def serves(self, seq_id: int, n_keep: int) -> bool:
         """Whether the sequence's cells can give a copy [0, n_keep) as the next token needs it
@@ -155,6 +153,7 @@ class Context:
         restored from bytes, may have lost the start of it."""
         with self.lock:
             pos_min = self._handle.seq_pos_range(seq_id)[0]
+            # The next token (position n_keep) attends to positions > n_keep - n_swa.
             needed = max(0, n_keep - self._handle.n_swa + 1) if self._handle.n_swa else 0
             return 0 <= pos_min <= needed
 

@@ -416,11 +416,7 @@ class KVStore:
                 and mine[: len(theirs)] == theirs
             ):
                 self._drop(other)
-            elif (
-                len(theirs) >= len(mine)
-                and theirs[: len(mine)] == mine
-                and (entry.state == "parked" or (other.state == "pinned" and theirs == mine))
-            ):
+            elif self._covered_by(other, mine, entry.state == "pinned"):
                 self._drop(entry)
                 return
 
@@ -622,14 +618,17 @@ class KVStore:
         """Whether an entry holds ``tokens`` already, as :meth:`_dedupe` would keep it over a
         new one: a parked or pinned entry that starts with them (for a pinned one, a pinned
         entry of exactly them)."""
-        for entry in self._entries.values():
-            if entry.state == "live" or self._ctx.ledger.held(entry.slot) < len(tokens):
-                continue
-            if pinned and entry.state == "pinned" and entry.tokens == tokens:
-                return True
-            if not pinned and entry.tokens[: len(tokens)] == tokens:
-                return True
-        return False
+        return any(self._covered_by(entry, tokens, pinned) for entry in self._entries.values())
+
+    def _covered_by(self, other: Entry, tokens: list[int], pinned: bool) -> bool:
+        """Whether ``other`` holds ``tokens`` as a new entry of them would be kept for: a
+        parked or pinned entry that starts with them, or for a pinned one, a pinned entry of
+        exactly them."""
+        if other.state == "live" or self._ctx.ledger.held(other.slot) < len(tokens):
+            return False
+        if pinned:
+            return other.state == "pinned" and other.tokens == tokens
+        return other.tokens[: len(tokens)] == tokens
 
     def _load_entry(self, tokens: list[int], blob: memoryview) -> Entry:
         entry = Entry(self._take_slot(keep=None), tokens, "parked", next(self._clock))
