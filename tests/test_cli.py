@@ -448,6 +448,9 @@ def test_serve_is_a_command(capsys: pytest.CaptureFixture[str]) -> None:
         (["generate", "m", "p", "--threads", "0"], "--threads: must be in [1, 512], got 0"),
         (["chat", "m", "--threads", "x"], "--threads: invalid int value: 'x'"),
         (["generate", "m", "p", "--max-retries", "-1"], "--max-retries: must be in"),
+        (["serve", "m", "--n-seq-max", "0"], "--n-seq-max: must be in [1, 256], got 0"),
+        (["serve", "m", "--n-ctx", "-1"], "--n-ctx: must be in [0, 2147483647], got -1"),
+        (["serve", "m", "--threads", "0"], "--threads: must be in [1, 512], got 0"),
     ],
 )
 def test_usage_errors_are_one_line_with_status_2(

@@ -224,9 +224,24 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=os.environ.get("LCGEN_API_KEY") or None,  # set but empty: none
         help="require 'Authorization: Bearer KEY' (default: $LCGEN_API_KEY unless empty)",
     )
-    p.add_argument("--n-ctx", type=int, default=4096, help="context size in tokens (default 4096)")
-    p.add_argument("--n-seq-max", type=int, default=None, help="sequence slots (default 32)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: cores, <= 8)")
+    p.add_argument(
+        "--n-ctx",
+        type=_int_arg(_in_range(0, 2**31 - 1)),
+        default=4096,
+        help="context size in tokens (default 4096; 0: the model's training context)",
+    )
+    p.add_argument(
+        "--n-seq-max",
+        type=_int_arg(_in_range(1, 256)),
+        default=None,
+        help="sequence slots, 1-256 (default 32)",
+    )
+    p.add_argument(
+        "--threads",
+        type=_int_arg(_in_range(1, 512)),
+        default=None,
+        help="CPU threads (default: cores, <= 8)",
+    )
     p.add_argument(
         "--max-queue",
         type=_int_arg(_check_max_queue),
@@ -239,6 +254,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a draft model of the same vocabulary, for requests with speculate: 'draft'",
     )
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's log and requests")
+
+
+def _in_range(low: int, high: int) -> Callable[[int], int]:
+    """A check for :func:`_int_arg`: an int in [low, high] (what lcgen.load accepts)."""
+
+    def check(value: int) -> int:
+        if not low <= value <= high:
+            raise ValueError(f"must be in [{low}, {high}], got {value}")
+        return value
+
+    return check
 
 
 def _int_arg(check: Callable[[int], int]) -> Callable[[str], int]:
