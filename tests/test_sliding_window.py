@@ -108,3 +108,31 @@ def test_a_pinned_prefix_serves_where_a_longer_entry_lost_its_window(gemma_path:
         m.generate(prompt, max_tokens=3)
         new = len(m.tokenize(prompt)) - len(m.tokenize(system))
         assert m.context.n_decoded - before <= new + 3
+
+
+def test_a_restored_window_serves_its_end(gemma_path: Path, tmp_path: Path) -> None:
+    # llama.cpp saves only the last window of a sliding-window layer's cells: a cache file of
+    # a prefix longer than the window, loaded into a full-size (default) cache, must still
+    # serve that prefix (it was passed over: every later prompt was decoded whole).
+    system = f"System: {TEXT[:2400]}\n"
+    prompt = system + "Q: what is above the sea?\nA:"
+    with lcgen.Model(gemma_path, n_ctx=2048, n_seq_max=2, cache=False) as m:
+        n_system, n_prompt = len(m.tokenize(system)), len(m.tokenize(prompt))
+        assert n_system > 512  # longer than the window
+        cold = m.generate(prompt, max_tokens=6)
+        m.cache.pin(system)
+        m.cache.save(tmp_path / "system.lcc", pinned_only=True)
+    with lcgen.Model(gemma_path, n_ctx=2048, n_seq_max=2) as m:
+        assert m.cache.load(tmp_path / "system.lcc") == 1
+        out = m.generate(prompt, max_tokens=6)
+        assert out.stats.decoded == n_prompt - n_system + 5
+        assert out == cold
+        # A rewind into what the file did not hold falls back to decoding all again.
+        with m.sequence(prompt) as seq:
+            assert seq.generate(max_tokens=6) == cold
+            seq.rewind(seq.n_tokens - n_system + 20)
+            assert seq.stats.fallbacks == 1
+            seq.append_tokens(m.tokenize(prompt)[n_system - 20 :])
+            before = m.context.n_decoded
+            seq.generate(max_tokens=1)
+            assert m.context.n_decoded - before == n_prompt

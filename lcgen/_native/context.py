@@ -96,7 +96,9 @@ class ContextHandle:
         self.n_ctx_seq = int(C.llama_n_ctx_seq(ptr))
         self.n_batch = int(C.llama_n_batch(ptr))
         self.n_seq_max = n_seq_max
-        self.n_swa = model.n_swa if not swa_full else 0
+        # The sliding window the model's layers attend through (0: none), full-size cache or
+        # not: a state restored from bytes holds only each window's last positions.
+        self.n_swa = model.n_swa
         self._init_batch(self.n_batch)
 
     def _init_batch(self, n: int) -> None:

@@ -150,7 +150,8 @@ class Context:
     def serves(self, seq_id: int, n_keep: int) -> bool:
         """Whether the sequence's cells can give a copy [0, n_keep) as the next token needs it
         (see :meth:`holds_window`): a sliding-window cache that is not full size, or a state
-        restored from bytes, may have lost the start of it."""
+        restored from bytes (llama.cpp saves only a window's last positions), may have lost
+        the start of it."""
         with self.lock:
             pos_min = self._handle.seq_pos_range(seq_id)[0]
             # The next token (position n_keep) attends to positions > n_keep - n_swa.
