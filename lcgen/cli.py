@@ -9,9 +9,10 @@ import os
 import re
 import sys
 import time
+import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any, TextIO, cast
 
 import lcgen
 from lcgen import server
@@ -328,8 +329,19 @@ def _prompt_tokens(model: lcgen.Model, args: argparse.Namespace, prompt: str) ->
         return model.infill_tokens(prompt, args.suffix)
     if not args.chat:
         return model.tokenize(prompt)
+    _check_chat_template(model, "without --chat, the prompt is continued as text")
     messages = [{"role": "system", "content": args.system}] if args.system else []
     return model.chat_tokens([*messages, {"role": "user", "content": prompt}])
+
+
+def _check_chat_template(model: lcgen.Model, instead: str) -> None:
+    """Before a chat: the model has a chat template.
+
+    Raises:
+        ValueError: it has none (a base model; ``instead`` says what to do).
+    """
+    if model.metadata("tokenizer.chat_template") is None:
+        raise ValueError(f"{model.path.name} has no chat template (a base model): {instead}")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -436,11 +448,7 @@ Ctrl-C stops a reply; when the conversation outgrows the context, the oldest tur
 def cmd_chat(args: argparse.Namespace) -> int:
     options = _checked_options(args)  # before the model loads
     model = _load(args)
-    try:
-        model.chat_tokens([{"role": "user", "content": "Hi"}])
-    except ValueError as exc:  # no chat template: no turn could be answered
-        print(f"lcgen: error: {exc}", file=sys.stderr)
-        return 1
+    _check_chat_template(model, f"`lcgen generate {args.model} PROMPT` continues a text")
     if args.max_tokens >= model.n_ctx:  # every turn would fail
         raise UsageError(
             f"--max-tokens {args.max_tokens} leaves no room for a message in the context of "
@@ -653,14 +661,20 @@ def load_messages(path: Path) -> list[Message]:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from lcgen.registry import list_models
+    from lcgen.registry import cache_dir, is_assembly_pending, list_models
 
     rows = list_models()
     width = max(len(entry.name) for entry, _ in rows)
+    missing = []
     for entry, path in rows:
-        where = str(path) if path else "not local (`lcgen models` shows how to get it below)"
+        if path is not None:
+            where = str(path)
+        elif is_assembly_pending(entry):  # its wheels are installed: nothing to get
+            where = f"installed; assembled into {cache_dir() / entry.filename} on first use"
+        else:
+            where = "not local (how to get it: below)"
+            missing.append(entry)
         print(f"{entry.name:<{width}}  {entry.description}\n{'':<{width}}  -> {where}")
-    missing = [entry for entry, path in rows if path is None]
     if missing:
         print("\nTo get a model that is not local:")
         for entry in missing:
@@ -824,8 +838,10 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ``lcgen`` command; returns the exit status: 0, 1 for an error, 2 for a usage
     error, 130 after Ctrl-C, 141 when stdout was closed early."""
     try:
-        args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-        return int(args.func(args))
+        with warnings.catch_warnings():
+            warnings.showwarning = _show_warning
+            args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+            return int(args.func(args))
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
         _discard_stdout()
         return EXIT_BROKEN_PIPE
@@ -837,6 +853,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _show_warning(
+    message: Warning | str,
+    category: type[Warning],
+    filename: str,
+    lineno: int,
+    file: TextIO | None = None,
+    line: str | None = None,
+) -> None:
+    """A warning as one line on stderr, as errors are (not Python's file, line and source)."""
+    print(f"lcgen: warning: {message}", file=sys.stderr)
 
 
 def _discard_stdout() -> None:

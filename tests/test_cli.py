@@ -606,3 +606,73 @@ def test_chat_with_a_model_without_a_chat_template_fails_at_once(
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
     assert cli.main(["chat", "gemma3-270m", "--threads", "1"]) == 1
     assert "has no chat template" in capsys.readouterr().err
+
+
+# from a tester's pass through the README ------------------------------------------------------
+@needs_server
+@pytest.mark.parametrize("blank", ["", "  "])
+def test_a_blank_api_key_is_a_usage_error_before_the_model_loads(
+    blank: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `lcgen serve M --api-key ""` loaded the model, then exited 1 with "give a key, or None"
+    from lcgen import server
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "no-such-model", "--api-key", blank])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--api-key: the API key is blank" in err, err
+    assert "None" not in err
+    monkeypatch.setenv("LCGEN_API_KEY", blank or " ")  # set but empty is no key; blank is not
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(["serve", "no-such-model"])
+    assert exit_info.value.code == 2 and "LCGEN_API_KEY" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="is blank"):  # from Python too, before any lookup
+        server.serve("no-such-model", api_key=blank)
+
+
+def test_models_does_not_ask_to_install_what_is_installed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # with chunk wheels installed but not yet assembled (a fresh LCGEN_CACHE), `lcgen models`
+    # said "not local" and told to `pip install` the package that was installed
+    from lcgen.registry import is_assembly_pending, registry
+
+    monkeypatch.setenv("LCGEN_CACHE", str(tmp_path))
+    pending = [entry for entry in registry().values() if is_assembly_pending(entry)]
+    assert pending, "the Gemma 3 chunk wheels are installed in the test environment"
+    assert cli.main(["models"]) == 0
+    out = capsys.readouterr().out
+    for entry in pending:
+        line = next(line for line in out.splitlines()[1:] if f"{entry.filename}" in line)
+        assert "installed; assembled into" in line and str(tmp_path) in line, line
+        assert f"  {entry.name}: " not in out  # not among the models to get
+    assert not any(tmp_path.iterdir())  # listing assembles nothing
+
+
+def test_no_chat_template_says_what_to_do_on_the_command_line(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the library's "use generate() instead" is no advice for a command line user
+    monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
+    assert cli.main(["chat", "gemma3-270m", "--threads", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "generate()" not in err
+    assert "has no chat template" in err and "lcgen generate gemma3-270m PROMPT" in err, err
+    assert cli.main(["generate", "gemma3-270m", "Hi", "--chat", "--threads", "1"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert "has no chat template" in captured.err and "without --chat" in captured.err
+
+
+def test_warnings_are_one_line(tmp_path: Path) -> None:
+    # a likely misspelt schema keyword printed Python's warning and a line of lcgen's source
+    schema = tmp_path / "typo.json"
+    schema.write_text('{"type": "object", "proprties": {}}')
+    out = run("generate", "no-such-model", "hi", "--json-schema", str(schema))
+    warning, error = out.stderr.splitlines()
+    assert warning == (
+        "lcgen: warning: unknown JSON Schema keyword 'proprties' at # is ignored "
+        "(did you mean 'properties'?)"
+    )
+    assert error.startswith("lcgen: error: unknown model") and out.returncode == 1

@@ -1226,3 +1226,19 @@ def test_python_m_lcgen_server(model_path: Path, model: lcgen.Model) -> None:
     finally:
         proc.terminate()
         assert proc.wait(timeout=30) in (0, -15)
+
+
+# from a tester's pass through the README ------------------------------------------------------
+def test_chat_with_a_base_model_says_to_use_completions() -> None:
+    # the bundled Gemma 3 270M has no chat template: the 400 said "use generate() instead"
+    with (
+        lcgen.load("gemma3-270m", n_ctx=512, n_seq_max=2, n_threads=1) as base,
+        running(create_app(base, model_name="gemma3-270m")) as base_url,
+    ):
+        status, body = request(base_url, "/v1/chat/completions", _body(model="gemma3-270m"))
+        assert status == 400 and body["error"]["param"] == "messages"
+        message = body["error"]["message"]
+        assert "has no chat template" in message and "/v1/completions" in message, message
+        assert "generate()" not in message
+        fields = {"model": "gemma3-270m", "prompt": "The sky is", "max_tokens": 2}
+        assert request(base_url, "/v1/completions", json.dumps(fields).encode())[0] == 200

@@ -90,7 +90,8 @@ def serve(
 
     Raises:
         ServerExtraMissingError: the server's dependencies are not installed.
-        ValueError: ``port`` is not in 0-65535 or ``max_queue`` is below 1.
+        ValueError: ``api_key`` is blank, ``port`` is not in 0-65535 or ``max_queue`` is
+            below 1 (before anything is bound or loaded).
         ServerAddressError: ``host:port`` cannot be bound (in use, or not this machine's).
         ModelNotFoundError, ModelLoadError: the model cannot be found or loaded.
     """
@@ -99,6 +100,7 @@ def serve(
 
     from lcgen.server.app import DEFAULT_MAX_QUEUE, create_app
 
+    check_api_key(api_key)
     _check_port(port)
     if max_queue is not None:
         _check_max_queue(max_queue)
@@ -142,6 +144,32 @@ def _ready_server(config: uvicorn.Config, ready: str) -> uvicorn.Server:
                 print(ready, file=sys.stderr, flush=True)
 
     return Server(config)
+
+
+def check_api_key(api_key: str | None) -> str | None:
+    """``api_key`` when it is None (no authentication) or a key that is not blank.
+
+    Raises:
+        ValueError: it is blank (any client could send it).
+    """
+    if api_key is not None and not api_key.strip():
+        raise ValueError(
+            f"api_key={api_key!r} is blank: any client could send it; give a key, or None "
+            "for a server without authentication"
+        )
+    return api_key
+
+
+def _api_key_arg(text: str) -> str:
+    """An argparse type: a key that is not blank (given, or from ``$LCGEN_API_KEY``)."""
+    try:
+        check_api_key(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            "the API key is blank: any client could send it; give a key, or leave out "
+            "--api-key and LCGEN_API_KEY (or set it empty) for a server without authentication"
+        ) from None
+    return text
 
 
 def _check_port(port: int) -> int:
@@ -221,6 +249,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--api-key",
+        type=_api_key_arg,
         default=os.environ.get("LCGEN_API_KEY") or None,  # set but empty: none
         help="require 'Authorization: Bearer KEY' (default: $LCGEN_API_KEY unless empty)",
     )
@@ -333,6 +362,7 @@ __all__ = [
     "ServerAddressError",
     "ServerExtraMissingError",
     "add_parser",
+    "check_api_key",
     "command",
     "main",
     "require_extra",

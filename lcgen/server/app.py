@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import lcgen
-from lcgen.server import tools
+from lcgen.server import check_api_key, tools
 from lcgen.server.engine import Engine, Failed, Finished, Job, Piece, QueueFullError
 from lcgen.server.requests import (
     APIError,
@@ -62,6 +62,13 @@ class _Server:
     # endpoints -------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         req = await self._request(request, ChatRequest)
+        if self.model.metadata("tokenizer.chat_template") is None:
+            raise APIError(
+                400,
+                f"messages: {self.name} has no chat template (a base model): send the text "
+                "to /v1/completions as its prompt",
+                param="messages",
+            )
         callable_tools = req.callable_tools()
         messages = tools.prompt_messages(
             [m.as_dict() for m in req.messages],
@@ -432,11 +439,7 @@ def create_app(
         ValueError: the draft model cannot draft for ``model`` (another vocabulary, or
             ``model`` itself); ``api_key`` is empty.
     """
-    if api_key is not None and not api_key.strip():
-        raise ValueError(
-            f"api_key={api_key!r} is blank: any client could send it; give a key, or None "
-            "for a server without authentication"
-        )
+    check_api_key(api_key)
     if draft_model is not None:
         lcgen.check_draft_model(model, draft_model)
     engine = Engine(model, max_queue=max_queue)
