@@ -221,8 +221,7 @@ def _finished(search: BeamSearch, beam: _Beam) -> Element:
     root = search.root
     elem = Element(list(root.tokens), list(root.logprobs))
     settle(elem, root.tokens + beam.gen.tokens, beam.logprobs)
-    if beam.last is not None and beam.last.stop is not None:
-        cut_at_stop(search.spec.model, elem, search.text_before, "".join(beam.parts))
+    cut_at_stop(search.spec.model, elem, beam.last, search.text_before, "".join(beam.parts))
     return elem
 
 

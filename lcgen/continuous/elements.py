@@ -101,8 +101,13 @@ def settle(elem: Element, new_tokens: list[int], generated: Seq[float]) -> None:
     elem.tokens = new_tokens
 
 
-def cut_at_stop(model: ModelLike, elem: Element, text_before: str, emitted: str) -> None:
-    """After a stop string, drop the text past the emitted text (the stop, unless included)."""
+def cut_at_stop(
+    model: ModelLike, elem: Element, last: Chunk | None, text_before: str, emitted: str
+) -> None:
+    """After a stop, drop the text past the emitted text: a stop string (unless included) or
+    a stop token's text, which a generation's text leaves out too."""
+    if last is None or last.finish_reason != "stop":
+        return
     n_chars = len(text_before) + len(emitted)
     if len(text_of(model, elem.tokens)) != n_chars:
         _cut(model, elem, n_chars)
@@ -144,8 +149,7 @@ def _finish(spec: GenerateSpec, job: _Job, last: Chunk | None) -> None:
     assert job.seq is not None and job.run is not None
     model = spec.model
     settle(job.elem, job.seq.tokens, job.run.token_logprobs)
-    if last is not None and last.stop is not None:
-        cut_at_stop(model, job.elem, job.text_before, "".join(c.text for c in job.chunks))
+    cut_at_stop(model, job.elem, last, job.text_before, "".join(c.text for c in job.chunks))
     job.incomplete = incomplete(
         Text.of(job.chunks), spec.plan.constraint, model.vocab, spec.plan.stop_tokens
     )

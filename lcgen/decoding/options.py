@@ -103,7 +103,9 @@ class Plan:
         backtracking: hooks, validators and banned phrases, or None when there are none.
         speculation: how drafts are made (``speculate``), or None: one token per step.
         fast_forward: append the tokens a constraint forces without sampling them (see
-            :meth:`~lcgen.decoding.generator.Generator.forced_tokens`).
+            :meth:`~lcgen.decoding.generator.Generator.forced_tokens`); off with ``logprobs``.
+            A plan made with both (the continuous API's, for weights) gives a forced token the
+            log-probability 0: the constraint left no other.
     """
 
     max_tokens: int = DEFAULT_MAX_TOKENS
@@ -215,7 +217,8 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
         schema=schema,
         backtracking=_backtracking(options),
         speculation=_speculation(options),
-        fast_forward=_bool("fast_forward", options.get("fast_forward", True)),
+        # logprobs (0 too) give every token its log-probability: a forced token has none.
+        fast_forward=_bool("fast_forward", options.get("fast_forward", True)) and logprobs is None,
     )
 
 

@@ -130,10 +130,7 @@ class SequenceRun:
         self._steps = self._drafted = self._accepted = self._forced = 0
         plan = gen.plan
         self.fast_forward = (
-            plan.fast_forward
-            and gen.grammar is not None
-            and not plan.logprobs
-            and not self.sees_every_token
+            plan.fast_forward and gen.grammar is not None and not self.sees_every_token
         )
         # Text forced before the first step (decoded with the prompt), given with its chunk.
         self._held: Chunk | None = None
@@ -228,6 +225,8 @@ class SequenceRun:
         for token in forced:
             chunks.append(gen.accept(token))
             seq.append_tokens((token,))
+            if gen.logprobs is not None:  # a plan that asked for both: certain, given the rest
+                self.token_entries.append(TokenLogprob(token, chunks[-1].text, 0.0, ()))
             self._forced += 1
             if gen.is_done:
                 break
