@@ -1242,3 +1242,41 @@ def test_chat_with_a_base_model_says_to_use_completions() -> None:
         assert "generate()" not in message
         fields = {"model": "gemma3-270m", "prompt": "The sky is", "max_tokens": 2}
         assert request(base_url, "/v1/completions", json.dumps(fields).encode())[0] == 200
+
+
+def test_a_reply_message_dumped_by_the_client_goes_back_as_history(client: openai.OpenAI) -> None:
+    # `message.model_dump()` carries refusal, annotations, audio and function_call as null:
+    # the server refused its own reply ("messages.1.refusal: Extra inputs are not permitted")
+    for options in ({}, {"tools": [WEATHER], "tool_choice": "required"}):
+        reply = chat(client, messages=ASK, max_tokens=30, **options).choices[0].message
+        dumped = reply.model_dump()
+        assert {"refusal", "annotations", "audio", "function_call"} <= dumped.keys()
+        turn: list[Any] = [*ASK, dumped]
+        if reply.tool_calls:
+            turn.append({"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "sun"})
+        else:
+            turn.append({"role": "user", "content": "Thanks."})
+        assert chat(client, messages=turn, max_tokens=4).choices[0].message.content
+    # a value lcgen cannot take into the prompt is still refused, and named
+    for field, value in (("audio", {"id": "a1"}), ("function_call", {"name": "f"})):
+        message = {"role": "assistant", "content": "Hi.", field: value}
+        with pytest.raises(openai.BadRequestError, match=rf"messages\.1\.{field}"):
+            chat(client, messages=[*ASK, message, *ASK], max_tokens=4)
+
+
+def test_choices_that_fill_the_context_say_what_to_do(model_path: Path) -> None:
+    # n=2 without max_tokens: each choice may take the rest of the context, together more than
+    # it has; the 503 said "close sequences or load with a larger n_ctx" (the library's words)
+    with (
+        lcgen.Model(model_path, n_ctx=256, n_threads=1) as small,
+        running(create_app(small, model_name=NAME)) as small_url,
+    ):
+        body = _body(max_tokens=None, n=2, logit_bias=endless(small))
+        status, reply = request(small_url, "/v1/chat/completions", body, key=None)
+        assert status == 503 and reply["error"]["code"] == "context_full", reply
+        message = reply["error"]["message"]
+        assert "--n-ctx" in message and "max_tokens" in message, message
+        assert "close sequences" not in message and "load with" not in message
+        wait_for(small_url, lambda queue: queue["running"] == 0)  # the other choice ends too
+        status, reply = request(small_url, "/v1/chat/completions", _body(), key=None)
+        assert status == 200, reply

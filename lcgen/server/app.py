@@ -381,8 +381,15 @@ class _Count:
 
 def _failure(item: Failed) -> APIError:
     exc = item.error
-    if isinstance(exc, lcgen.ContextFullError):
-        return APIError(503, str(exc), type="server_error", code="context_full")
+    if isinstance(exc, lcgen.ContextFullError):  # the cells ran out as the choices grew
+        return APIError(
+            503,
+            "no free KV cells for this reply: every running choice shares the server's context "
+            "(lcgen serve --n-ctx), and together they filled it; retry, or ask for fewer "
+            "tokens (max_tokens, n)",
+            type="server_error",
+            code="context_full",
+        )
     if isinstance(exc, lcgen.GrammarError | lcgen.NoCandidatesError):
         # the request's own constraints (grammar, schema, bans) left no token to generate
         return APIError(400, str(exc), code="unsatisfiable_constraints")

@@ -82,6 +82,11 @@ class Message(_Strict):
     name: str | None = None
     tool_calls: Annotated[list[ToolCall], Field(max_length=tooling.MAX_TOOLS)] | None = None
     tool_call_id: str | None = None
+    # A reply message as the client dumps it (``message.model_dump()``) carries these, empty.
+    refusal: None = None
+    annotations: Annotated[list[Any], Field(max_length=0)] | None = None
+    audio: None = None
+    function_call: None = None
 
     @model_validator(mode="after")
     def _check(self) -> Message:
