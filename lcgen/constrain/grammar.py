@@ -10,6 +10,7 @@ vocabulary when the sampled token was rejected.
 
 from __future__ import annotations
 
+import decimal
 import functools
 import json
 import re
@@ -608,22 +609,165 @@ class GrammarState:
 @functools.cache
 def _precise_schema_generator() -> type[Any]:
     """pydantic's JSON Schema generator, saying what its schema leaves out and a grammar can
-    keep: a naive datetime has no offset (lcgen's own format ``lcgen-naive-date-time``; other
-    validators take an unknown format as an annotation)."""
+    keep, in JSON Schema or lcgen's own formats (other validators take an unknown format as an
+    annotation): a naive datetime has no offset, a past date is one (FutureDate is refused: see
+    :mod:`lcgen.constrain.json_rules`), a Decimal keeps its digits and places in its number and
+    in its string, a URL has a host and the schemes pydantic allows, a complex number and a
+    ByteSize read as pydantic reads them, and a dict's keys spell its key type."""
     from pydantic.json_schema import GenerateJsonSchema
 
     class Precise(GenerateJsonSchema):
         def datetime_schema(self, schema: Any) -> Any:
             out = super().datetime_schema(schema)
-            if schema.get("tz_constraint") == "naive":
+            if out.get("format") == "date-time" and schema.get("now_op"):
+                return {**out, "format": f"lcgen-{schema['now_op']}-date-time"}
+            if out.get("format") == "date-time" and schema.get("tz_constraint") == "naive":
                 out = {**out, "format": "lcgen-naive-date-time"}
             return out
 
+        def date_schema(self, schema: Any) -> Any:
+            out = super().date_schema(schema)
+            if out.get("format") == "date" and schema.get("now_op"):
+                return {**out, "format": f"lcgen-{schema['now_op']}-date"}
+            return out
+
+        def decimal_schema(self, schema: Any) -> Any:
+            if self.mode != "validation":
+                return super().decimal_schema(schema)
+            number = _decimal_number(schema)
+            text = {"type": "string", "contentMediaType": "application/json"}
+            return {"anyOf": [number, {**text, "contentSchema": number}]}
+
+        def url_schema(self, schema: Any) -> Any:
+            out = {k: v for k, v in super().url_schema(schema).items() if k != "format"}
+            return {**out, "pattern": _url_pattern(schema.get("allowed_schemes"))}
+
+        def complex_schema(self, schema: Any) -> Any:
+            return {"type": "string", "format": "lcgen-complex"}
+
+        def str_schema(self, schema: Any) -> Any:
+            out = super().str_schema(schema)
+            if schema.get("strip_whitespace") and out.get("minLength") and "pattern" not in out:
+                out["pattern"] = r"^(?:\S.*\S|\S)$"  # lengths count what stripping leaves
+            return out
+
+        def function_after_schema(self, schema: Any) -> Any:
+            out = super().function_after_schema(schema)
+            name = getattr(schema["function"]["function"], "__qualname__", "")
+            if name in _CHECKED_FORMATS:  # (the format is set after this: mark it)
+                out = {**out, _FORMAT: _CHECKED_FORMATS[name]}
+            return out
+
+        def dict_schema(self, schema: Any) -> Any:
+            out = super().dict_schema(schema)
+            if "keys_schema" in schema:
+                names = self.key_names(schema["keys_schema"])
+                if names is not None:
+                    out["propertyNames"] = names
+            return out
+
+        def key_names(self, core: Any) -> Any:
+            """``propertyNames`` for keys of a type that is not text (None: as pydantic says):
+            pydantic reads a key as it reads a string, so numbers and booleans are JSON texts
+            in it, and literals and enums keep their str values (a key "1" is no int literal)."""
+            if core.get("type") == "literal":
+                strings = [v for v in core["expected"] if isinstance(v, str)]
+                return {"enum": strings} if strings else {"not": {}}
+            key = self.generate_inner(core)
+            if "$ref" in key:
+                key = self.get_schema_from_definitions(key["$ref"]) or {}
+            if key.get("type") in ("integer", "number", "boolean"):
+                content = {k: v for k, v in key.items() if k != "title"}
+                return {"type": "string", "contentMediaType": "application/json",
+                        "contentSchema": content}  # fmt: skip
+            texts = [b for b in key.get("anyOf", ()) if b.get("type") == "string"]
+            if texts:
+                return texts[0] if len(texts) == 1 else {"anyOf": texts}
+            if "enum" in key and "type" not in key:
+                return {"enum": [v for v in key["enum"] if isinstance(v, str)] or [None]}
+            return None
+
     return Precise
+
+
+def _bound(value: Any) -> Any:
+    """A Decimal bound as JSON Schema holds it: an int where whole (a float could round)."""
+    return int(value) if value == int(value) else value
+
+
+def _decimal_number(schema: Any) -> dict[str, Any]:
+    """The JSON numbers a pydantic Decimal takes: its bounds and step, exactly, and
+    ``max_digits``/``decimal_places`` as bounds and steps (pydantic counts the digits of the
+    number without trailing zeros: the whole part's, then the places)."""
+    number: dict[str, Any] = {"type": "number"}
+    for key, name in (("le", "maximum"), ("ge", "minimum"), ("lt", "exclusiveMaximum"),
+                      ("gt", "exclusiveMinimum"), ("multiple_of", "multipleOf")):  # fmt: skip
+        if schema.get(key) is not None:
+            number[name] = _bound(schema[key])
+    digits, places = schema.get("max_digits"), schema.get("decimal_places")
+    whole = range(digits + 1) if places is None and digits is not None else [None]
+    options = []
+    for n_whole in whole:  # n_whole digits before the point, the rest after it
+        option: dict[str, Any] = {}
+        after = places if n_whole is None else digits - n_whole
+        if digits is not None:
+            top = 10 ** (n_whole if n_whole is not None else max(digits - places, 0))
+            option = {"exclusiveMinimum": -top, "exclusiveMaximum": top}
+        if after is not None:
+            option["multipleOf"] = decimal.Decimal(1).scaleb(-after)
+        options.append(option)
+    if options != [{}]:
+        number["anyOf"] = options
+    return number
+
+
+_URL_CHAR = "(?:[a-zA-Z0-9._~!$&'()*+,;=:@-]|%[0-9A-Fa-f]{2})"
+_PORT = "(?:[0-9]{1,4}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])"
+
+
+def _url_pattern(schemes: list[str] | None) -> str:
+    """URLs pydantic (the WHATWG parser) takes: a scheme, a host of letters and digits whose
+    last label starts with a letter (one of digits would read as an IPv4 number, "xn--" as
+    punycode), a port, then path, query and fragment of URI characters."""
+    scheme = "|".join(map(re.escape, schemes)) if schemes else "[a-zA-Z][a-zA-Z0-9+.-]*"
+    host = "(?:[a-zA-Z0-9]{1,30}\\.){0,6}[a-zA-Z][a-zA-Z0-9]{0,29}"
+    rest = f"(?:/{_URL_CHAR}*)*(?:\\?(?:{_URL_CHAR}|[/?])*)?(?:#(?:{_URL_CHAR}|[/?])*)?"
+    return f"^(?:{scheme})://{host}(?::{_PORT})?{rest}$"
+
+
+# pydantic's ByteSize: its schema's pattern is not anchored at the end (any unit passes it).
+_BYTE_SIZE = r"^\s*(\d*\.?\d+)\s*(\w+)?"
+_BYTE_UNITS = "b|kb|mb|gb|tb|pb|eb|kib|mib|gib|tib|pib|eib|bit|kbit|mbit|gbit|k|m|g|t|KB|MB|GB"
+_EXACT_BYTE_SIZE = f"^[0-9]{{1,15}}(?:\\.[0-9]{{1,6}})? ?(?:{_BYTE_UNITS})?$"
+
+
+_FORMAT = "$lcgen-format"  # (a key validators ignore)
+# pydantic types that check more than their schema says (NewPath: "path", any text; a payment
+# card: any 12 to 19 characters), by their check: the format that names what it checks.
+_CHECKED_FORMATS = {
+    "PathType.validate_new": "new-path",
+    "PathType.validate_socket": "socket-path",
+    "PaymentCardNumber.validate": "payment-card-number",
+}
+
+
+def _exact(schema: Any) -> Any:
+    """``schema`` with pydantic's loose patterns (ByteSize's) made exact, and the formats of
+    :data:`_CHECKED_FORMATS` said."""
+    if isinstance(schema, list):
+        return [_exact(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _exact(v) for k, v in schema.items() if k != _FORMAT}
+    if out.get("pattern") == _BYTE_SIZE:
+        out["pattern"] = _EXACT_BYTE_SIZE
+    if _FORMAT in schema:
+        out["format"] = schema[_FORMAT]
+    return out
 
 
 def _pydantic_schema(model_cls: type[Any]) -> dict[str, Any]:
     schema: dict[str, Any] = model_cls.model_json_schema(
         schema_generator=_precise_schema_generator()
     )
-    return schema
+    return dict(_exact(schema))

@@ -4,6 +4,8 @@ decimals."""
 
 from __future__ import annotations
 
+import calendar
+import datetime
 import json
 import math
 import sys
@@ -23,7 +25,7 @@ class Unsatisfiable(GrammarError):
 
 ANNOTATIONS = frozenset(
     ["title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
-     "writeOnly", "discriminator", "contentEncoding", "contentMediaType", "$defs",
+     "writeOnly", "discriminator", "contentEncoding", "contentMediaType", "contentSchema", "$defs",
      "definitions", "$anchor"]
 )  # fmt: skip
 APPLICATORS = frozenset(
@@ -80,11 +82,31 @@ NUMBER = (
     f'"-"? ("0" | [1-9] [0-9]{{0,{g.MAX_DIGITS - 1}}}) ("." [0-9]{{1,{g.MAX_PLACES}}})? '
     "([eE] [-+]? [0-9]{1,2})?"
 )
-DATE = (
-    '(year "-" ("0" [13578] | "1" [02]) "-" (day28 | "29" | "30" | "31") | year "-" ("0" [469] | '
-    '"11") "-" (day28 | "29" | "30") | year "-02-" day28 | leap-year "-02-29")'
-)
+
+
+def _date(year: str, leap_year: str) -> str:
+    return (
+        f'({year} "-" ("0" [13578] | "1" [02]) "-" (day28 | "29" | "30" | "31") | {year} "-" '
+        f'("0" [469] | "11") "-" (day28 | "29" | "30") | {year} "-02-" day28 | '
+        f'{leap_year} "-02-29")'
+    )
+
+
+DATE = _date("year", "leap-year")
 LEAP_YY = '("0" [48] | [2468] [048] | [13579] [26])'
+
+
+def past_date(today: datetime.date) -> str:
+    """Dates in the years 1000 to the one before that of two days before ``today``: dates
+    before today in every time zone, and still when the grammar is used later (the past only
+    grows; a future date would stop being one)."""
+    last = (today - datetime.timedelta(days=2)).year - 1
+    years = ['"1" [0-9]{3}'] + [f'"{y}"' for y in range(2000, last + 1)]
+    leap = [f'"1" [0-9] {LEAP_YY}', '"1200"', '"1600"']
+    leap += [f'"{y}"' for y in range(2000, last + 1) if calendar.isleap(y)]
+    return _date(f"({' | '.join(years)})", f"({' | '.join(leap)})")
+
+
 HOUR = '([01] [0-9] | "2" [0-3])'
 # URI characters that need no escape in a JSON string (RFC 3986: unreserved, reserved, %XX).
 URI_CHAR = '([a-zA-Z0-9._~:/?#@!$&\'()*+,;=-] | "%" ' + HEX + " " + HEX + ")"
@@ -100,6 +122,64 @@ def _ipv6() -> str:
     return " | ".join([groups(8), *compressed])
 
 
+def _each(chars: str) -> g.Ranges:
+    return g.ranges_of((ord(c), ord(c)) for c in chars)
+
+
+def _ipv4_network() -> str:
+    """An address whose bits after the prefix length are all 0, then the length (pydantic's
+    IPv4Network refuses host bits)."""
+    options = []
+    for length in range(33):
+        full, part = divmod(length, 8)
+        octets = ["octet"] * full
+        if full < 4:
+            octets.append(g.alternatives(g.literal(str(v)) for v in range(0, 256, 2 ** (8 - part))))
+            octets += ['"0"'] * (3 - full)
+        options.append(' "." '.join(octets) + f' "/{length}"')
+    return " | ".join(options)
+
+
+def _ipv6_network() -> str:
+    """As :func:`_ipv4_network`: the groups the prefix covers, the group it ends in as four
+    digits, then "::" for the zero groups after them."""
+    options = []
+    for length in range(129):
+        full, part = divmod(length, 16)
+        groups = ["h16"] * full
+        if part:
+            digits, bits = divmod(part, 4)
+            last = [HEX] * digits
+            if bits:
+                last.append("[" + "".join(f"{v:x}" for v in range(0, 16, 2 ** (4 - bits))) + "]")
+            groups.append(" ".join(last + ['"0"'] * (4 - len(last))))
+        address = ' ":" '.join(groups)
+        if len(groups) < 8:
+            address = f'{address} "::"' if groups else '"::"'
+        options.append(f'{address} "/{length}"')
+    return " | ".join(options)
+
+
+def _base64(alphabet: str) -> str:
+    """Canonical padded base64 of ASCII bytes: pydantic's Base64Str also decodes the bytes as
+    UTF-8, and its JSON Schema says "base64" for both it and Base64Bytes. In each group of four
+    characters (24 bits), the bits that start each byte are 0."""
+
+    def sextets(keep: Any) -> str:
+        return g.char_class(_each("".join(c for v, c in enumerate(alphabet) if keep(v))))
+
+    first, second = sextets(lambda v: v < 32), sextets(lambda v: not v & 8)
+    third = sextets(lambda v: not v & 2)
+    group = f"{first} {second} {third} {sextets(lambda v: True)}"
+    one = f'{first} {sextets(lambda v: v % 16 == 0)} "=="'
+    two = f'{first} {second} {sextets(lambda v: v % 4 == 0)} "="'
+    return f"({group})* ({one} | {two})?"
+
+
+_B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789"
+# Characters that are no regular expression's syntax, and need no escape in JSON.
+_REGEX_PLAIN = g.char_class(g.subtract(RAW_RANGES, _each("^$.|?*+()[]{}")))
+_UUID_GROUPS = [f"{HEX}{{8}}", f"{HEX}{{4}}", f"{HEX}{{3}}", f"[89abAB] {HEX}{{3}}", f"{HEX}{{12}}"]
 DURATION = '"P" (dur-date ("T" dur-time)? | "T" dur-time | [0-9]{1,6} "W")'
 PRIMITIVES = {
     "ws": WS,
@@ -138,6 +218,30 @@ PRIMITIVES = {
     "octet": '"25" [0-5] | "2" [0-4] [0-9] | "1" [0-9] [0-9] | [1-9] [0-9] | [0-9]',
     # pydantic's IPvAnyAddress (an unknown format, so any string: either address is one)
     "ipvanyaddress": "ipv4 | ipv6",
+    # pydantic's networks (no host bits), interfaces (an address, perhaps a prefix length).
+    "ipv4network": _ipv4_network(),
+    "ipv6network": _ipv6_network(),
+    "ipvanynetwork": "ipv4network | ipv6network",
+    "ipv4interface": 'ipv4 ("/" ([12]? [0-9] | "3" [0-2]))?',
+    "ipv6interface": 'ipv6 ("/" ([1-9]? [0-9] | "1" [01] [0-9] | "12" [0-8]))?',
+    "ipvanyinterface": "ipv4interface | ipv6interface",
+    "base64": _base64(_B64 + "+/"),
+    "base64url": _base64(_B64 + "-_"),
+    # Any text (pydantic's bytes, SecretStr, Path); bytes count UTF-8 bytes, so with
+    # minLength/maxLength these are ASCII (FORMAT_PATTERNS).
+    "binary": "char*",
+    "password": "char*",
+    "path": "char*",
+    "regex": f"{_REGEX_PLAIN}*",  # a pattern that matches itself: always compiles
+    "color": f'"#" ({HEX}{{3}} | {HEX}{{6}})',
+    # pydantic's complex (its schema says only "string"): Python's complex() reads these.
+    "lcgen-past-date-time": 'lcgen-past-date "T" time',
+    "lcgen-complex": '"-"? real ([+-] real "j")? | "-"? real "j"',
+    "real": '[0-9]{1,15} ("." [0-9]{1,15})?',
+    **{
+        f"uuid{n}": ' "-" '.join([*_UUID_GROUPS[:2], f'"{n}" {_UUID_GROUPS[2]}', *_UUID_GROUPS[3:]])
+        for n in range(1, 9)
+    },
 }
 DEPENDS = {"value": ("object", "array", "string", "number"), "object": ("ws", "string", "value"),
            "array": ("ws", "value"), "string": ("char",), "date": ("year", "leap-year", "day28"),
@@ -145,7 +249,12 @@ DEPENDS = {"value": ("object", "array", "string", "number"), "object": ("ws", "s
            "email": ("label",), "ipv4": ("octet",),
            "hostname": ("hlabel",), "ipv6": ("h16",), "ipvanyaddress": ("ipv4", "ipv6"),
            "duration": ("dur-date", "dur-time", "dur-n"), "dur-date": ("dur-n",),
-           "dur-time": ("dur-n",)}  # fmt: skip
+           "dur-time": ("dur-n",), "ipv4network": ("octet",), "ipv6network": ("h16",),
+           "ipvanynetwork": ("ipv4network", "ipv6network"), "ipv4interface": ("ipv4",),
+           "ipv6interface": ("ipv6",), "ipvanyinterface": ("ipv4interface", "ipv6interface"),
+           "binary": ("char",), "password": ("char",), "path": ("char",),
+           "lcgen-complex": ("real",), "lcgen-past-date": ("day28",),
+           "lcgen-past-date-time": ("lcgen-past-date", "time")}  # fmt: skip
 # Formats with no longest text, as patterns (the same strings as their rules above): with
 # minLength/maxLength they are bounded like a pattern is (lcgen.constrain.regex.within_lengths).
 _LABEL = "[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
@@ -154,13 +263,43 @@ FORMAT_PATTERNS = {
     "uri": f"^[a-zA-Z][a-zA-Z0-9+.-]*:{_URI_CHAR}*$",
     "uri-reference": f"^{_URI_CHAR}*$",
     "email": f"^[A-Za-z0-9_%+-]+(?:\\.[A-Za-z0-9_%+-]+)*@{_LABEL}(?:\\.{_LABEL})+$",
+    **dict.fromkeys(["binary", "password", "path"], "^[\\x00-\\x7f]*$"),
 }
 # The fewest and most characters of the other formats' texts.
 FORMAT_LENGTHS = {"date": (10, 10), "time": (9, 21), "date-time": (20, 32), "uuid": (36, 36),
                   "ipv4": (7, 15), "ipv6": (2, 39), "hostname": (1, 247), "duration": (3, 44),
-                  "ipvanyaddress": (2, 39), "lcgen-naive-date-time": (19, 26)}  # fmt: skip
+                  "ipvanyaddress": (2, 39), "lcgen-naive-date-time": (19, 26),
+                  "lcgen-past-date": (10, 10), "lcgen-past-date-time": (20, 32),
+                  **dict.fromkeys([f"uuid{n}" for n in range(1, 9)], (36, 36))}  # fmt: skip
 FORMATS = ("date", "time", "date-time", "uuid", "email", "ipv4", "ipv6", "hostname", "uri",
-           "uri-reference", "duration", "ipvanyaddress", "lcgen-naive-date-time")  # fmt: skip
+           "uri-reference", "duration", "ipvanyaddress", "lcgen-naive-date-time", "ipv4network",
+           "ipv6network", "ipvanynetwork", "ipv4interface", "ipv6interface", "ipvanyinterface",
+           "base64", "base64url", "binary", "password", "path", "regex", "color",
+           "lcgen-complex", "lcgen-past-date", "lcgen-past-date-time",
+           *(f"uuid{n}" for n in range(1, 9)))  # fmt: skip
+# Formats whose rules depend on the day the grammar is made (pydantic's PastDate/PastDatetime).
+DATED = {"lcgen-past-date": past_date}
+# Formats no grammar can keep to (pydantic's, where its JSON Schema says too little): why.
+REFUSED_FORMATS = {
+    **dict.fromkeys(
+        ["file-path", "directory-path", "new-path", "socket-path"],
+        "pydantic checks the file system, which a grammar cannot see",
+    ),
+    "payment-card-number": "pydantic's PaymentCardNumber checks a brand's lengths and a checksum",
+    "multi-host-uri": "its JSON Schema does not say which schemes pydantic allows",
+    **dict.fromkeys(
+        ["lcgen-future-date", "lcgen-future-date-time"],
+        "pydantic's FutureDate/FutureDatetime: a date after today stops being one at midnight, "
+        "so a grammar (which may be kept and reused) cannot hold to it",
+    ),
+}
+
+
+def holds_json(schema: dict[str, Any]) -> bool:
+    """Whether a string schema says its text is JSON (``contentMediaType`` application/json,
+    not encoded; pydantic 1's ``json-string`` format), which lcgen holds to."""
+    plain = schema.get("contentMediaType") == "application/json" and "contentEncoding" not in schema
+    return plain or schema.get("format") == "json-string"
 
 
 def type_of(value: Any) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import functools
 import itertools
 import json
@@ -18,12 +19,12 @@ from typing import Any
 
 import jsonschema
 
-from lcgen.constrain import automaton
+from lcgen.constrain import automaton, lark
 from lcgen.constrain import gbnf as g
 from lcgen.constrain import json_rules as spec
 from lcgen.constrain.json_numbers import NumberRules
 from lcgen.constrain.json_rules import Conj, Unsatisfiable
-from lcgen.constrain.regex import json_string_literal, regex_to_gbnf
+from lcgen.constrain.regex import json_string_literal, json_string_rules, regex_to_gbnf
 from lcgen.errors import GrammarError
 
 FALSE: dict[str, Any] = {"not": {}}  # "no value", in every draft
@@ -86,6 +87,7 @@ class ValueCompiler:
         self.close_objects = close_objects
         self.rules = g.RuleSet(reserved=[*spec.PRIMITIVES, "root"])
         self.numbers = NumberRules(self.rules)
+        self.in_string: dict[str, str] = {}  # rules, and their copies inside a JSON string
         if compact:
             self.rules.define("ws", '""')
         base = root if isinstance(root, dict) else {}
@@ -102,7 +104,9 @@ class ValueCompiler:
 
     def prim(self, name: str) -> str:
         if name not in self.rules.rules:
-            self.rules.define(name, spec.PRIMITIVES[name])
+            dated = spec.DATED.get(name)
+            today = datetime.datetime.now(datetime.UTC).date()
+            self.rules.define(name, dated(today) if dated else spec.PRIMITIVES[name])
             for dep in spec.DEPENDS.get(name, ()):
                 self.prim(dep)
         return name
@@ -211,6 +215,11 @@ class ValueCompiler:
         return g.literal(json.dumps(value, ensure_ascii=False))
 
     def string(self, conj: Conj, path: str) -> str:
+        for member in conj:
+            why = spec.REFUSED_FORMATS.get(member.get("format", ""))
+            if why is not None:
+                raise GrammarError(f"format {member['format']!r} at {path} is not supported: {why}")
+        content = [m.get("contentSchema", True) for m in conj if spec.holds_json(m)]
         low = max((count(m, "minLength") for m in conj), default=0)
         highs = [count(m, "maxLength") for m in conj if "maxLength" in m]
         high = min(highs) if highs else None
@@ -218,9 +227,11 @@ class ValueCompiler:
         patterns = {m["pattern"] for m in conj if "pattern" in m}
         excluded = [v for m in conj for v in m.get(NOT_IN, ())]
         lengths = low > 0 or high is not None
-        if len(formats) + len(patterns) + bool(excluded) > 1 or (excluded and lengths):
+        others = bool(excluded) + bool(content)
+        if len(formats) + len(patterns) + others > 1 or (others and lengths):
             used = [*sorted(formats), *sorted(patterns)]
             used += ["minLength/maxLength"] * lengths + ["not enum"] * bool(excluded)
+            used += ["contentSchema"] * bool(content)
             raise GrammarError(f"{' with '.join(used)} on one string (at {path}) is not supported")
         if high is not None and low > high:
             raise Unsatisfiable(f"no string satisfies minLength {low} / maxLength {high} at {path}")
@@ -250,6 +261,8 @@ class ValueCompiler:
             return f'"\\"" {body} "\\""'
         if excluded:
             return self.key_not_in(excluded)
+        if content:
+            return self.json_content(self.all_of(content), path)
         if not lengths:
             return self.prim("string")
         try:
@@ -257,6 +270,18 @@ class ValueCompiler:
         except GrammarError as exc:
             raise GrammarError(f"minLength/maxLength at {path}: {exc}") from None
         return f'"\\"" {chars} "\\""'
+
+    def json_content(self, schema: Any, path: str) -> str:
+        """A JSON string whose text is JSON valid against ``schema`` (``contentMediaType``
+        application/json: pydantic's Json), its characters escaped as JSON writes them."""
+        inner = self.visit(schema, f"{path}/contentSchema")
+        try:
+            rules = lark.parse(self.rules.text(inner))
+        except GrammarError:  # a rule still being compiled: a recursion through the content
+            raise GrammarError(
+                f"contentSchema at {path} is not supported: it refers back to a schema around it"
+            ) from None
+        return f'"\\"" {json_string_rules(rules, self.rules, self.in_string)} "\\""'
 
     def number(self, conj: Conj, path: str, integer: bool) -> str:
         return self.numbers.number(conj, path, integer) or self.prim("number")

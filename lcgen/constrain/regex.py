@@ -23,6 +23,7 @@ import warnings
 from dataclasses import dataclass
 
 from lcgen.constrain import gbnf as g
+from lcgen.constrain import lark
 from lcgen.constrain.escapes import escapes
 from lcgen.errors import GrammarError
 
@@ -468,6 +469,32 @@ def json_string_literal(text: str) -> str:
         if 0xD800 <= ord(ch) <= 0xDFFF:
             raise GrammarError(f"a literal contains the lone surrogate U+{ord(ch):04X}")
     return Emitter(json_string=True).emit(Seq(tuple(_char(ord(ch)) for ch in text)))
+
+
+def json_string_rules(rules: dict[str, lark.Node], out: g.RuleSet, done: dict[str, str]) -> str:
+    """The body of a JSON string whose text is one of rule ``root`` of ``rules`` (parsed GBNF):
+    each rule it reaches again in ``out`` (``done``: the copies made so far, by name), each
+    character written as :class:`Emitter` writes it in a JSON string."""
+    emitter = Emitter(json_string=True)
+
+    def expr(node: lark.Node) -> str:
+        if isinstance(node, lark.Lit):
+            return json_string_literal(node.text) if node.text else '""'
+        if isinstance(node, lark.Cls):
+            ranges = g.ranges_of(node.ranges)
+            return emitter.chars(g.complement(ranges) if node.negated else ranges)
+        if isinstance(node, lark.Ref):
+            if node.name not in done:
+                done[node.name] = out.reserve(f"{node.name}-in-string")
+                out.define(done[node.name], expr(rules[node.name]))
+            return done[node.name]
+        if isinstance(node, lark.Rep):
+            return g.repeat(f"({expr(node.item)})", node.low, node.high)
+        parts = [expr(n) for n in (node.items if isinstance(node, lark.Seq) else node.options)]
+        joined = (" " if isinstance(node, lark.Seq) else " | ").join(parts)
+        return f"({joined})" if parts else '""'
+
+    return expr(rules["root"])
 
 
 def span(node: Node) -> tuple[int, int | None]:

@@ -1,0 +1,268 @@
+"""pydantic's own types under ``schema=``: every text the grammar allows is one pydantic
+accepts, and the values pydantic writes are allowed; a type no grammar can hold to is refused,
+naming it and where it is.
+
+pydantic's JSON Schema says less than pydantic checks (a Decimal's digits, a dict's int keys,
+a Json field's content, a UUID's version, a network's host bits...): for each type, random
+walks through the grammar (no model), texts near valid ones (hypothesis) and a few real
+generations must validate with ``Model.model_validate_json``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import enum
+import functools
+import ipaddress
+import pathlib
+import uuid
+from dataclasses import dataclass
+from typing import Any, Generic, Literal, TypeVar
+
+import pydantic
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import types as pt
+from test_schemas import WALKS, Cat, Dog, random_walk
+
+import lcgen
+from lcgen.constrain import Grammar
+
+
+class Shade(enum.IntEnum):
+    dark = 1
+    light = 2
+
+
+class Mixed(enum.Enum):
+    word = "x"
+    number = 2
+
+
+class Pet(pydantic.BaseModel):
+    kind: Literal["cat", "dog"]
+    name: str
+
+
+class Strict(pydantic.BaseModel, extra="forbid"):
+    n: pydantic.conint(strict=True)  # type: ignore[valid-type]
+    flag: pydantic.StrictBool
+
+
+class Open(pydantic.BaseModel, extra="allow"):
+    n: int
+
+
+T = TypeVar("T")
+
+
+class Page(pydantic.BaseModel, Generic[T]):
+    items: list[T]
+    total: int
+
+
+DAY = datetime.date(2001, 2, 3)
+MOMENT = datetime.datetime(2001, 2, 3, 4, 5, 6, tzinfo=datetime.UTC)
+UID = "123e4567-e89b-12d3-a456-426614174000"
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    type: Any
+    values: tuple[Any, ...]  # valid values: pydantic writes them (model_dump_json)
+
+
+CASES = [
+    Case("decimal", decimal.Decimal, (decimal.Decimal("1.5"), decimal.Decimal("-0.001"), 7)),
+    Case(
+        "condecimal",
+        pydantic.condecimal(max_digits=5, decimal_places=2),
+        (decimal.Decimal("123.45"), decimal.Decimal("1.50"), decimal.Decimal("-0.01")),
+    ),
+    Case(
+        "condecimal-digits",
+        pydantic.condecimal(max_digits=3, ge=decimal.Decimal("0.3")),
+        (decimal.Decimal("0.31"), decimal.Decimal("12.5"), decimal.Decimal("999")),
+    ),
+    Case("dict-int-keys", dict[int, str], ({1: "a", -20: "b"}, {})),
+    Case("dict-float-keys", dict[float, int], ({1.5: 1, -2.0: 2},)),
+    Case("dict-bool-keys", dict[bool, int], ({True: 1, False: 0},)),
+    Case("dict-literal-keys", dict[Literal["a", "b"], int], ({"a": 1},)),
+    Case("dict-intenum-keys", dict[Shade, int], ({Shade.dark: 1},)),
+    Case("dict-enum-keys", dict[Mixed, int], ({Mixed.word: 1},)),
+    Case("dict-uuid-keys", dict[uuid.UUID, int], ({uuid.UUID(UID): 1},)),
+    Case("dict-decimal-keys", dict[decimal.Decimal, int], ({decimal.Decimal("1.5"): 1},)),
+    Case("json-list", pydantic.Json[list[int]], ("[1, 2, 3]", "[]")),
+    Case("json-any", pydantic.Json[Any], ('{"a": [1, "x\\n"]}', '"quoted"')),
+    Case("json-model", pydantic.Json[Pet], ('{"kind": "cat", "name": "Tom \\"T\\""}',)),
+    Case("past-date", pydantic.PastDate, (DAY,)),
+    Case("past-datetime", pydantic.PastDatetime, (MOMENT,)),
+    Case("aware-datetime", pydantic.AwareDatetime, (MOMENT,)),
+    Case("naive-datetime", pydantic.NaiveDatetime, (MOMENT.replace(tzinfo=None),)),
+    Case("time-tz", datetime.time, (datetime.time(4, 5, tzinfo=datetime.UTC),)),
+    Case("timedelta", datetime.timedelta, (datetime.timedelta(days=1, seconds=5),)),
+    *(
+        Case(f"uuid{n}", getattr(pt, f"UUID{n}"), (uuid.UUID(UID[:14] + str(n) + UID[15:]),))
+        for n in (1, 3, 4, 5, 6, 7, 8)
+    ),
+    Case("ip-any-address", pydantic.IPvAnyAddress, (ipaddress.ip_address("10.0.0.1"),)),
+    Case(
+        "ip-any-network",
+        pydantic.IPvAnyNetwork,
+        (ipaddress.ip_network("10.0.0.0/8"), ipaddress.ip_network("2001:db8::/32")),
+    ),
+    Case("ip-any-interface", pydantic.IPvAnyInterface, (ipaddress.ip_interface("10.0.0.1/8"),)),
+    Case("ipv4-network", ipaddress.IPv4Network, (ipaddress.IPv4Network("192.168.4.0/22"),)),
+    Case("ipv6-network", ipaddress.IPv6Network, (ipaddress.IPv6Network("fe80::/10"),)),
+    Case("ipv4-interface", ipaddress.IPv4Interface, (ipaddress.IPv4Interface("1.2.3.4/24"),)),
+    Case("ipv6-interface", ipaddress.IPv6Interface, (ipaddress.IPv6Interface("::1/128"),)),
+    Case("base64-bytes", pydantic.Base64Bytes, (b"aGVsbG8=", b"", b"YWI=")),
+    Case("base64-str", pydantic.Base64Str, ("aGVsbG8=", "YQ==")),
+    Case("base64url-bytes", pydantic.Base64UrlBytes, (b"aGk_Pg==",)),
+    Case("base64url-str", pydantic.Base64UrlStr, ("aGk=",)),
+    Case("bytes", bytes, (b"abc",)),
+    Case("conbytes", pydantic.conbytes(max_length=4), (b"ab",)),
+    Case("secret", pydantic.SecretStr, ()),
+    Case("path", pathlib.Path, (pathlib.Path("a/b.txt"),)),
+    Case("complex", complex, (1 + 2j, 3.5)),
+    Case("bytesize", pydantic.ByteSize, (1024,)),
+    Case("http-url", pydantic.HttpUrl, (pydantic.HttpUrl("https://example.com/a?b=1#c"),)),
+    Case("any-url", pydantic.AnyUrl, (pydantic.AnyUrl("ftp://files.example.org:21/x"),)),
+    Case("stripped", pydantic.constr(strip_whitespace=True, min_length=2), ("ab", "a b")),
+    Case("strict", Strict, (Strict(n=3, flag=True),)),
+    Case("open", Open, (Open(n=1),)),
+    Case("literal", Literal[1, "a", None, True], (1, "a", None, True)),
+    Case("intenum", Shade, (Shade.dark,)),
+    Case("enum", Mixed, (Mixed.word, Mixed.number)),
+    Case("generic", Page[Pet], (Page[Pet](items=[Pet(kind="dog", name="Rex")], total=1),)),
+    Case(
+        "discriminated",
+        list[Cat | Dog],
+        ([Cat(kind="cat", lives=3), Dog(kind="dog", good=False)],),
+    ),
+]
+
+
+def _model(case: Case) -> type[pydantic.BaseModel]:
+    return pydantic.create_model(f"M_{case.name.replace('-', '_')}", x=(case.type, ...))
+
+
+@functools.cache
+def _compiled(name: str) -> tuple[type[pydantic.BaseModel], Grammar, list[str]]:
+    """The case's model, its grammar and the texts of its valid values."""
+    case = next(c for c in CASES if c.name == name)
+    model_cls = _model(case)
+    texts = []
+    for value in case.values:
+        instance = model_cls(x=value)
+        texts.append(instance.model_dump_json(round_trip=True))
+        texts.append(instance.model_dump_json(round_trip=True, indent=2))
+    return model_cls, Grammar.from_pydantic(model_cls), texts
+
+
+def _validates(model_cls: type[pydantic.BaseModel], text: str) -> bool:
+    try:
+        model_cls.model_validate_json(text)
+    except pydantic.ValidationError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_the_values_pydantic_writes_are_allowed(model: lcgen.Model, case: Case) -> None:
+    model_cls, grammar, texts = _compiled(case.name)
+    with grammar.state(model) as state:
+        for text in texts:
+            assert _validates(model_cls, text), text
+            assert state.accepts_text(text), text
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_random_walks_through_the_grammar_validate(model: lcgen.Model, case: Case) -> None:
+    model_cls, grammar, texts = _compiled(case.name)
+    guides = texts[::2] or ['{"x": ""}']
+    with grammar.state(model) as state:
+        walks = [
+            random_walk(model, state, seed, guides[seed % len(guides)]) for seed in range(WALKS)
+        ]
+    finished = [t for t in walks if t is not None]
+    assert len(finished) >= WALKS // 2
+    for text in finished:
+        assert _validates(model_cls, text), text
+
+
+# Texts near valid ones: a valid text with a span replaced by characters that matter to these
+# types (digits, signs, hex, separators, escapes, padding).
+_NEAR = st.sampled_from(list('0123456789abcdefABCDEF.-+:/=_eE "\\nutxXjZT[]{},%#@?'))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_texts_near_valid_ones_are_allowed_only_when_valid(
+    model: lcgen.Model, data: st.DataObject
+) -> None:
+    case = data.draw(st.sampled_from([c for c in CASES if c.values]), label="case")
+    model_cls, grammar, texts = _compiled(case.name)
+    text = data.draw(st.sampled_from(texts[::2]), label="valid")
+    start = data.draw(st.integers(0, len(text)), label="start")
+    end = data.draw(st.integers(start, min(len(text), start + 4)), label="end")
+    middle = "".join(data.draw(st.lists(_NEAR, max_size=4), label="middle"))
+    near = text[:start] + middle + text[end:]
+    try:
+        accepted = grammar.accepts(model, near)
+    except lcgen.GrammarError:  # the vocabulary cannot spell it
+        return
+    if accepted:
+        assert _validates(model_cls, near), near
+
+
+@pytest.mark.parametrize(
+    ("name", "kind", "named"),
+    [
+        ("future-date", pydantic.FutureDate, "'lcgen-future-date' at #/properties/x"),
+        ("future-datetime", pydantic.FutureDatetime, "'lcgen-future-date-time' at #/properties/x"),
+        ("file-path", pydantic.FilePath, "'file-path' at #/properties/x"),
+        ("directory-path", pydantic.DirectoryPath, "'directory-path' at #/properties/x"),
+        ("new-path", pydantic.NewPath, "'new-path' at #/properties/x"),
+        ("socket-path", pydantic.SocketPath, "'socket-path' at #/properties/x"),
+        ("card", pt.PaymentCardNumber, "'payment-card-number' at #/properties/x"),
+        ("postgres", pydantic.PostgresDsn, "'multi-host-uri' at #/properties/x"),
+        ("set", set[int], "uniqueItems at #/properties/x"),
+        ("frozenset", frozenset[str], "uniqueItems at #/properties/x"),
+    ],
+)
+def test_types_no_grammar_holds_to_are_refused(name: str, kind: Any, named: str) -> None:
+    model_cls = pydantic.create_model(f"R_{name.replace('-', '_')}", x=(kind, ...))
+    with pytest.raises(lcgen.GrammarError, match=named):
+        Grammar.from_pydantic(model_cls)
+
+
+def test_plain_json_schema_formats_keep_their_meaning(model: lcgen.Model) -> None:
+    uuid4 = Grammar.from_json_schema({"type": "string", "format": "uuid4"})
+    assert uuid4.accepts(model, '"123e4567-e89b-42d3-a456-426614174000"')
+    assert not uuid4.accepts(model, '"123e4567-e89b-12d3-a456-426614174000"')
+    content = {"type": "string", "contentMediaType": "application/json"}
+    as_json = Grammar.from_json_schema({**content, "contentSchema": {"type": "integer"}})
+    assert as_json.accepts(model, '"12"')
+    assert not as_json.accepts(model, '"x"')
+    encoded = Grammar.from_json_schema({**content, "contentEncoding": "base64"})
+    assert encoded.accepts(model, '"x"')  # base64 content: an annotation, as before
+    assert Grammar.from_json_schema({"type": "string", "format": "file"}).accepts(model, '"x"')
+
+
+GENERATED = ["condecimal", "dict-int-keys", "json-list", "uuid4", "ip-any-network", "base64-str"]
+
+
+@pytest.mark.parametrize("name", GENERATED)
+def test_generations_are_instances(model: lcgen.Model, name: str) -> None:
+    model_cls, _, texts = _compiled(name)
+    prompt = f"Write JSON like this one:\n{texts[0]}\nAnother:\n"
+    for options in ({"temperature": 0.0}, {"temperature": 1.0, "seed": 3}):
+        try:
+            value = model.generate(prompt, schema=model_cls, max_tokens=120, **options)
+        except lcgen.IncompleteOutputError:
+            continue  # cut short by max_tokens: nothing was claimed valid
+        assert isinstance(value, model_cls)
