@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import io
 import json
 import os
 import re
@@ -150,10 +151,13 @@ def _checked_options(
     before any model loads; a draft model (``--draft``) is not loaded yet: see :func:`_draft`.
 
     Raises:
-        UsageError: an option out of range or in conflict with another (named).
+        UsageError: an option out of range or in conflict with another, or a text that is not
+            UTF-8 (named).
     """
     options = _options(args)
     try:
+        for flag in ("--system", "--suffix"):
+            _check_text(getattr(args, flag[2:], None) or "", flag)
         lcgen.make_plan(**options, grammar=constraint)
     except (LcgenError, ValueError, TypeError) as exc:
         raise UsageError(str(exc)) from None
@@ -315,11 +319,38 @@ def _prompt(args: argparse.Namespace) -> str:
         raise UsageError("--suffix fills in the middle of text: it does not take --chat")
     prompt: str = args.prompt
     if prompt == "-":
+        _tolerant_stdin()
         prompt = sys.stdin.read().removesuffix("\n")
     if not prompt and not args.chat and args.suffix is None:
         source = "stdin held no text" if args.prompt == "-" else "give the text to continue"
         raise UsageError(f"the prompt is empty: {source}")
+    try:
+        _check_text(prompt, "the prompt")
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     return prompt
+
+
+def _tolerant_stdin() -> None:
+    """Read stdin without failing on a byte that is not text: Python's strict decoding (in most
+    UTF-8 locales) raised while reading, which ended a chat; :func:`_check_text` names the byte."""
+    if isinstance(sys.stdin, io.TextIOWrapper):
+        sys.stdin.reconfigure(errors="surrogateescape")
+
+
+def _check_text(text: str, what: str) -> None:
+    """Check that ``text`` (an argument, or stdin as :func:`_tolerant_stdin` reads it) holds no
+    byte that was not text: Python keeps such a byte as a lone surrogate.
+
+    Raises:
+        ValueError: it does (the first byte and where it is named).
+    """
+    bad = re.search("[\udc80-\udcff]", text)
+    if bad:
+        raise ValueError(
+            f"{what} is not UTF-8 text (the byte 0x{ord(bad[0]) - 0xDC00:02x} at character "
+            f"{bad.start()}): convert it to UTF-8"
+        )
 
 
 def _prompt_tokens(model: lcgen.Model, args: argparse.Namespace, prompt: str) -> list[int]:
@@ -455,6 +486,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
             f"{model.n_ctx} tokens: lower it or raise --n-ctx"
         )
     chat = ChatSession(model, options | _draft(args), args.system)
+    _tolerant_stdin()
     interactive = sys.stdin.isatty()
     if interactive:
         _enable_line_editing()
@@ -512,6 +544,11 @@ class ChatSession:
         """Run a command or answer a message; False when the chat should end."""
         text = line.strip()
         if not text:
+            return True
+        try:
+            _check_text(text, "the line")
+        except ValueError as exc:
+            print(f"lcgen: error: {exc}", file=sys.stderr)
             return True
         name, _, rest = text.partition(" ")
         if name in {"/exit", "/quit"}:

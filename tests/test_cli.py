@@ -676,3 +676,40 @@ def test_warnings_are_one_line(tmp_path: Path) -> None:
         "(did you mean 'properties'?)"
     )
     assert error.startswith("lcgen: error: unknown model") and out.returncode == 1
+
+
+def _run_bytes(*args: bytes | str, stdin: bytes = b"") -> subprocess.CompletedProcess[bytes]:
+    """``lcgen ARGS`` with bytes in and out, stdin decoded strictly (as in a UTF-8 locale other
+    than C.UTF-8, where Python reads stdin with errors='strict')."""
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}
+    command: list[bytes | str] = [sys.executable, "-m", "lcgen.cli", *args]
+    return subprocess.run(command, input=stdin, capture_output=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize(
+    ("args", "stdin"),
+    [
+        (["generate", "-"], b"caf\xe9\n"),
+        (["generate", b"caf\xe9"], b""),
+        (["generate", "hi", "--chat", "--system", b"caf\xe9"], b""),
+        (["generate", "hi", "--suffix", b"caf\xe9"], b""),
+        (["chat", "--system", b"caf\xe9"], b""),
+    ],
+)
+def test_a_prompt_that_is_not_utf8_is_a_usage_error(args: list[bytes | str], stdin: bytes) -> None:
+    # stdin: "'utf-8' codec can't decode byte 0xe9 in position 3" (status 1); an argument:
+    # "can't encode character '\udce9' ... surrogates not allowed" after the model loaded
+    command, *rest = args
+    out = _run_bytes(command, "no-such-model", *rest, stdin=stdin)
+    err = out.stderr.decode()
+    assert out.returncode == 2 and err.count("\n") == 1, err
+    assert "is not UTF-8 text (the byte 0xe9 at character 3)" in err and "codec" not in err
+
+
+def test_a_chat_line_that_is_not_utf8_does_not_end_the_chat() -> None:
+    # with a strict stdin, reading the line raised and ended the chat with status 1
+    out = _run_bytes("chat", "smollm2-135m", *THREADS, *ARGS, stdin=b"caf\xe9 au lait\nHello\n")
+    err = out.stderr.decode()
+    assert out.returncode == 0, err
+    assert "lcgen: error: the line is not UTF-8 text (the byte 0xe9 at character 3)" in err
+    assert out.stdout.strip() and "codec" not in err  # the next line was answered
