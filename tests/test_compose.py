@@ -5,6 +5,12 @@ here; where a combination held, a compact invariant stays only if no other test 
 
 from __future__ import annotations
 
+import re
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 import lcgen
 from lcgen import continuous, generate
 
@@ -60,3 +66,102 @@ def test_a_stop_token_ends_a_state_without_its_text_as_it_ends_a_generation(
         state = continuous(spec)(prompt)
         assert list(state) == [prompt + str(out)]
         assert state.tokens[0][0] == model.tokenize(prompt) + list(out.tokens[:-1])
+
+
+# random combinations ---------------------------------------------------------------------------
+PROMPTS = [
+    "Once upon a time, a dragon and a knight",
+    "The keeper climbed the stairs. The keeper climbed the",
+    "Q: 2+2?\nA:",
+]
+STOPS = [".", " the", "\n", "ed", "e t", ", "]
+BANS: list[str | re.Pattern[str]] = ["the", "knight", " a ", "ing", re.compile(r"\bcolou?r\b")]
+
+
+@st.composite
+def option_sets(draw: st.DrawFn) -> dict[str, Any]:
+    """Generation options, several controls at once."""
+    options: dict[str, Any] = {"max_tokens": draw(st.integers(1, 20))}
+    if draw(st.booleans()):
+        options.update(temperature=0.8, seed=draw(st.integers(0, 9)))
+    if draw(st.booleans()):
+        options.update(stop=draw(st.lists(st.sampled_from(STOPS), min_size=1, max_size=2)))
+        options.update(include_stop=draw(st.booleans()))
+    if draw(st.booleans()):
+        options.update(banned=draw(st.lists(st.sampled_from(BANS), min_size=1, max_size=2)))
+    options.update(logprobs=draw(st.sampled_from([None, None, 0, 2])))
+    if draw(st.booleans()):
+        options.update(speculate="ngram", num_draft=draw(st.sampled_from([1, 3, 64])))
+    options.update(token_healing=draw(st.sampled_from([False, False, True])))
+    constraint = draw(st.sampled_from([None, None, "regex", "choice"]))
+    if constraint == "regex":
+        options.update(regex=r"[ a-z,]{0,40}\.")
+    elif constraint == "choice":
+        options.update(choice=[" the end", " a start", " three"])
+    if draw(st.booleans()):
+        options.update(logit_bias={260: -2.0})  # ' the'
+    return options
+
+
+def _generate_or_error(model: lcgen.Model, prompt: str, options: dict[str, Any]) -> Any:
+    try:
+        return model.generate(prompt, **options)
+    except (lcgen.IncompleteOutputError, lcgen.NoCandidatesError) as exc:
+        return type(exc)
+
+
+@settings(
+    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(prompt=st.sampled_from(PROMPTS), options=option_sets())
+def test_any_controls_together_keep_stream_text_tokens_and_logprobs_in_step(
+    cold_model: lcgen.Model, prompt: str, options: dict[str, Any]
+) -> None:
+    """Stops, bans, logprobs, speculation, healing, constraints and biases at once: the stream
+    joins to the text, carries its tokens and one log-probability entry per token, and the
+    output holds no banned phrase and no stop string before its end."""
+    out = _generate_or_error(cold_model, prompt, options)
+    if isinstance(out, type):
+        return
+    chunks = list(cold_model.stream(prompt, **options))
+    assert "".join(c.text for c in chunks) == out
+    assert tuple(t for c in chunks for t in c.tokens) == out.tokens
+    assert out.stats.tokens == len(out.tokens)
+    if options["logprobs"] is not None:
+        assert out.logprobs is not None
+        assert [e.token for e in out.logprobs] == list(out.tokens)
+        assert [e.token for c in chunks for e in c.logprobs] == list(out.tokens)
+    for phrase in options.get("banned", ()):
+        if isinstance(phrase, str):
+            assert phrase not in out
+    body = out[: -len(out.stop)] if options.get("include_stop") and out.stop else out
+    assert not any(stop in body for stop in options.get("stop", ()))
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(prompt=st.sampled_from(PROMPTS), options=option_sets())
+def test_any_controls_together_regenerate_the_same_after_a_rewind(
+    cold_model: lcgen.Model, prompt: str, options: dict[str, Any]
+) -> None:
+    """A sequence rewound to a checkpoint before a generation with any of the controls above
+    generates the same tokens again (the sequence's seeded RNG is restored with it). Without
+    parked prefixes the regenerated cells take the same places in the pool: with them, a
+    near-tie can fall the other way (the KV cache's Exactness)."""
+    options.pop("seed", None)
+    with cold_model.sequence(prompt, seed=7) as seq:
+        checkpoint = seq.checkpoint()
+        first = _sequence_generate(seq, options)
+        after_first = seq.tokens
+        seq.rewind(checkpoint)
+        again = _sequence_generate(seq, options)
+        assert again == first and seq.tokens == after_first
+
+
+def _sequence_generate(seq: lcgen.Sequence, options: dict[str, Any]) -> object:
+    try:
+        out = seq.generate(**options)
+    except (lcgen.IncompleteOutputError, lcgen.NoCandidatesError) as exc:
+        return type(exc)
+    return (str(out), out.tokens, out.logprobs)
