@@ -1280,3 +1280,51 @@ def test_choices_that_fill_the_context_say_what_to_do(model_path: Path) -> None:
         wait_for(small_url, lambda queue: queue["running"] == 0)  # the other choice ends too
         status, reply = request(small_url, "/v1/chat/completions", _body(), key=None)
         assert status == 200, reply
+
+
+def _stream_lines(base: str, body: dict[str, Any]) -> list[str]:
+    """The data lines of a streamed reply, until the server ends it."""
+    req = urllib.request.Request(
+        base + "/v1/completions",
+        data=json.dumps({**body, "stream": True}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as response:
+        return [line.decode().strip() for line in response if line.startswith(b"data: ")]
+
+
+def test_ctrl_c_stops_the_server_with_requests_running(model: lcgen.Model) -> None:
+    # uvicorn waited for a running request to finish (here 4,000 tokens, a minute), silently,
+    # before the server stopped, and cut a stream short ("ERROR: ASGI callable returned without
+    # completing response"); both now end at once, with 503 shutting_down
+    import signal
+
+    cmd = [sys.executable, "-m", "lcgen.cli", "serve", NAME, "--port", "0", "--threads", "1"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        found = re.search(r"(http://\S+) \(OpenAI API", proc.stderr.readline())
+        assert found, "the server did not start"
+        base = found[1]
+        body = {"model": NAME, "prompt": "Once", "max_tokens": 4000, "logit_bias": endless(model)}
+        with ThreadPoolExecutor(2) as pool:
+            whole = pool.submit(request, base, "/v1/completions", json.dumps(body).encode(), None)
+            stream = pool.submit(_stream_lines, base, body)
+            wait_for(base, lambda queue: queue["running"] == 2)
+            time.sleep(0.5)  # a few tokens into the replies
+            start = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            assert proc.wait(timeout=20) == 0
+            assert time.monotonic() - start < 10
+            status, answer = whole.result(timeout=10)
+            lines = stream.result(timeout=10)
+        assert status == 503 and answer["error"]["code"] == "shutting_down", answer
+        assert lines[-1] == "data: [DONE]", lines[-3:]
+        assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "shutting_down"
+        assert "ERROR" not in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()

@@ -70,7 +70,8 @@ def serve(
     draft: str | os.PathLike[str] | None = None,
     verbose: bool = False,
 ) -> None:
-    """Load a model and serve it until interrupted (Ctrl-C).
+    """Load a model and serve it until interrupted (Ctrl-C, SIGTERM); requests still running
+    then end at once (503 ``shutting_down``; a stream: an error event and ``[DONE]``).
 
     The address is bound before the model loads, so a port in use fails at once; one line on
     stderr says when the server is ready (``lcgen serve: MODEL on http://HOST:PORT ...``).
@@ -129,12 +130,18 @@ def serve(
         except OSError as exc:
             raise _address_error(host, port, exc) from None
         ready = f"lcgen serve: {name} on {_url(host, sock)} (OpenAI API at /v1)"
+        server = _ready_server(config, ready, app.state.engine.close)
         with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C: uvicorn stopped, as uvicorn.run
-            _ready_server(config, ready).run(sockets=[sock])
+            server.run(sockets=[sock])
 
 
-def _ready_server(config: uvicorn.Config, ready: str) -> uvicorn.Server:
-    """uvicorn's server, saying ``ready`` on stderr once it listens."""
+def _ready_server(
+    config: uvicorn.Config, ready: str, stop_requests: Callable[[], None]
+) -> uvicorn.Server:
+    """uvicorn's server, saying ``ready`` on stderr once it listens, and calling
+    ``stop_requests`` (in a thread) as it begins to shut down."""
+    import asyncio
+
     import uvicorn
 
     class Server(uvicorn.Server):
@@ -142,6 +149,12 @@ def _ready_server(config: uvicorn.Config, ready: str) -> uvicorn.Server:
             await super().startup(sockets=sockets)
             if self.started:
                 print(ready, file=sys.stderr, flush=True)
+
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            # uvicorn waits for running requests: a long generation kept Ctrl-C from stopping
+            # the server, silently, for minutes. They end now (503 shutting_down).
+            await asyncio.to_thread(stop_requests)
+            await super().shutdown(sockets=sockets)
 
     return Server(config)
 

@@ -40,6 +40,9 @@ from lcgen.server.responses import Echo, Kind, Output, Reply, usage
 DEFAULT_MAX_QUEUE = 64
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+# A stream's time to end by itself when the server stops (its choices fail at once, with an
+# error event and [DONE]) before sse-starlette cuts it off.
+STREAM_SHUTDOWN_GRACE_S = 5.0
 AnyRequest = ChatRequest | CompletionRequest
 R = TypeVar("R", ChatRequest, CompletionRequest)
 
@@ -298,7 +301,7 @@ class _Server:
             for out in outputs:
                 out.finish_reason = "length"
             if req.stream:
-                return EventSourceResponse(self._echo_events(reply, outputs, count, req))
+                return _event_stream(self._echo_events(reply, outputs, count, req))
             return JSONResponse(reply.whole(outputs, count.usage(outputs)))
         try:
             self.engine.submit(job)
@@ -308,7 +311,7 @@ class _Server:
             raise APIError(400, str(exc), param="n", code="too_many_choices") from None
         if req.stream:
             events = self._events(job, reply, outputs, count, req.include_usage)
-            return EventSourceResponse(events, background=BackgroundTask(self.engine.cancel, job))
+            return _event_stream(events, BackgroundTask(self.engine.cancel, job))
         watcher = asyncio.create_task(_cancel_on_disconnect(request, self.engine, job))
         try:
             async for item in job.items():
@@ -367,6 +370,14 @@ class _Server:
             self.engine.cancel(job)
 
 
+def _event_stream(
+    events: AsyncIterator[str], background: BackgroundTask | None = None
+) -> EventSourceResponse:
+    return EventSourceResponse(
+        events, background=background, shutdown_grace_period=STREAM_SHUTDOWN_GRACE_S
+    )
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Count:
     """What ``usage`` counts: each prompt once; the tokens its first choice found cached."""
@@ -390,6 +401,8 @@ def _failure(item: Failed) -> APIError:
             type="server_error",
             code="context_full",
         )
+    if isinstance(exc, lcgen.ClosedError):  # the engine stopped: the server is stopping
+        return APIError(503, str(exc), type="server_error", code="shutting_down")
     if isinstance(exc, lcgen.GrammarError | lcgen.NoCandidatesError):
         # the request's own constraints (grammar, schema, bans) left no token to generate
         return APIError(400, str(exc), code="unsatisfiable_constraints")
@@ -467,7 +480,7 @@ def create_app(
         HTTPException: _http_error,
         Exception: _server_error,
     }
-    return Starlette(
+    app = Starlette(
         routes=[
             Route("/v1/chat/completions", server.chat, methods=["POST"]),
             Route("/v1/completions", server.completions, methods=["POST"]),
@@ -478,3 +491,5 @@ def create_app(
         exception_handlers=handlers,
         lifespan=lifespan,
     )
+    app.state.engine = engine  # lcgen.server.serve stops its requests as the server stops
+    return app
