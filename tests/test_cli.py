@@ -713,3 +713,12 @@ def test_a_chat_line_that_is_not_utf8_does_not_end_the_chat() -> None:
     assert out.returncode == 0, err
     assert "lcgen: error: the line is not UTF-8 text (the byte 0xe9 at character 3)" in err
     assert out.stdout.strip() and "codec" not in err  # the next line was answered
+
+
+def test_serve_help_says_the_threads_adapt(capsys: pytest.CaptureFixture[str]) -> None:
+    # it said "default: cores, <= 8", but the count adapts to the load as in generate and chat
+    for command in (["serve", "--help"], ["generate", "--help"]):
+        with pytest.raises(SystemExit):
+            cli.main(command)
+        help_text = " ".join(capsys.readouterr().out.split())
+        assert "--threads THREADS CPU threads, fixed (default: adapts to the load" in help_text

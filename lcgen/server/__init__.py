@@ -83,7 +83,7 @@ def serve(
         api_key: when set, requests need ``Authorization: Bearer KEY`` (not ``/health``).
         n_ctx: the context size in tokens, shared by all running requests.
         n_seq_max: sequence slots: requests (choices) running at once, and cached prefixes.
-        threads: CPU threads (None: the cores, at most 8).
+        threads: CPU threads, fixed (None: adapts to the load, at most the cores, <= 8).
         max_queue: the most choices waiting for a slot before requests get 429, at least 1
             (None: 64).
         draft: a draft model (same vocabulary) for requests with ``speculate: "draft"``.
@@ -282,7 +282,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--threads",
         type=_int_arg(_in_range(1, 512)),
         default=None,
-        help="CPU threads (default: cores, <= 8)",
+        help="CPU threads, fixed (default: adapts to the load, at most the cores, <= 8)",
     )
     p.add_argument(
         "--max-queue",
