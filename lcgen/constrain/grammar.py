@@ -143,12 +143,20 @@ class Grammar:
 
         Models follow their ``extra`` setting: ``"allow"`` admits other properties, the
         default (``"ignore"``, whose extra properties would be dropped anyway) and
-        ``"forbid"`` do not. A ``NaiveDatetime`` is written without an offset (its JSON
-        Schema says only ``date-time``, whose texts have one).
+        ``"forbid"`` do not. Where pydantic checks more than its JSON Schema says, the grammar
+        keeps to what pydantic checks: a ``NaiveDatetime`` has no offset, a ``Decimal`` its
+        ``max_digits``/``decimal_places`` (as a number or a string), a ``dict[int, ...]`` keys
+        that read as ints, a ``Json[...]`` field JSON text of its type, ``UUID4`` its version,
+        a network no host bits, ``Base64Str`` padded base64 of ASCII, a URL a host and the
+        schemes its type allows, a ``PastDate`` a year before last year.
 
         Raises:
             TypeError: ``model_cls`` is not a pydantic model class.
-            GrammarError: as for :meth:`from_json_schema`.
+            GrammarError: as for :meth:`from_json_schema`; and for the types no grammar can
+                hold to, named with where they are: ``FutureDate``/``FutureDatetime`` (a future
+                date stops being one), ``FilePath``/``DirectoryPath``/``NewPath``/``SocketPath``
+                (the file system), ``PaymentCardNumber``, multi-host DSNs, ``set``/
+                ``frozenset`` of more than one item (``uniqueItems``).
         """
         schema_fn = getattr(model_cls, "model_json_schema", None)
         if not isinstance(model_cls, type) or schema_fn is None:
@@ -647,8 +655,18 @@ def _precise_schema_generator() -> type[Any]:
 
         def str_schema(self, schema: Any) -> Any:
             out = super().str_schema(schema)
-            if schema.get("strip_whitespace") and out.get("minLength") and "pattern" not in out:
-                out["pattern"] = r"^(?:\S.*\S|\S)$"  # lengths count what stripping leaves
+            strips = schema.get("strip_whitespace") or self._config.str_strip_whitespace
+            if strips and out.get("minLength"):  # lengths count what stripping leaves
+                if "pattern" in out:
+                    return {**out, "format": "lcgen-stripped-pattern"}
+                out["pattern"] = r"^(?:\S.*\S|\S)$"
+            return out
+
+        def bytes_schema(self, schema: Any) -> Any:
+            out = super().bytes_schema(schema)
+            reads = self._config.val_json_bytes  # what pydantic reads: not what it writes
+            if out.get("format") in ("binary", "base64url") and reads in ("base64", "hex"):
+                return {**out, "format": "base64" if reads == "base64" else "lcgen-hex"}
             return out
 
         def function_after_schema(self, schema: Any) -> Any:
@@ -671,8 +689,7 @@ def _precise_schema_generator() -> type[Any]:
             pydantic reads a key as it reads a string, so numbers and booleans are JSON texts
             in it, and literals and enums keep their str values (a key "1" is no int literal)."""
             if core.get("type") == "literal":
-                strings = [v for v in core["expected"] if isinstance(v, str)]
-                return {"enum": strings} if strings else {"not": {}}
+                return _str_values(core["expected"])
             key = self.generate_inner(core)
             if "$ref" in key:
                 key = self.get_schema_from_definitions(key["$ref"]) or {}
@@ -684,10 +701,16 @@ def _precise_schema_generator() -> type[Any]:
             if texts:
                 return texts[0] if len(texts) == 1 else {"anyOf": texts}
             if "enum" in key and "type" not in key:
-                return {"enum": [v for v in key["enum"] if isinstance(v, str)] or [None]}
+                return _str_values(key["enum"])
             return None
 
     return Precise
+
+
+def _str_values(values: list[Any]) -> dict[str, Any]:
+    """The keys of a literal or enum type pydantic can read: its str values."""
+    strings = [v for v in values if isinstance(v, str)]
+    return {"enum": strings} if strings else {"not": {}}
 
 
 def _bound(value: Any) -> Any:
@@ -705,14 +728,16 @@ def _decimal_number(schema: Any) -> dict[str, Any]:
         if schema.get(key) is not None:
             number[name] = _bound(schema[key])
     digits, places = schema.get("max_digits"), schema.get("decimal_places")
-    whole = range(digits + 1) if places is None and digits is not None else [None]
+    splits: list[tuple[int | None, int | None]] = [(None, places)]  # (whole digits, places)
+    if digits is not None and places is not None:  # pydantic: whole <= digits - places
+        splits = [(max(digits - places, 0), min(places, digits))]
+    elif digits is not None:
+        splits = [(whole, digits - whole) for whole in range(digits + 1)]
     options = []
-    for n_whole in whole:  # n_whole digits before the point, the rest after it
+    for whole, after in splits:
         option: dict[str, Any] = {}
-        after = places if n_whole is None else digits - n_whole
-        if digits is not None:
-            top = 10 ** (n_whole if n_whole is not None else max(digits - places, 0))
-            option = {"exclusiveMinimum": -top, "exclusiveMaximum": top}
+        if whole is not None:
+            option = {"exclusiveMinimum": -(10**whole), "exclusiveMaximum": 10**whole}
         if after is not None:
             option["multipleOf"] = decimal.Decimal(1).scaleb(-after)
         options.append(option)

@@ -234,6 +234,7 @@ PRIMITIVES = {
     "path": "char*",
     "regex": f"{_REGEX_PLAIN}*",  # a pattern that matches itself: always compiles
     "color": f'"#" ({HEX}{{3}} | {HEX}{{6}})',
+    "lcgen-hex": f"({HEX} {HEX})*",  # bytes as pydantic's val_json_bytes='hex' reads them
     # pydantic's complex (its schema says only "string"): Python's complex() reads these.
     "lcgen-past-date-time": 'lcgen-past-date "T" time',
     "lcgen-complex": '"-"? real ([+-] real "j")? | "-"? real "j"',
@@ -274,7 +275,7 @@ FORMAT_LENGTHS = {"date": (10, 10), "time": (9, 21), "date-time": (20, 32), "uui
 FORMATS = ("date", "time", "date-time", "uuid", "email", "ipv4", "ipv6", "hostname", "uri",
            "uri-reference", "duration", "ipvanyaddress", "lcgen-naive-date-time", "ipv4network",
            "ipv6network", "ipvanynetwork", "ipv4interface", "ipv6interface", "ipvanyinterface",
-           "base64", "base64url", "binary", "password", "path", "regex", "color",
+           "base64", "base64url", "binary", "password", "path", "regex", "color", "lcgen-hex",
            "lcgen-complex", "lcgen-past-date", "lcgen-past-date-time",
            *(f"uuid{n}" for n in range(1, 9)))  # fmt: skip
 # Formats whose rules depend on the day the grammar is made (pydantic's PastDate/PastDatetime).
@@ -287,6 +288,8 @@ REFUSED_FORMATS = {
     ),
     "payment-card-number": "pydantic's PaymentCardNumber checks a brand's lengths and a checksum",
     "multi-host-uri": "its JSON Schema does not say which schemes pydantic allows",
+    "lcgen-stripped-pattern": "pydantic strips whitespace before it checks minLength, and a "
+    "pattern may allow whitespace at the ends",
     **dict.fromkeys(
         ["lcgen-future-date", "lcgen-future-date-time"],
         "pydantic's FutureDate/FutureDatetime: a date after today stops being one at midnight, "
