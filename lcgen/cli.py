@@ -18,6 +18,7 @@ from typing import Any, TextIO, cast
 import lcgen
 from lcgen import server
 from lcgen.decoding import Chunk, Text
+from lcgen.decoding.options import DEFAULT_MAX_RETRIES
 from lcgen.decoding.results import check_complete
 from lcgen.errors import ContextFullError, IncompleteOutputError, LcgenError
 
@@ -399,7 +400,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if problem:
         print(f"lcgen: error: {problem}", file=sys.stderr)
         return 1
+    _note_retries(last, args.max_retries, "output")
     return 0
+
+
+def _used_up_retries(max_retries: int | None) -> str:
+    n = DEFAULT_MAX_RETRIES if max_retries is None else max_retries
+    return f"the banned phrases used up the retries (--max-retries {n})"
+
+
+def _note_retries(last: Chunk | None, max_retries: int | None, what: str) -> None:
+    """Say on stderr when the banned phrases ended the text early (finish reason "retries")."""
+    if last is not None and last.finish_reason == "retries":
+        note = f"{_used_up_retries(max_retries)}: the {what} ends early"
+        print(f"lcgen: warning: {note}", file=sys.stderr)
 
 
 class _Timer:
@@ -453,7 +467,7 @@ def _incomplete(
     elif last.stop:
         reason = f"the stop string {last.stop!r} cut it"
     else:
-        reason = "the banned phrases used up the retries (--max-retries)"
+        reason = _used_up_retries(args.max_retries)
     return f"the output is incomplete: {reason} before it matched {flag}"
 
 
@@ -587,11 +601,12 @@ class ChatSession:
         chunks = cast(
             Generator[Chunk, None, None], self.model.chat_stream(self.messages, **self.options)
         )
+        last = None
         try:
-            for chunk in chunks:
-                sys.stdout.write(chunk.text)
+            for last in chunks:
+                sys.stdout.write(last.text)
                 sys.stdout.flush()
-                parts.append(chunk.text)
+                parts.append(last.text)
         except KeyboardInterrupt:
             chunks.close()  # the sequence closes and keeps its cells in the cache
             stopped = True
@@ -600,6 +615,8 @@ class ChatSession:
             sys.stdout.flush()
         if stopped:
             print("lcgen: reply stopped (Ctrl-C); /exit or Ctrl-D ends the chat", file=sys.stderr)
+        else:
+            _note_retries(last, self.options.get("max_retries"), "reply")
         return "".join(parts), stopped
 
     def _fit(self) -> None:

@@ -722,3 +722,21 @@ def test_serve_help_says_the_threads_adapt(capsys: pytest.CaptureFixture[str]) -
             cli.main(command)
         help_text = " ".join(capsys.readouterr().out.split())
         assert "--threads THREADS CPU threads, fixed (default: adapts to the load" in help_text
+
+
+BANS = ["--ban", "e", "--ban", "a", "--ban", "o", "--max-retries", "2", "--max-tokens", "40"]
+RETRIES_NOTE = "lcgen: warning: the banned phrases used up the retries (--max-retries 2)"
+
+
+def test_retries_used_up_are_not_silent(model: lcgen.Model) -> None:
+    # the output ended early with status 0 and nothing said why (--verbose alone showed it)
+    prompt = "Tell me about the sea"
+    text = model.generate(prompt, max_tokens=40, banned=["e", "a", "o"], max_retries=2)
+    assert text.finish_reason == "retries"  # measured: the bans end it early
+    out = run("generate", "smollm2-135m", prompt, "--quiet", *BANS)
+    assert out.returncode == 0 and out.stdout == text + "\n"
+    assert out.stderr == RETRIES_NOTE + ": the output ends early\n"
+    chat = run("chat", "smollm2-135m", *BANS, stdin=prompt + "\n")
+    assert chat.returncode == 0 and RETRIES_NOTE + ": the reply ends early" in chat.stderr
+    plain = run("generate", "smollm2-135m", prompt, "--quiet", "--max-tokens", "4")
+    assert plain.returncode == 0 and plain.stderr == ""
