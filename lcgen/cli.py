@@ -384,6 +384,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     model = _load(args)
     options |= _draft(args)
     tokens = _prompt_tokens(model, args, prompt)
+    _check_fits(model, len(tokens), args.max_tokens)
     n_prompt = len(tokens) - model.cache.cached(tokens)  # the tokens the prompt decodes
     timer = _Timer()
     with model.sequence(tokens) as seq:
@@ -402,6 +403,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 1
     _note_retries(last, args.max_retries, "output")
     return 0
+
+
+def _check_fits(model: lcgen.Model, n_prompt: int, max_tokens: int) -> None:
+    """The library's check that the prompt and the output fit the context, in the flags' words.
+
+    Raises:
+        ContextFullError: they do not (the numbers and what to change are named).
+    """
+    if n_prompt + max_tokens > model.n_ctx:
+        raise ContextFullError(
+            f"the prompt's {n_prompt} tokens and --max-tokens {max_tokens} need "
+            f"{n_prompt + max_tokens}, over the context of {model.n_ctx} tokens: "
+            "shorten the prompt, lower --max-tokens or raise --n-ctx"
+        )
 
 
 def _used_up_retries(max_retries: int | None) -> str:

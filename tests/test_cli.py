@@ -740,3 +740,13 @@ def test_retries_used_up_are_not_silent(model: lcgen.Model) -> None:
     assert chat.returncode == 0 and RETRIES_NOTE + ": the reply ends early" in chat.stderr
     plain = run("generate", "smollm2-135m", prompt, "--quiet", "--max-tokens", "4")
     assert plain.returncode == 0 and plain.stderr == ""
+
+
+def test_a_prompt_over_the_context_names_the_options() -> None:
+    # "... + max_tokens=5000 ... or load the model with a larger n_ctx": the library's words
+    out = run("generate", "smollm2-135m", "Hi", "--max-tokens", "5000")
+    assert out.returncode == 1 and out.stdout == ""
+    assert out.stderr == (
+        "lcgen: error: the prompt's 1 tokens and --max-tokens 5000 need 5001, over the context "
+        "of 4096 tokens: shorten the prompt, lower --max-tokens or raise --n-ctx\n"
+    )
