@@ -10,10 +10,9 @@ import os
 import re
 import sys
 import time
-import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
-from typing import Any, TextIO, cast
+from typing import Any, cast
 
 import lcgen
 from lcgen import server
@@ -907,8 +906,7 @@ def main(argv: list[str] | None = None) -> int:
     """Run the ``lcgen`` command; returns the exit status: 0, 1 for an error, 2 for a usage
     error, 130 after Ctrl-C, 141 when stdout was closed early."""
     try:
-        with warnings.catch_warnings():
-            warnings.showwarning = _show_warning
+        with server.one_line_warnings("lcgen"):
             args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
             return int(args.func(args))
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
@@ -922,18 +920,6 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
-
-
-def _show_warning(
-    message: Warning | str,
-    category: type[Warning],
-    filename: str,
-    lineno: int,
-    file: TextIO | None = None,
-    line: str | None = None,
-) -> None:
-    """A warning as one line on stderr, as errors are (not Python's file, line and source)."""
-    print(f"lcgen: warning: {message}", file=sys.stderr)
 
 
 def _discard_stdout() -> None:

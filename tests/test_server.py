@@ -1328,3 +1328,30 @@ def test_ctrl_c_stops_the_server_with_requests_running(model: lcgen.Model) -> No
         proc.wait()
         if proc.stderr is not None:
             proc.stderr.close()
+
+
+def test_python_m_lcgen_server_writes_warnings_as_one_line(model_path: Path) -> None:
+    # `lcgen serve` wrote "lcgen: warning: ..." but `python -m lcgen.server` (the same
+    # command) Python's warning with a line of lcgen's source
+    cmd = [sys.executable, "-m", "lcgen.server", str(model_path), "--port", "0"]
+    proc = subprocess.Popen([*cmd, "--threads", "1"], stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        found = re.search(r"(http://\S+) \(OpenAI API", proc.stderr.readline())
+        assert found, "the server did not start"
+        schema = {"type": "object", "proprties": {}}
+        response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
+        body = _body(model=model_path.name, response_format=response_format)
+        assert request(found[1], "/v1/chat/completions", body, key=None)[0] == 200
+        proc.terminate()
+        assert proc.wait(timeout=30) in (0, -15)  # uvicorn raises SIGTERM again once stopped
+        assert proc.stderr.read() == (
+            "lcgen serve: warning: unknown JSON Schema keyword 'proprties' at # is ignored "
+            "(did you mean 'properties'?)\n"
+        )
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        if proc.stderr is not None:
+            proc.stderr.close()

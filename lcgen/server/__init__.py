@@ -25,9 +25,10 @@ import importlib.util
 import os
 import socket
 import sys
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 import lcgen
 
@@ -336,22 +337,43 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     return p
 
 
+@contextlib.contextmanager
+def one_line_warnings(prog: str) -> Iterator[None]:
+    """Within the block, a warning is one line on stderr, ``PROG: warning: MESSAGE``, as errors
+    are (not Python's file, line and line of lcgen's source)."""
+
+    def show(
+        message: Warning | str,
+        category: type[Warning],
+        filename: str,
+        lineno: int,
+        file: TextIO | None = None,
+        line: str | None = None,
+    ) -> None:
+        print(f"{prog}: warning: {message}", file=sys.stderr)
+
+    with warnings.catch_warnings():
+        warnings.showwarning = show
+        yield
+
+
 def command(args: argparse.Namespace) -> int:
     """Run ``serve`` with parsed arguments; returns the exit status (an error is one line on
-    stderr, status 1)."""
+    stderr, status 1; a warning is one line too)."""
     try:
-        serve(
-            args.model,
-            host=args.host,
-            port=args.port,
-            api_key=args.api_key,
-            n_ctx=args.n_ctx,
-            n_seq_max=args.n_seq_max,
-            threads=args.threads,
-            max_queue=args.max_queue,
-            draft=args.draft,
-            verbose=args.verbose,
-        )
+        with one_line_warnings("lcgen serve"):
+            serve(
+                args.model,
+                host=args.host,
+                port=args.port,
+                api_key=args.api_key,
+                n_ctx=args.n_ctx,
+                n_seq_max=args.n_seq_max,
+                threads=args.threads,
+                max_queue=args.max_queue,
+                draft=args.draft,
+                verbose=args.verbose,
+            )
     except (lcgen.LcgenError, ValueError, TypeError, OSError) as exc:
         print(f"lcgen serve: error: {exc}", file=sys.stderr)
         return 1
@@ -378,6 +400,7 @@ __all__ = [
     "check_api_key",
     "command",
     "main",
+    "one_line_warnings",
     "require_extra",
     "serve",
 ]
