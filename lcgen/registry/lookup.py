@@ -131,7 +131,7 @@ def is_assembly_pending(entry: ModelEntry) -> bool:
     if local_path(entry) is not None:
         return False
     chunked = (source for source in entry.sources if isinstance(source, ChunkedWheelSource))
-    return any(all(_has_wheel_file(chunk) for chunk in source.chunks) for source in chunked)
+    return any(_is_installed(source) for source in chunked)
 
 
 def list_models() -> list[tuple[ModelEntry, Path | None]]:
@@ -214,6 +214,15 @@ def _has_wheel_file(chunk: ChunkFile) -> bool:
     return True
 
 
+def _is_installed(source: Source) -> bool:
+    """Whether a wheel source's files are all installed (installing it again changes nothing)."""
+    if isinstance(source, WheelSource):
+        return _has_wheel_file(ChunkFile(source.package, source.path))
+    if isinstance(source, ChunkedWheelSource):
+        return all(_has_wheel_file(chunk) for chunk in source.chunks)
+    return False
+
+
 def _remove_stale_temps(target: Path) -> None:
     now = time.time()
     for leftover in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
@@ -290,9 +299,11 @@ def _is_offline() -> bool:
 def _failure_message(what: str, failures: Sequence[tuple[Source, str]], download: bool) -> str:
     lines = [f"{what} is not available locally. Tried:"]
     lines += [f"  - {source.describe()}: {reason}" for source, reason in failures]
-    hints = dict.fromkeys(source.install_hint() for source, _ in failures)
-    lines.append("Get it with one of:" if len(hints) > 1 else "Get it with:")
-    lines += [f"  {hint}" for hint in hints]
+    # An installed source failed for the reason given (a size, a folder not writable).
+    hints = dict.fromkeys(s.install_hint() for s, _ in failures if not _is_installed(s))
+    if hints:
+        lines.append("Get it with one of:" if len(hints) > 1 else "Get it with:")
+        lines += [f"  {hint}" for hint in hints]
     downloadable = any(isinstance(source, HFSource) for source, _ in failures)
     if downloadable and (not download or _is_offline()):
         lines.append("  or run once with network access (download=True, HF_HUB_OFFLINE unset)")
