@@ -8,11 +8,13 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import lcgen
 from lcgen import continuous, generate
+from lcgen.runtime.run import step
 
 PERSON = {
     "type": "object",
@@ -165,3 +167,21 @@ def _sequence_generate(seq: lcgen.Sequence, options: dict[str, Any]) -> object:
     except (lcgen.IncompleteOutputError, lcgen.NoCandidatesError) as exc:
         return type(exc)
     return (str(out), out.tokens, out.logprobs)
+
+
+def test_one_sequence_twice_in_a_step_is_refused_before_llama_cpp_sees_it(
+    model: lcgen.Model,
+) -> None:
+    # One run submitted twice (or two runs on one sequence) put the sequence twice into one
+    # batch: llama.cpp refused it ("positions are decreasing"), a DecodeError naming nothing.
+    with model.sequence("The keeper climbed the stairs.") as seq:
+        run = seq.run(max_tokens=3)
+        scheduler = lcgen.Scheduler(model.cache)
+        scheduler.submit(lambda: run)
+        scheduler.submit(lambda: run)
+        with pytest.raises(ValueError, match=rf"slot {seq.slot}\) is in one step twice"):
+            list(scheduler)
+        other = seq.run(max_tokens=3)
+        with pytest.raises(ValueError, match="in one step twice"):
+            step([seq.run(max_tokens=3), other])
+        assert seq.generate(max_tokens=3).stats.tokens == 3  # the sequence is as it was

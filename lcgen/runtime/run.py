@@ -84,11 +84,13 @@ def step(runs: Seq[Run]) -> list[Chunk | None]:
         Per run, in order, the chunk its step produced (None: no text this step).
 
     Raises:
+        ValueError: a sequence is in the step twice (see :func:`_check_distinct`).
         Whatever a run raises; every sequence is left as before the step (its last token
         pending), so the runs can go on or be dropped.
     """
     groups = [run.sequences() for run in runs]
     seqs = [seq for group in groups for seq in group]
+    _check_distinct(seqs)
     if not seqs:
         return [run.advance([]) for run in runs]
     chunks: list[Chunk | None] = []
@@ -108,6 +110,23 @@ def step(runs: Seq[Run]) -> list[Chunk | None]:
             if seq.n_decoded == len(seq) and not seq.is_closed:
                 seq.resync()  # it ended without a new token (retries): keep the last pending
     return chunks
+
+
+def _check_distinct(seqs: Seq[TokenSequence]) -> None:
+    """Refuse a step that holds one sequence twice (llama.cpp would refuse the batch).
+
+    Raises:
+        ValueError: one run was submitted twice, or two runs on one sequence are stepped
+            together.
+    """
+    seen: set[int] = set()
+    for seq in seqs:
+        if id(seq) in seen:
+            raise ValueError(
+                f"a sequence (slot {seq.slot}) is in one step twice: the same run submitted "
+                "twice, or two runs on one sequence; a sequence takes one run at a time"
+            )
+        seen.add(id(seq))
 
 
 class SequenceRun:
