@@ -120,11 +120,17 @@ def test_any_controls_together_keep_stream_text_tokens_and_logprobs_in_step(
     cold_model: lcgen.Model, prompt: str, options: dict[str, Any]
 ) -> None:
     """Stops, bans, logprobs, speculation, healing, constraints and biases at once: the stream
-    joins to the text, carries its tokens and one log-probability entry per token, and the
-    output holds no banned phrase and no stop string before its end."""
+    joins to the text, carries its tokens and one log-probability entry per token, the stats
+    count what the context decoded, and the output holds no banned phrase and no stop string
+    before its end."""
+    before = cold_model.context.n_decoded
     out = _generate_or_error(cold_model, prompt, options)
     if isinstance(out, type):
         return
+    stats = out.stats
+    assert cold_model.context.n_decoded - before == stats.decoded
+    if stats.rewinds == stats.resamples == 0 and out.finish_reason != "retries":
+        assert stats.tokens == stats.steps + stats.accepted + stats.forced
     chunks = list(cold_model.stream(prompt, **options))
     assert "".join(c.text for c in chunks) == out
     assert tuple(t for c in chunks for t in c.tokens) == out.tokens
