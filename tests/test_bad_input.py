@@ -131,7 +131,7 @@ def test_sizes_llama_cpp_would_abort_on_are_refused() -> None:
     ("args", "status", "message"),
     [
         (["--threads", "1000000"], 2, "--threads: must be in [1, 512]"),  # a usage error
-        (["--n-ctx", "1"], 1, "exceeds the context"),
+        (["--n-ctx", "1"], 1, "over the context of 256 tokens"),
     ],
 )
 def test_the_command_line_reports_bad_sizes(args: list[str], status: int, message: str) -> None:
