@@ -970,6 +970,7 @@ BAD = [
     (_body(top_p=0), "top_p"),  # checked by lcgen's options: the field still named
     (_body(min_p=1), "min_p"),
     (_body(top_logprobs=99, logprobs=True), "top_logprobs"),
+    (_body(num_draft=4), "num_draft"),  # without speculate it would do nothing
     (_body(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools.0.function.name"),
     (_body(tools=[{"type": "code"}]), "tools.0.type"),
     (_body(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="always"), None),

@@ -469,6 +469,7 @@ def test_closing_a_sequence_gives_its_draft_models_slot_back(
         ({"speculate": "ngram", "num_draft": 0}, ValueError, "num_draft must be"),
         ({"speculate": "ngram", "num_draft": "4"}, TypeError, "num_draft must be an int"),
         ({"speculate": "ngram", "num_draft": 65}, ValueError, "num_draft must be"),
+        ({"num_draft": 4}, ValueError, r"num_draft=4 needs speculate"),  # else a silent no-op
     ],
 )
 def test_bad_speculation_options_are_named(

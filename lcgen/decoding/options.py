@@ -344,6 +344,8 @@ def _speculation(options: GenerateOptions) -> Speculation | None:
     if given is not None:
         given = _int("num_draft", given, low=1, high=MAX_DRAFT)
     if method is None:
+        if given is not None:
+            raise ValueError(f"num_draft={given} needs speculate ('ngram' or a draft lcgen.Model)")
         return None
     if isinstance(method, str):
         if method != "ngram":

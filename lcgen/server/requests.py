@@ -353,6 +353,8 @@ def options(
             "or use 'ngram'",
             param="speculate",
         )
+    if req.num_draft is not None and req.speculate is None:
+        raise APIError(400, "num_draft needs speculate ('ngram' or 'draft')", param="num_draft")
     if req.speculate is not None:
         out["speculate"] = draft if req.speculate == "draft" else req.speculate
         if req.num_draft is not None:
