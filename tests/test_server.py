@@ -725,6 +725,8 @@ def test_tools_with_a_response_format(client: openai.OpenAI, model: lcgen.Model)
     assert grammar.accepts(model, weather) and grammar.accepts(model, '["salt", "wave"]')
     assert not grammar.accepts(model, "Sunny.") and not grammar.accepts(model, "[1]")
     assert server_tools.parse_calls(weather, False, {"get_weather"}) is not None
+    told = server_tools.prompt_messages(ASK, req.callable_tools(), False, formatted=True)
+    assert told[0]["content"].endswith("Otherwise reply with only JSON in the format asked for.")
     other = '{"name": "get_time", "arguments": {}}'
     assert server_tools.parse_calls(other, False, {"get_weather"}) is None
     with pytest.raises(openai.BadRequestError, match="response_format"):

@@ -78,6 +78,7 @@ class _Server:
             callable_tools,
             req.tool_required,
             req.tool_parallel,
+            formatted=req.response_format is not None and req.response_format.type != "text",
         )
         try:
             prompt = await run_in_threadpool(self.model.chat_tokens, messages)

@@ -100,8 +100,11 @@ def active(tools: list[Tool] | None, choice: ToolChoice | None) -> list[Tool]:
     return tools
 
 
-def instructions(tools: list[Tool], required: bool, parallel: bool = False) -> str:
-    """The system message's text that tells the model the functions and how to call them."""
+def instructions(
+    tools: list[Tool], required: bool, parallel: bool = False, formatted: bool = False
+) -> str:
+    """The system message's text that tells the model the functions and how to call them
+    (and, ``formatted``, that a reply that is not calls is JSON: a response_format's)."""
     lines = ["You can call these functions:"]
     for tool in tools:
         fn = tool.function
@@ -114,9 +117,17 @@ def instructions(tools: list[Tool], required: bool, parallel: bool = False) -> s
         'To call a function, reply with only a JSON object: {"name": <the function\'s name>, '
         '"arguments": <an object of its parameters>}.'
         + (" To call several at once, reply with only a JSON array of them." if parallel else "")
-        + (" Reply with a function call." if required else " Otherwise reply in text.")
+        + _otherwise(required, formatted)
     )
     return "\n".join(lines)
+
+
+def _otherwise(required: bool, formatted: bool) -> str:
+    if required:
+        return " Reply with a function call."
+    if formatted:
+        return " Otherwise reply with only JSON in the format asked for."
+    return " Otherwise reply in text."
 
 
 def grammar(
@@ -310,10 +321,15 @@ def _rehome(params: dict[str, Any], where: str, id_key: str, old: bool) -> Any:
 
 
 def prompt_messages(
-    messages: list[dict[str, Any]], tools: list[Tool], required: bool, parallel: bool = False
+    messages: list[dict[str, Any]],
+    tools: list[Tool],
+    required: bool,
+    parallel: bool = False,
+    formatted: bool = False,
 ) -> list[dict[str, str]]:
     """Messages for the chat template: the tools described in the (first) system message,
-    calls and results of earlier turns written out as text."""
+    calls and results of earlier turns written out as text (``formatted``: a reply that is
+    not calls follows a response_format)."""
     names: dict[str, str] = {}  # call id -> function name
     out: list[dict[str, str]] = []
     for message in messages:
@@ -330,7 +346,7 @@ def prompt_messages(
             role, text = "user", f"The function {name} returned: {text}"
         out.append({"role": role, "content": text})
     if tools:
-        told = instructions(tools, required, parallel)
+        told = instructions(tools, required, parallel, formatted)
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{told}"}
         else:
