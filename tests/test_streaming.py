@@ -113,6 +113,20 @@ def test_token_healing_composes_with_checkpoints(model: lcgen.Model) -> None:
         assert seq.generate(max_tokens=10, token_healing=True, temperature=0.8) == a
 
 
+def test_a_sequence_saved_before_healing_replaced_its_token_keeps_its_prompt(
+    model: lcgen.Model,
+) -> None:
+    # Saved between the run's start (which takes the last token away) and its first step,
+    # the file held the prompt cut short: 'The capital of' for 'The capital of Fra'.
+    with model.sequence("The capital of Fra") as seq:
+        run = seq.run(max_tokens=4, token_healing=True)
+        saved = seq.to_bytes()
+        healed = "".join(run.step().text for _ in range(4))
+    with lcgen.Sequence.from_bytes(model, saved) as back:
+        assert back.text == "The capital of Fra"
+        assert back.generate(max_tokens=4, token_healing=True) == healed
+
+
 def test_logprobs(model: lcgen.Model) -> None:
     chunks = list(model.stream("The sky is", max_tokens=6, logprobs=3))
     steps: list[lcgen.Step] = []

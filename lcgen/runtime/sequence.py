@@ -100,7 +100,7 @@ class Sequence(TokenSequence):
             self._trim_kv(self._n_decoded - 1)  # saved sequences keep their last token pending
         header: dict[str, Any] = {
             "model": self.model.fingerprint,
-            "tokens": self._tokens,
+            "tokens": self._whole_tokens(),
             "n_decoded": self._n_decoded,
             "rng": self._rng.bit_generator.state,
             "rng_log": [[pos, state] for pos, state in sorted(self._rng_log.items())],

@@ -297,6 +297,15 @@ class TokenSequence:
         self._stamps.append(after)
         return True
 
+    def _whole_tokens(self) -> list[int]:
+        """The tokens, with the one token healing removed put back while nothing has replaced
+        it yet (a sequence saved then is its prompt, not the prompt cut short)."""
+        if self._healed is not None:
+            pos, token, before, _ = self._healed
+            if pos == len(self._tokens) and self._stamps[pos] == before:
+                return [*self._tokens, token]
+        return list(self._tokens)
+
     def _check_reachable(self, cp: Checkpoint) -> None:
         n = len(self._tokens)
         if not isinstance(cp.n_tokens, int) or cp.n_tokens < 0:
