@@ -22,7 +22,7 @@ import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import openai
 import pydantic
@@ -1303,12 +1303,7 @@ def test_ctrl_c_stops_the_server_with_requests_running(model: lcgen.Model) -> No
     import signal
 
     cmd = [sys.executable, "-m", "lcgen.cli", "serve", NAME, "--port", "0", "--threads", "1"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stderr is not None
-        found = re.search(r"(http://\S+) \(OpenAI API", proc.stderr.readline())
-        assert found, "the server did not start"
-        base = found[1]
+    with _server_process(cmd) as (proc, base):
         body = {"model": NAME, "prompt": "Once", "max_tokens": 4000, "logit_bias": endless(model)}
         with ThreadPoolExecutor(2) as pool:
             whole = pool.submit(request, base, "/v1/completions", json.dumps(body).encode(), None)
@@ -1324,37 +1319,42 @@ def test_ctrl_c_stops_the_server_with_requests_running(model: lcgen.Model) -> No
         assert status == 503 and answer["error"]["code"] == "shutting_down", answer
         assert lines[-1] == "data: [DONE]", lines[-3:]
         assert json.loads(lines[-2].removeprefix("data: "))["error"]["code"] == "shutting_down"
-        assert "ERROR" not in proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
-        if proc.stderr is not None:
-            proc.stderr.close()
+        assert "ERROR" not in _stderr(proc).read()
 
 
 def test_python_m_lcgen_server_writes_warnings_as_one_line(model_path: Path) -> None:
     # `lcgen serve` wrote "lcgen: warning: ..." but `python -m lcgen.server` (the same
     # command) Python's warning with a line of lcgen's source
-    cmd = [sys.executable, "-m", "lcgen.server", str(model_path), "--port", "0"]
-    proc = subprocess.Popen([*cmd, "--threads", "1"], stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stderr is not None
-        found = re.search(r"(http://\S+) \(OpenAI API", proc.stderr.readline())
-        assert found, "the server did not start"
+    cmd = [sys.executable, "-m", "lcgen.server", str(model_path), "--port", "0", "--threads", "1"]
+    with _server_process(cmd) as (proc, base):
         schema = {"type": "object", "proprties": {}}
         response_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}
         body = _body(model=model_path.name, response_format=response_format)
-        assert request(found[1], "/v1/chat/completions", body, key=None)[0] == 200
+        assert request(base, "/v1/chat/completions", body, key=None)[0] == 200
         proc.terminate()
         assert proc.wait(timeout=30) in (0, -15)  # uvicorn raises SIGTERM again once stopped
-        assert proc.stderr.read() == (
+        assert _stderr(proc).read() == (
             "lcgen serve: warning: unknown JSON Schema keyword 'proprties' at # is ignored "
             "(did you mean 'properties'?)\n"
         )
+
+
+@contextlib.contextmanager
+def _server_process(cmd: list[str]) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """A server started by ``cmd`` (its stderr piped) and its address once it says it is
+    ready; killed at the end if it still runs."""
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    try:
+        found = re.search(r"(http://\S+) \(OpenAI API", _stderr(proc).readline())
+        assert found, "the server did not start"
+        yield proc, found[1]
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.wait()
-        if proc.stderr is not None:
-            proc.stderr.close()
+        _stderr(proc).close()
+
+
+def _stderr(proc: subprocess.Popen[str]) -> IO[str]:
+    assert proc.stderr is not None
+    return proc.stderr
