@@ -19,7 +19,7 @@ import pathlib
 import re
 import uuid
 from dataclasses import dataclass
-from typing import Any, Generic, Literal, TypeVar
+from typing import Annotated, Any, Generic, Literal, TypeVar
 
 import pydantic
 import pytest
@@ -59,6 +59,16 @@ class Open(pydantic.BaseModel, extra="allow"):
 
 # pydantic.color.Color and PaymentCardNumber are deprecated, and still served.
 pytestmark = pytest.mark.filterwarnings("ignore::pydantic.warnings.PydanticDeprecatedSince20")
+
+
+class Tree(pydantic.BaseModel):
+    data: pydantic.Json[int]
+    kids: list[Tree] = []
+
+
+class Loop(pydantic.BaseModel):
+    inner: pydantic.Json[Loop] | None = None
+
 
 T = TypeVar("T")
 
@@ -110,6 +120,7 @@ CASES = [
     Case("json-list", pydantic.Json[list[int]], ("[1, 2, 3]", "[]")),
     Case("json-any", pydantic.Json[Any], ('{"a": [1, "x\\n"]}', '"quoted"')),
     Case("json-model", pydantic.Json[Pet], ('{"kind": "cat", "name": "Tom \\"T\\""}',)),
+    Case("json-in-recursion", Tree, (Tree(data="1", kids=[Tree(data="-2")]),)),
     Case("past-date", pydantic.PastDate, (DAY,)),
     Case("past-datetime", pydantic.PastDatetime, (MOMENT,)),
     Case("aware-datetime", pydantic.AwareDatetime, (MOMENT,)),
@@ -173,7 +184,8 @@ CASES = [
 # Texts the grammar allowed before, which pydantic refuses (the x of {"x": ...}).
 REFUSED_BY_PYDANTIC = [
     ("condecimal", "1234.5"), ("condecimal", '"abc"'), ("condecimal", "0.001"),
-    ("decimal", '"x"'), ("condecimal-places", "0.00001"), ("dict-int-keys", '{"a": "b"}'),
+    ("decimal", '"x"'), ("condecimal-places", "0.00001"),
+    ("condecimal-places", "0"), ("condecimal-places", "-0.0"), ("dict-int-keys", '{"a": "b"}'),
     ("dict-float-keys", '{"x": 1}'), ("dict-intenum-keys", '{"3": 1}'),
     ("dict-mixed-literal-keys", '{"1": 1}'), ("json-list", '"[1, \\"a\\"]"'), ("json-list", '"x"'),
     ("json-model", '"{}"'), ("uuid4", f'"{UID}"'), ("ip-any-network", '"10.0.0.1/8"'),
@@ -283,6 +295,23 @@ def test_texts_near_valid_ones_are_allowed_only_when_valid(
         ("card", pt.PaymentCardNumber, "'payment-card-number' at #/properties/x"),
         ("postgres", pydantic.PostgresDsn, "'multi-host-uri' at #/properties/x"),
         ("set", set[int], "uniqueItems at #/properties/x"),
+        (
+            "after",
+            pydantic.condate(gt=DAY),
+            "'lcgen-bounded-date' at #/properties/x is not supported: gt/ge",
+        ),
+        ("since", Annotated[datetime.datetime, pydantic.Field(ge=MOMENT)], "bounded-date-time"),
+        (
+            "before-noon",
+            Annotated[datetime.time, pydantic.Field(lt=datetime.time(12))],
+            "bounded-time",
+        ),
+        (
+            "positive",
+            Annotated[datetime.timedelta, pydantic.Field(gt=datetime.timedelta(0))],
+            "bounded-duration",
+        ),
+        ("json-of-itself", Loop, "contentSchema at #/[$]defs/Loop/properties/inner .* refers back"),
         ("frozenset", frozenset[str], "uniqueItems at #/properties/x"),
     ],
 )
@@ -300,6 +329,9 @@ def test_plain_json_schema_formats_keep_their_meaning(model: lcgen.Model) -> Non
     as_json = Grammar.from_json_schema({**content, "contentSchema": {"type": "integer"}})
     assert as_json.accepts(model, '"12"')
     assert not as_json.accepts(model, '"x"')
+    pydantic_1 = Grammar.from_json_schema({"type": "string", "format": "json-string"})
+    assert pydantic_1.accepts(model, '"[1, {\\"a\\": null}]"')
+    assert not pydantic_1.accepts(model, '"[1"')
     encoded = Grammar.from_json_schema({**content, "contentEncoding": "base64"})
     assert encoded.accepts(model, '"x"')  # base64 content: an annotation, as before
     assert Grammar.from_json_schema({"type": "string", "format": "file"}).accepts(model, '"x"')

@@ -626,18 +626,19 @@ def _precise_schema_generator() -> type[Any]:
 
     class Precise(GenerateJsonSchema):
         def datetime_schema(self, schema: Any) -> Any:
-            out = super().datetime_schema(schema)
-            if out.get("format") == "date-time" and schema.get("now_op"):
-                return {**out, "format": f"lcgen-{schema['now_op']}-date-time"}
+            out = _temporal(super().datetime_schema(schema), schema)
             if out.get("format") == "date-time" and schema.get("tz_constraint") == "naive":
                 out = {**out, "format": "lcgen-naive-date-time"}
             return out
 
         def date_schema(self, schema: Any) -> Any:
-            out = super().date_schema(schema)
-            if out.get("format") == "date" and schema.get("now_op"):
-                return {**out, "format": f"lcgen-{schema['now_op']}-date"}
-            return out
+            return _temporal(super().date_schema(schema), schema)
+
+        def time_schema(self, schema: Any) -> Any:
+            return _temporal(super().time_schema(schema), schema)
+
+        def timedelta_schema(self, schema: Any) -> Any:
+            return _temporal(super().timedelta_schema(schema), schema)
 
         def decimal_schema(self, schema: Any) -> Any:
             if self.mode != "validation":
@@ -707,6 +708,19 @@ def _precise_schema_generator() -> type[Any]:
     return Precise
 
 
+def _temporal(out: dict[str, Any], schema: Any) -> dict[str, Any]:
+    """A date, time, datetime or timedelta's schema saying what pydantic's leaves out: that
+    it is past or future (PastDate...), or bounded (gt/ge/lt/le)."""
+    fmt = out.get("format")
+    if fmt not in ("date", "date-time", "time", "duration"):  # (written as a number)
+        return out
+    if schema.get("now_op"):
+        return {**out, "format": f"lcgen-{schema['now_op']}-{fmt}"}
+    if any(schema.get(key) is not None for key in ("gt", "ge", "lt", "le")):
+        return {**out, "format": f"lcgen-bounded-{fmt}"}
+    return out
+
+
 def _str_values(values: list[Any]) -> dict[str, Any]:
     """The keys of a literal or enum type pydantic can read: its str values."""
     strings = [v for v in values if isinstance(v, str)]
@@ -735,12 +749,18 @@ def _decimal_number(schema: Any) -> dict[str, Any]:
         splits = [(whole, digits - whole) for whole in range(digits + 1)]
     options = []
     for whole, after in splits:
-        option: dict[str, Any] = {}
+        ranges: list[tuple[int, int] | None] = [None]
         if whole is not None:
-            option = {"exclusiveMinimum": -(10**whole), "exclusiveMaximum": 10**whole}
-        if after is not None:
-            option["multipleOf"] = decimal.Decimal(1).scaleb(-after)
-        options.append(option)
+            ranges = [(-(10**whole), 10**whole)]
+        if whole == 0:  # pydantic counts 0 as a whole digit: two ranges without it
+            ranges = [(-1, 0), (0, 1)]
+        for bounds in ranges:
+            option: dict[str, Any] = {}
+            if bounds is not None:
+                option = {"exclusiveMinimum": bounds[0], "exclusiveMaximum": bounds[1]}
+            if after is not None:
+                option["multipleOf"] = decimal.Decimal(1).scaleb(-after)
+            options.append(option)
     if options != [{}]:
         number["anyOf"] = options
     return number

@@ -216,7 +216,7 @@ PRIMITIVES = {
     "uri-reference": f"{URI_CHAR}*",
     "duration": DURATION,
     "octet": '"25" [0-5] | "2" [0-4] [0-9] | "1" [0-9] [0-9] | [1-9] [0-9] | [0-9]',
-    # pydantic's IPvAnyAddress (an unknown format, so any string: either address is one)
+    # pydantic's IPvAnyAddress: either address
     "ipvanyaddress": "ipv4 | ipv6",
     # pydantic's networks (no host bits), interfaces (an address, perhaps a prefix length).
     "ipv4network": _ipv4_network(),
@@ -235,10 +235,12 @@ PRIMITIVES = {
     "regex": f"{_REGEX_PLAIN}*",  # a pattern that matches itself: always compiles
     "color": f'"#" ({HEX}{{3}} | {HEX}{{6}})',
     "lcgen-hex": f"({HEX} {HEX})*",  # bytes as pydantic's val_json_bytes='hex' reads them
-    # pydantic's complex (its schema says only "string"): Python's complex() reads these.
+    # pydantic's PastDatetime ("lcgen-past-date" is made when a grammar is: DATED).
     "lcgen-past-date-time": 'lcgen-past-date "T" time',
+    # pydantic's complex (its schema says only "string"): Python's complex() reads these.
     "lcgen-complex": '"-"? real ([+-] real "j")? | "-"? real "j"',
     "real": '[0-9]{1,15} ("." [0-9]{1,15})?',
+    # pydantic's UUID1 to UUID8: the version digit, and the RFC 4122 variant.
     **{
         f"uuid{n}": ' "-" '.join([*_UUID_GROUPS[:2], f'"{n}" {_UUID_GROUPS[2]}', *_UUID_GROUPS[3:]])
         for n in range(1, 9)
@@ -290,6 +292,11 @@ REFUSED_FORMATS = {
     "multi-host-uri": "its JSON Schema does not say which schemes pydantic allows",
     "lcgen-stripped-pattern": "pydantic strips whitespace before it checks minLength, and a "
     "pattern may allow whitespace at the ends",
+    **dict.fromkeys(
+        [f"lcgen-bounded-{kind}" for kind in ("date", "date-time", "time", "duration")],
+        "gt/ge/lt/le on a date, time, datetime or timedelta (pydantic's JSON Schema leaves "
+        "them out, and lcgen does not bound these texts)",
+    ),
     **dict.fromkeys(
         ["lcgen-future-date", "lcgen-future-date-time"],
         "pydantic's FutureDate/FutureDatetime: a date after today stops being one at midnight, "

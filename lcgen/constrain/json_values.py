@@ -275,13 +275,19 @@ class ValueCompiler:
         """A JSON string whose text is JSON valid against ``schema`` (``contentMediaType``
         application/json: pydantic's Json), its characters escaped as JSON writes them."""
         inner = self.visit(schema, f"{path}/contentSchema")
+        # (rules still being compiled, whose bodies are empty yet, are left out: a content
+        # that reaches one holds its own JSON text, escaped again at every level)
+        defined = "".join(f"{name} ::= {body}\n" for name, body in self.rules.rules.items() if body)
         try:
-            rules = lark.parse(self.rules.text(inner))
-        except GrammarError:  # a rule still being compiled: a recursion through the content
+            body = json_string_rules(
+                lark.parse(f"root ::= {inner}\n{defined}"), self.rules, self.in_string
+            )
+        except KeyError:
             raise GrammarError(
-                f"contentSchema at {path} is not supported: it refers back to a schema around it"
+                f"contentSchema at {path} is not supported: its JSON refers back to the schema "
+                "around it (a Json field of its own model)"
             ) from None
-        return f'"\\"" {json_string_rules(rules, self.rules, self.in_string)} "\\""'
+        return f'"\\"" {body} "\\""'
 
     def number(self, conj: Conj, path: str, integer: bool) -> str:
         return self.numbers.number(conj, path, integer) or self.prim("number")
