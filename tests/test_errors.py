@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import decimal
 import json
 import re
 import shutil
@@ -243,30 +242,9 @@ class Never(pydantic.BaseModel):
         raise ValueError("no number is ever right")
 
 
-class Price(pydantic.BaseModel):
-    price: decimal.Decimal
-
-
-class ByNumber(pydantic.BaseModel):
-    names: dict[int, str]
-
-
-class Embedded(pydantic.BaseModel):
-    numbers: pydantic.Json[list[int]]
-
-
-class Due(pydantic.BaseModel):
-    day: pydantic.FutureDate
-
-
 @pytest.mark.parametrize(
     ("model_cls", "text", "field"),
-    [
-        (Price, '{"price": "abc"}', "price: Input should be a valid decimal"),
-        (ByNumber, '{"names": {"a": "x"}}', "names.a.[key]"),
-        (Embedded, '{"numbers": "[1, \\"x\\"]"}', "numbers.1"),
-        (Due, '{"day": "2000-01-01"}', "day: Date should be in the future"),
-    ],
+    [(Never, '{"n": 3}', "n: Value error, no number is ever right")],
 )
 def test_output_a_model_refuses_raises_an_lcgen_error(
     model: lcgen.Model, model_cls: type[pydantic.BaseModel], text: str, field: str

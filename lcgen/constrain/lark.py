@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from lcgen.errors import GrammarError
 
 _NAME = re.compile(r"[a-zA-Z0-9_-]+")
-_ESCAPES = {"n": 10, "r": 13, "t": 9, "\\": 92, '"': 34, "[": 91, "]": 93}
+_ESCAPES = {"n": 10, "r": 13, "t": 9, "\\": 92, '"': 34, "[": 91, "]": 93, "-": 45}
 _HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
 _QUOTE, _BACKSLASH = 0x22, 0x5C
 

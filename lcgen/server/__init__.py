@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 import lcgen
+from lcgen.server.requests import check_api_key
 
 if TYPE_CHECKING:
     import uvicorn
@@ -158,20 +159,6 @@ def _ready_server(
             await super().shutdown(sockets=sockets)
 
     return Server(config)
-
-
-def check_api_key(api_key: str | None) -> str | None:
-    """``api_key`` when it is None (no authentication) or a key that is not blank.
-
-    Raises:
-        ValueError: it is blank (any client could send it).
-    """
-    if api_key is not None and not api_key.strip():
-        raise ValueError(
-            f"api_key={api_key!r} is blank: any client could send it; give a key, or None "
-            "for a server without authentication"
-        )
-    return api_key
 
 
 def _api_key_arg(text: str) -> str:

@@ -23,12 +23,13 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import lcgen
-from lcgen.server import check_api_key, tools
+from lcgen.server import tools
 from lcgen.server.engine import Engine, Failed, Finished, Job, Piece, QueueFullError
 from lcgen.server.requests import (
     APIError,
     ChatRequest,
     CompletionRequest,
+    check_api_key,
     field_named,
     max_tokens,
     n_logprobs,

@@ -496,3 +496,17 @@ def _format_schema(req: ChatRequest | CompletionRequest) -> tuple[Any, bool] | N
             param="response_format.json_schema",
         )
     return fmt.json_schema.schema_, bool(fmt.json_schema.strict)
+
+
+def check_api_key(api_key: str | None) -> str | None:
+    """``api_key`` when it is None (no authentication) or a key that is not blank.
+
+    Raises:
+        ValueError: it is blank (any client could send it).
+    """
+    if api_key is not None and not api_key.strip():
+        raise ValueError(
+            f"api_key={api_key!r} is blank: any client could send it; give a key, or None "
+            "for a server without authentication"
+        )
+    return api_key
