@@ -183,11 +183,40 @@ def test_bans_with_a_grammar(model: lcgen.Model) -> None:
     assert plain == "tapestry"  # measured
     out = chat(model, ROME, choice=options, banned=["tapestry"])
     assert out in ("mosaic", "fabric") and out.stats.rewinds >= 1
-    # Every way to spell the only option is banned in turn: the generation gives up cleanly.
-    # It is not an option, so it does not come back as one.
+    # Every way to spell the only option is banned at once (" t", "tap", ... beside the token
+    # sampled): the generation gives up cleanly after one rewind, not one per spelling. It is
+    # not an option, so it does not come back as one.
     with pytest.raises(lcgen.IncompleteOutputError, match="retries ran out") as info:
         chat(model, ROME, choice=["tapestry"], banned=["tapestry"])
     assert info.value.text == ""
+    with model.sequence(model.chat_tokens(ROME)) as seq:
+        *_, last = seq.stream(choice=["tapestry"], banned=["tapestry"])
+    assert last.finish_reason == "retries" and last.stats.rewinds == 1
+
+
+TEA = [{"role": "user", "content": "Would you like some tea?"}]
+
+
+def test_a_phrase_a_constraint_would_force_bans_the_token_that_leads_to_it(
+    model: lcgen.Model,
+) -> None:
+    # After "no" the choice forces " thanks": "no" is taken back as soon as it is sampled
+    # (once " thanks" is written, "no" is final text, out of a rewind's reach).
+    options = ["yes please", "no thanks"]
+    assert chat(model, TEA, choice=options) == "no thanks"  # measured
+    out = chat(model, TEA, choice=options, banned=["thanks"])
+    assert out == "yes please" and out.stats.rewinds >= 1
+    # A phrase every option forces: the generation gives up (it used up its retries before).
+    with pytest.raises(lcgen.IncompleteOutputError) as info:
+        chat(model, TEA, choice=["Yes, I would", "No, I would not"], banned=["would"])
+    assert info.value.text == ""
+    schema = {
+        "type": "object",
+        "properties": {"answer": {"enum": ["yes please", "no thanks"]}},
+        "required": ["answer"],
+    }
+    value = model.chat(TEA, schema=schema, banned=["thanks"])
+    assert value == {"answer": "yes please"}
 
 
 def test_bans_with_a_json_schema(model: lcgen.Model) -> None:

@@ -226,6 +226,14 @@ class Generator:
             return self._accept(token)
         return self._accept_with_logprobs(token, logits, self.logprobs)
 
+    def forced_text(self) -> str:
+        """The text the constraint allows next and nothing else (see
+        :meth:`~lcgen.GrammarState.forced_text`); empty without a grammar, while healing and
+        once done."""
+        if self.grammar is None or self.heal or self.is_done:
+            return ""
+        return self.grammar.forced_text(_MAX_FORCED_CHARS)
+
     def forced_tokens(self, before: bytes, limit: int) -> list[int]:
         """The tokens the constraint forces next, as the tokenizer writes that text.
 
@@ -241,9 +249,7 @@ class Generator:
             before: the piece of the last token.
             limit: the most tokens to return.
         """
-        if self.grammar is None or self.heal or self.is_done or limit <= 0:
-            return []
-        text = self.grammar.forced_text(_MAX_FORCED_CHARS)
+        text = self.forced_text() if limit > 0 else ""
         if not text:
             return []
         tokens = _tokens_after(self.vocab, before, text.encode("ascii"))

@@ -217,6 +217,12 @@ class BannedPhrases:
                 pos = match.start() + 1
         return best
 
+    def literal_at(self, text: str, start: int) -> str | None:
+        """The literal phrase matched at ``start``, as the text writes it (None where only a
+        regular expression matches there)."""
+        match = self._literal.match(text, start) if self._literal is not None else None
+        return None if match is None else match.group()
+
     def hold_from(self, text: str) -> int:
         """The first character that could still become part of a banned match."""
         hold = len(text)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Set
 from dataclasses import dataclass
 
 import numpy as np
@@ -144,9 +145,16 @@ class Backtracker(SequenceRun):
                     )
                 return self._rewind(verdict, "a validator")
         if self.banned:
-            start = self.banned.find(text, self._scan_from, gen.is_done)
+            # A constraint may force the text that follows: a phrase it completes is written
+            # whatever is sampled next, so the token that led there is taken back now (it
+            # would be final, out of reach, by the time the phrase is).
+            ahead = text + gen.forced_text()
+            start = self.banned.find(ahead, self._scan_from, gen.is_done)
+            if start is not None and start >= len(text):
+                return self._rewind_to(index, ban=True)
             if start is not None:
-                return self._rewind_to(self._token_of(start), ban=True)
+                at = self._token_of(start)
+                return self._rewind_to(at, ban=True, also=self._spellings(at, ahead, start))
             self._scan_from = self.banned.hold_from(text)
         return self._emit()
 
@@ -212,8 +220,9 @@ class Backtracker(SequenceRun):
             )
         return self._rewind_to(n_gen - n, action.ban)
 
-    def _rewind_to(self, index: int, ban: bool) -> Chunk:
-        """Drop the generated tokens from ``index`` on; with ``ban``, forbid the one there."""
+    def _rewind_to(self, index: int, ban: bool, also: Set[int] = frozenset()) -> Chunk:
+        """Drop the generated tokens from ``index`` on; with ``ban``, forbid the one there
+        (and the tokens ``also``)."""
         if not self._retry():
             self._rewind_quietly(index)
             return self._end("retries")
@@ -221,8 +230,25 @@ class Backtracker(SequenceRun):
         self._rewind_quietly(index)
         self._rewinds += 1
         if ban:
-            self._bans.setdefault(index, set()).add(token)
+            self._bans.setdefault(index, set()).update({token, *also})
         return self._emit()
+
+    def _spellings(self, index: int, text: str, start: int) -> frozenset[int]:
+        """The tokens that, in place of generated token ``index``, would start the banned
+        literal matched at character ``start`` as it does: its other spellings (" c", " ca",
+        " cat" beside " cats"). Banned together, generation leaves the phrase instead of
+        writing it again in smaller pieces (a constraint that allows every spelling would
+        use up the retries). Only the token itself for a regular expression's match, or
+        where the token's text is not the text before the match (a healed first token, a
+        character begun in an earlier token)."""
+        phrase = self.banned.literal_at(text, start)
+        if phrase is None or index >= len(self.generator.tokens) or self._marks[index].held_bytes:
+            return frozenset()
+        vocab = self.sequence.vocab
+        lead = text[self._visible_at[index] : start].encode()
+        found = vocab.tokens_extending(lead + phrase.encode()).tolist()
+        spellings = frozenset(t for t in found if len(vocab.piece(t)) > len(lead))
+        return spellings if self.generator.tokens[index] in spellings else frozenset()
 
     def _rewind_quietly(self, index: int) -> None:
         mark = self._marks[index]
