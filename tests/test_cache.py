@@ -262,6 +262,41 @@ def test_a_batch_whose_prompts_outgrow_the_memory_waits_for_cells(model_path: Pa
     assert [str(o) for o in outs] == [str(o) for o in lone]
 
 
+@pytest.mark.parametrize("cached", [True, False])
+def test_a_prefix_the_prompts_of_a_batch_share_is_decoded_once(
+    model: lcgen.Model, cold_model: lcgen.Model, cached: bool
+) -> None:
+    m = model if cached else cold_model  # live sequences share their cells with the cache off
+    m.cache.clear()
+    questions = ["Q: What is 8 plus 1?\nA:", "Q: What is 3 plus 3?\nA:", "Q: What is 9 plus 2?"]
+    prompts = [FEW_SHOT + q for q in questions] + [FEW_SHOT + questions[0]]
+    n_prefix = len(m.tokenize(FEW_SHOT))
+    n_prompts = sum(len(m.tokenize(p)) for p in prompts)
+    before = m.context.n_decoded
+    outs = m.generate(prompts, max_tokens=4)
+    decoded = m.context.n_decoded - before
+    # The few-shot prefix once (and the first question, asked twice, once), then each prompt's
+    # own tokens and its generation: far fewer than the prompts' tokens.
+    assert decoded <= n_prompts - 3 * n_prefix + 4 * 4
+    assert all(o.stats.decoded < 16 for o in outs)
+    assert outs[0] == outs[3]
+    assert m.cache.stats.live == 0
+
+
+def test_copies_of_one_prompt_share_its_cells(model_path: Path) -> None:
+    """8 copies of a ~150-token prompt in 256 cells: decoded apart they would need ~1,200
+    (they would wait for each other's cells, each decoding the prompt)."""
+    prompt = "Red. " + "The quick brown fox jumps. " * 24
+    with lcgen.Model(model_path, n_ctx=256, n_seq_max=16) as small:
+        lone = small.generate(prompt, max_tokens=6)
+        small.cache.clear()
+        before = small.context.n_decoded
+        outs = small.generate([prompt] * 8, max_tokens=6)
+        assert small.context.n_decoded - before <= len(small.tokenize(prompt)) + 8 * 6
+        assert all(o == lone for o in outs)
+        assert small.cache.stats.cells_held <= 256
+
+
 def test_clear_keeps_live_sequences_and_pins_unless_asked(model: lcgen.Model) -> None:
     model.cache.pin("A pinned prefix")
     model.generate("A parked one", max_tokens=2)

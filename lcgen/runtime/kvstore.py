@@ -118,6 +118,24 @@ def common_prefix(a: Seq[int], b: Seq[int]) -> int:
     return lo
 
 
+def shared_prefixes(prompts: Seq[Seq[int]], minimum: int) -> list[list[int]]:
+    """The longest prefixes (of at least ``minimum`` tokens) that two or more of ``prompts``
+    share, none a prefix of another, longest first. A prompt given twice shares all of
+    itself. Decoding these once covers every shared prefix: a shorter one is a prefix of one
+    of them."""
+    order = sorted(map(tuple, prompts))  # a prompt shares the most with a neighbour here
+    found: set[tuple[int, ...]] = set()
+    for a, b in itertools.pairwise(order):
+        n = common_prefix(a, b)
+        if n >= minimum:
+            found.add(a[:n])
+    ordered = sorted(found)  # a prefix comes right before the prefixes that extend it
+    kept = [
+        p for p, q in itertools.zip_longest(ordered, ordered[1:], fillvalue=()) if q[: len(p)] != p
+    ]
+    return [list(p) for p in sorted(kept, key=len, reverse=True)]
+
+
 class KVStore:
     """The KV cache of one model's context (``model.cache``).
 
