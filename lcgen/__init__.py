@@ -20,7 +20,9 @@ The public names, by layer (each layer imports only from those listed before it)
   :class:`PlainRun` and :class:`Backtracker`, and the :class:`Scheduler`.
 - continuous: :class:`SequenceState`, :func:`continuous`, :class:`Continuous`, and
   ``lcgen.generate`` (the specs ``text``, ``choice``, ``json``, ``regex``, ``grammar``).
-- entry points: :func:`load`, :class:`Model`.
+- function calling: :class:`Tool` (a function the model may call) and :class:`ToolCall` (a
+  call a reply asks for); ``lcgen.tools`` holds the rest.
+- entry points: :func:`load`, :class:`Model` (``model.chat(messages, tools=[...])``).
 """
 
 from __future__ import annotations
@@ -79,6 +81,7 @@ from lcgen.runtime import (
     SequenceStats,
     check_draft_model,
 )
+from lcgen.tools import Tool, ToolCall
 
 __version__ = "0.1.0"
 
@@ -151,6 +154,8 @@ __all__ = [
     "Step",
     "Text",
     "TokenLogprob",
+    "Tool",
+    "ToolCall",
     "TopLogprob",
     "check_draft_model",
     "continuous",

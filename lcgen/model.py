@@ -29,9 +29,18 @@ from lcgen.errors import ContextFullError
 from lcgen.runtime import Context, Run, Scheduler, Sequence
 from lcgen.runtime.kvstore import KVStore, shared_prefixes
 from lcgen.runtime.run import decode
+from lcgen.tools import (
+    ToolLike,
+    ToolPlan,
+    check_messages,
+    check_options,
+    make_tool_plan,
+    prompt_messages,
+)
 from lcgen.vocab import Vocab
 
-Message = Mapping[str, str]
+# A chat message: role and content, and OpenAI's tool_calls / tool_call_id (see lcgen.tools).
+Message = Mapping[str, Any]
 _M = TypeVar("_M")
 
 
@@ -74,42 +83,6 @@ def _check_int(name: str, value: object, low: int, high: int) -> int:
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value!r}")
     return value
-
-
-def _check_messages(messages: object) -> list[dict[str, str]]:
-    """Chat messages as dicts, each with a str role and content (OpenAI's list of text parts,
-    ``[{"type": "text", "text": ...}]``, is joined into one).
-
-    Raises:
-        TypeError: not a list of mappings (a lone string is named).
-        ValueError: no message, or a message without a str role or content.
-    """
-    if isinstance(messages, str) or not isinstance(messages, Seq):
-        raise TypeError(
-            f"chat takes a list of messages, got {messages!r:.200}: use "
-            "[{'role': 'user', 'content': ...}]"
-        )
-    if not messages:
-        raise ValueError("chat takes at least one message, got []")
-    out = []
-    for i, message in enumerate(messages):
-        if not isinstance(message, Mapping):
-            raise TypeError(f"chat message {i} is not a mapping: {message!r:.200}")
-        message = dict(message)
-        parts = message.get("content")
-        if isinstance(parts, list) and all(
-            isinstance(p, Mapping) and p.get("type") == "text" and isinstance(p.get("text"), str)
-            for p in parts
-        ):
-            message["content"] = "".join(p["text"] for p in parts)
-        for key in ("role", "content"):
-            if not isinstance(message.get(key), str):
-                raise ValueError(
-                    f"chat message {i} needs a str {key!r} (or, for content, a list of "
-                    f"text parts): {message!r:.200}"
-                )
-        out.append(message)
-    return out
 
 
 def _check_threads(n_threads: int) -> int:
@@ -363,41 +336,113 @@ class Model:
         return self._handle.meta(key)
 
     # chat ------------------------------------------------------------------------------
-    def format_chat(self, messages: Seq[Message], *, add_generation_prompt: bool = True) -> str:
-        """Render messages with the GGUF's own chat template.
+    # ``tools`` items are typed ``ToolLike | Any``: mypy types a list of two different functions
+    # as list[builtins.function], which is no Callable to it.
+    def format_chat(
+        self,
+        messages: Seq[Message],
+        *,
+        tools: Seq[ToolLike | Any] | None = None,
+        tool_choice: str | Mapping[str, Any] = "auto",
+        parallel_tool_calls: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> str:
+        """Render messages with the GGUF's own chat template: the prompt :meth:`chat` gives
+        the model (with ``tools``, the functions told in the system message; see
+        :meth:`chat`).
 
         Raises:
-            ValueError: the model has no chat template, or the template rejects the messages.
+            ValueError: the model has no chat template, the template rejects the messages, or
+                a tool option is refused (see :meth:`chat`).
+            TypeError: a message or tool option of the wrong type.
         """
-        checked = _check_messages(messages)
+        plan = make_tool_plan(tools, tool_choice, parallel_tool_calls)
+        return self._render_chat(messages, plan, add_generation_prompt)
+
+    def _render_chat(
+        self, messages: Seq[Message], plan: ToolPlan | None, add_generation_prompt: bool = True
+    ) -> str:
+        checked = check_messages(messages)
         template = self._handle.chat_template()
         if template is None:
             raise ValueError(f"{self.path.name} has no chat template; use generate() instead")
+        written = plan.messages(checked) if plan else prompt_messages(checked)
         bos = self.vocab.special_piece(self.bos).decode() if self.bos >= 0 else ""
         eos = self.vocab.special_piece(self.eos).decode() if self.eos >= 0 else ""
         try:
-            return render_chat_template(template, checked, bos, eos, add_generation_prompt)
+            return render_chat_template(template, written, bos, eos, add_generation_prompt)
         except Exception as exc:  # jinja2's errors: the template fails on these messages
             raise ValueError(
                 f"the chat template of {self.path.name} failed on these messages: "
                 f"{type(exc).__name__}: {exc}"
             ) from None
 
-    def chat_tokens(self, messages: Seq[Message]) -> list[int]:
-        """The prompt tokens for ``messages``, ending where the assistant's reply starts."""
-        return self.tokenize(self.format_chat(messages), special=True)
+    def chat_tokens(
+        self,
+        messages: Seq[Message],
+        *,
+        tools: Seq[ToolLike | Any] | None = None,
+        tool_choice: str | Mapping[str, Any] = "auto",
+        parallel_tool_calls: bool = True,
+    ) -> list[int]:
+        """The prompt tokens for ``messages``, ending where the assistant's reply starts (see
+        :meth:`format_chat`)."""
+        plan = make_tool_plan(tools, tool_choice, parallel_tool_calls)
+        return self.tokenize(self._render_chat(messages, plan), special=True)
 
     def chat(
         self,
         messages: Seq[Message],
         *,
         schema: SchemaLike | None = None,
+        tools: Seq[ToolLike | Any] | None = None,
+        tool_choice: str | Mapping[str, Any] = "auto",
+        parallel_tool_calls: bool = True,
         **options: Unpack[GenerateOptions],
     ) -> Any:
         """The assistant's reply to ``messages``: its text, or with ``schema`` the parsed
-        value (see :meth:`generate` for the options and errors)."""
-        with Sequence(self, self.chat_tokens(messages)) as seq:
-            return seq.generate(schema=schema, **options)
+        value, or with ``tools`` the functions it calls.
+
+        Args:
+            messages: OpenAI's chat messages: ``{"role", "content"}``; an assistant message
+                may carry ``tool_calls`` (:class:`~lcgen.ToolCall` s or OpenAI's dicts) and
+                content None, a ``"tool"`` message gives a call's result by its
+                ``tool_call_id``.
+            schema: constrain the reply to JSON valid for this JSON Schema / pydantic model
+                and return it parsed.
+            tools: functions the reply may call: Python functions, pydantic model classes,
+                OpenAI tool dicts or :class:`~lcgen.Tool` s (see :meth:`lcgen.Tool.of`).
+            tool_choice: ``"auto"`` (calls or text), ``"required"`` (calls), ``"none"``
+                (text; the tools are not told), or a function's name (calls of it; also as
+                ``{"type": "function", "function": {"name": ...}}``).
+            parallel_tool_calls: a reply may call several functions at once.
+            **options: see :meth:`generate`.
+
+        Returns:
+            The reply as :class:`~lcgen.Text`; with tools, a reply that calls functions is
+            ``""`` with the calls in its ``tool_calls`` (each an :class:`~lcgen.ToolCall`
+            whose arguments are valid for its function's parameters). With ``schema``, the
+            parsed value.
+
+        Raises:
+            ValueError: ``schema``, ``grammar``, ``choice`` or ``regex`` with tools (the
+                tools constrain the reply), two tools of one name, a bad name, or a
+                tool_choice that names no tool.
+            TypeError: a tool that is not one (named).
+            IncompleteOutputError: a constrained reply (calls, too) stopped before it was
+                complete (raise ``max_tokens``).
+            GrammarError: a tool's parameters are not a JSON Schema lcgen supports.
+            (and see :meth:`generate`)
+        """
+        plan = make_tool_plan(tools, tool_choice, parallel_tool_calls)
+        check_options(plan, schema, options)
+        prompt = self.tokenize(self._render_chat(messages, plan), special=True)
+        if plan is None:
+            with Sequence(self, prompt) as seq:
+                return seq.generate(schema=schema, **options)
+        options["grammar"] = plan.grammar()  # check_options saw none given
+        with Sequence(self, prompt) as seq:
+            return plan.reply(seq.generate(**options))
 
     def chat_stream(
         self, messages: Seq[Message], **options: Unpack[GenerateOptions]

@@ -31,8 +31,9 @@ from helpers import running, validate
 
 import lcgen
 import lcgen.server
+import lcgen.tools
 from lcgen.server.app import create_app
-from lcgen.server.tools import parse_calls
+from lcgen.tools import parse_calls
 
 NAME = "smollm2-135m"
 KEY = "test-key"
@@ -456,27 +457,26 @@ def test_parallel_tool_calls(client: openai.OpenAI, model: lcgen.Model) -> None:
 
 
 def test_parallel_calls_grammar_and_parsing(model: lcgen.Model) -> None:
-    from lcgen.server import tools as server_tools
     from lcgen.server.requests import ChatRequest
 
     req = ChatRequest.model_validate({"model": NAME, "messages": ASK, "tools": [WEATHER, TIME]})
     weather = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
     time_ = '{"name": "get_time", "arguments": {"zone": "UTC"}}'
     both = f"[{weather}, {time_}]"
-    several = server_tools.grammar(req.callable_tools(), required=True, parallel=True)
+    several = lcgen.tools.grammar(req.callable_tools(), required=True, parallel=True)
     assert several.accepts(model, weather) and several.accepts(model, both)
     assert not several.accepts(model, "[]")
     assert not several.accepts(model, '[{"name": "get_time", "arguments": {"city": "Oslo"}}]')
-    one = server_tools.grammar(req.callable_tools(), required=True, parallel=False)
+    one = lcgen.tools.grammar(req.callable_tools(), required=True, parallel=False)
     assert one.accepts(model, weather) and not one.accepts(model, both)
-    auto = server_tools.grammar(req.callable_tools(), required=False, parallel=True)
+    auto = lcgen.tools.grammar(req.callable_tools(), required=False, parallel=True)
     assert auto.accepts(model, both) and auto.accepts(model, "Sunny.")
     assert not auto.accepts(model, "[not a call]")
-    calls = server_tools.parse_calls(both, parallel=True)
+    calls = lcgen.tools.parse_calls(both, parallel=True)
     assert calls is not None
-    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert [c.name for c in calls] == ["get_weather", "get_time"]
     # Without parallel calls a reply starting with "[" is text (the grammar allowed it as text).
-    assert server_tools.parse_calls(both, parallel=False) is None
+    assert lcgen.tools.parse_calls(both, parallel=False) is None
     assert req.tool_parallel  # OpenAI's default
     # Earlier parallel calls go back into the prompt as the array the model is asked to write.
     turn = [
@@ -493,7 +493,7 @@ def test_parallel_calls_grammar_and_parsing(model: lcgen.Model) -> None:
         },
     ]
     req = ChatRequest.model_validate({"model": NAME, "messages": turn, "tools": [WEATHER, TIME]})
-    messages = server_tools.prompt_messages(
+    messages = lcgen.tools.prompt_messages(
         [m.as_dict() for m in req.messages], req.callable_tools(), False, True
     )
     assert "To call several at once, reply with only a JSON array" in messages[0]["content"]
@@ -539,7 +539,6 @@ def test_tool_choice_auto_and_none_and_a_whole_turn(client: openai.OpenAI) -> No
 
 
 def test_tool_prompt_tells_the_functions_and_writes_earlier_turns(model: lcgen.Model) -> None:
-    from lcgen.server import tools as server_tools
     from lcgen.server.requests import ChatRequest
 
     turn = [
@@ -561,7 +560,7 @@ def test_tool_prompt_tells_the_functions_and_writes_earlier_turns(model: lcgen.M
     req = ChatRequest.model_validate(
         {"model": NAME, "messages": turn, "tools": [WEATHER], "tool_choice": "auto"}
     )
-    messages = server_tools.prompt_messages(
+    messages = lcgen.tools.prompt_messages(
         [m.as_dict() for m in req.messages], req.callable_tools(), req.tool_required
     )
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
@@ -573,7 +572,7 @@ def test_tool_prompt_tells_the_functions_and_writes_earlier_turns(model: lcgen.M
     }
     assert messages[3]["content"] == "The function get_weather returned: 18 C"
     model.chat_tokens(messages)  # the template takes them
-    grammar = server_tools.grammar(req.callable_tools(), required=False)
+    grammar = lcgen.tools.grammar(req.callable_tools(), required=False)
     assert grammar.accepts(model, "It is sunny.")
     assert grammar.accepts(
         model, '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
@@ -635,7 +634,6 @@ TREE = {
 
 
 def test_tool_parameters_with_defs_refs_and_ids(client: openai.OpenAI, model: lcgen.Model) -> None:
-    from lcgen.server import tools as server_tools
     from lcgen.server.requests import ChatRequest
 
     tool = openai.pydantic_function_tool(_AddContact)
@@ -651,7 +649,7 @@ def test_tool_parameters_with_defs_refs_and_ids(client: openai.OpenAI, model: lc
     # The grammar: exactly the arguments each function's own parameters take.
     def grammar_of(*tools: dict[str, Any]) -> lcgen.Grammar:
         req = ChatRequest.model_validate({"model": NAME, "messages": ask, "tools": list(tools)})
-        return server_tools.grammar(req.callable_tools(), required=True)
+        return lcgen.tools.grammar(req.callable_tools(), required=True)
 
     grammar = grammar_of(_tool("tree", TREE), _tool("tree2", TREE))
     good = {"label": "x", "kids": [{"label": "y", "same": "x"}, {"label": "x", "kids": []}]}
@@ -697,7 +695,6 @@ def test_tool_arguments_are_always_an_object(client: openai.OpenAI) -> None:
 
 def test_tools_with_a_response_format(client: openai.OpenAI, model: lcgen.Model) -> None:
     """With tools, a response_format shapes the reply that is not calls (as OpenAI's)."""
-    from lcgen.server import tools as server_tools
     from lcgen.server.requests import ChatRequest
 
     words = {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}
@@ -720,15 +717,15 @@ def test_tools_with_a_response_format(client: openai.OpenAI, model: lcgen.Model)
     # The grammar: calls, or JSON valid for the format (no other text); JSON that is not
     # calls of a known function is not read as calls.
     req = ChatRequest.model_validate({"model": NAME, "messages": ASK, "tools": [WEATHER]})
-    grammar = server_tools.grammar(req.callable_tools(), False, True, words)
+    grammar = lcgen.tools.grammar(req.callable_tools(), False, True, words)
     weather = '{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}'
     assert grammar.accepts(model, weather) and grammar.accepts(model, '["salt", "wave"]')
     assert not grammar.accepts(model, "Sunny.") and not grammar.accepts(model, "[1]")
-    assert server_tools.parse_calls(weather, False, {"get_weather"}) is not None
-    told = server_tools.prompt_messages(ASK, req.callable_tools(), False, formatted=True)
+    assert lcgen.tools.parse_calls(weather, False, {"get_weather"}) is not None
+    told = lcgen.tools.prompt_messages(ASK, req.callable_tools(), False, formatted=True)
     assert told[0]["content"].endswith("Otherwise reply with only JSON in the format asked for.")
     other = '{"name": "get_time", "arguments": {}}'
-    assert server_tools.parse_calls(other, False, {"get_weather"}) is None
+    assert lcgen.tools.parse_calls(other, False, {"get_weather"}) is None
     with pytest.raises(openai.BadRequestError, match="response_format"):
         chat(
             client,
@@ -988,6 +985,7 @@ BAD = [
         "tools",
     ),
     (_body(tools=[{"type": "function", "function": {"name": "f"}}], regex="a"), None),
+    (_body(tools=[{"type": "function", "function": {"name": "f"}}] * 2), "tools"),  # one name
     (_body(messages=[{"role": "user"}]), "messages.0"),
     (_body(max_tokens=0), "max_tokens"),
     (_body(messages=[{"role": "tool", "content": "1", "tool_calls": []}]), None),

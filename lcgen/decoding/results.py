@@ -1,9 +1,11 @@
-"""What generation returns: a :class:`Chunk` per step, a :class:`Text` for a whole call, what it
-cost (:class:`GenerationStats`), and the parsed value of a schema-constrained call."""
+"""What generation returns: a :class:`Chunk` per step, a :class:`Text` for a whole call (with the
+:class:`ToolCall` s of a chat reply that calls functions), what it cost
+(:class:`GenerationStats`), and the parsed value of a schema-constrained call."""
 
 from __future__ import annotations
 
 import json
+import uuid
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
@@ -124,6 +126,38 @@ class Chunk:
     logprobs: tuple[TokenLogprob, ...] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call of a function that a chat reply asked for (see ``Model.chat``'s ``tools``).
+
+    Attributes:
+        id: ``"call_"`` and 24 hex digits, new for each call: the tool message that gives its
+            result names it (``tool_call_id``).
+        name: the function's name.
+        arguments: the arguments, parsed JSON: an object valid for the function's parameters
+            (the reply was constrained to them).
+    """
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+    @classmethod
+    def new(cls, name: str, arguments: dict[str, Any]) -> ToolCall:
+        """A call with a fresh id."""
+        return cls("call_" + uuid.uuid4().hex[:24], name, arguments)
+
+    def as_openai(self) -> dict[str, Any]:
+        """The call in OpenAI's shape (``arguments`` as JSON text), as its API returns it and
+        takes it back in an assistant message's ``tool_calls``."""
+        arguments = json.dumps(self.arguments, ensure_ascii=False)
+        return {
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": arguments},
+        }
+
+
 class Text(str):
     """The text a generation returned (a ``str``), with how it ended.
 
@@ -136,6 +170,8 @@ class Text(str):
             id, text, log-probability and the most likely alternatives); None without
             ``logprobs``. A token a hook put in with ``Override`` has its log-probability
             under the model too.
+        tool_calls: from a chat with ``tools``, the functions the reply calls (the text is then
+            ``""``); empty when the reply is text, and on every other call's text.
     """
 
     finish_reason: FinishReason | None
@@ -143,6 +179,7 @@ class Text(str):
     tokens: tuple[int, ...]
     stats: GenerationStats
     logprobs: tuple[TokenLogprob, ...] | None
+    tool_calls: tuple[ToolCall, ...] = ()
 
     @classmethod
     def of(cls, chunks: Iterable[Chunk]) -> Text:
@@ -164,6 +201,14 @@ class Text(str):
         text.stats = (last.stats if last else None) or GenerationStats()
         text.logprobs = tuple(logprobs) if logprobs and each_token_has_one else None
         return text
+
+    def calling(self, calls: Iterable[ToolCall]) -> Text:
+        """This result as a chat reply that calls functions: the text ``""`` and the calls in
+        ``tool_calls`` (how it ended, its tokens, stats and log-probabilities kept)."""
+        out = Text("")
+        out.__dict__.update(self.__dict__)
+        out.tool_calls = tuple(calls)
+        return out
 
 
 def check_complete(

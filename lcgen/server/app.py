@@ -23,7 +23,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 import lcgen
-from lcgen.server import tools
+import lcgen.tools
 from lcgen.server.engine import Engine, Failed, Finished, Job, Piece, QueueFullError
 from lcgen.server.requests import (
     APIError,
@@ -74,7 +74,7 @@ class _Server:
                 param="messages",
             )
         callable_tools = req.callable_tools()
-        messages = tools.prompt_messages(
+        messages = lcgen.tools.prompt_messages(
             [m.as_dict() for m in req.messages],
             callable_tools,
             req.tool_required,
@@ -90,7 +90,7 @@ class _Server:
             req,
             [prompt],
             "chat",
-            tools=frozenset(t.function.name for t in callable_tools),
+            tools=frozenset(t.name for t in callable_tools),
             parallel=req.tool_parallel,
         )
 

@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 import lcgen
+import lcgen.tools
 from lcgen.server import tools as tooling
 from lcgen.server.tools import Tool, ToolCall, ToolChoice
 
@@ -108,7 +109,7 @@ class Message(_Strict):
             "content": text,
         }
         if self.tool_calls:
-            out["tool_calls"] = self.tool_calls
+            out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
         return out
@@ -187,16 +188,18 @@ class ChatRequest(_Common):
             raise ValueError("tool_choice is only allowed when tools are specified")
         return self
 
-    def callable_tools(self) -> list[Tool]:
+    def callable_tools(self) -> list[lcgen.Tool]:
         """The tools this reply may call (see :func:`lcgen.server.tools.active`).
 
         Raises:
-            APIError: 400, ``tool_choice`` names a function not in ``tools``.
+            APIError: 400, two tools share a name, or ``tool_choice`` names a function not in
+                ``tools``.
         """
+        listed = _checked("tools", lambda: tooling.listed(self.tools))
         try:
-            return tooling.active(self.tools, self.tool_choice)
+            return tooling.active(listed, self.tool_choice)
         except ValueError as exc:
-            raise APIError(400, f"tool_choice: {exc}", param="tool_choice") from None
+            raise APIError(400, str(exc), param="tool_choice") from None
 
     @property
     def tool_required(self) -> bool:
@@ -424,7 +427,7 @@ def _constraint(req: ChatRequest | CompletionRequest) -> dict[str, Any]:
     if len(given) > 1:  # tools: calls, or JSON text of the response_format
         schema = _checked("response_format", lambda: _format_fallback(*given[1][1])[0])
         value = (*given[0][1], schema)
-        return {"grammar": _checked("tools", lambda: tooling.grammar(*value))}
+        return {"grammar": _checked("tools", lambda: lcgen.tools.grammar(*value))}
     name, value = given[0]
     return {"grammar": _checked(name, lambda: _compile(name, value))}
 
@@ -442,7 +445,7 @@ def _checked(name: str, make: Callable[[], T]) -> T:
 
 def _compile(name: str, value: Any) -> lcgen.Grammar:
     if name == "tools":
-        return tooling.grammar(*value)
+        return lcgen.tools.grammar(*value)
     if name == "grammar":
         if "::=" in value:
             return lcgen.Grammar(value)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 import lcgen
 from lcgen import Chunk, TokenLogprob
-from lcgen.server.tools import parse_calls, starts_call
+from lcgen.tools import parse_calls, starts_call
 
 # lcgen's finish reasons as OpenAI's: "retries" (banned phrases or hooks rejected more than
 # max_retries candidates) is the closest OpenAI has to a refusal by a filter.
@@ -52,7 +52,8 @@ class Output:
         """The finished output as tool calls of the functions ``names`` (the same ids however
         often asked), or None."""
         if self._calls is None:
-            self._calls = parse_calls(self.text, parallel, names)
+            calls = parse_calls(self.text, parallel, names)
+            self._calls = None if calls is None else [call.as_openai() for call in calls]
         return self._calls
 
 

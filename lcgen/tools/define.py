@@ -1,0 +1,238 @@
+"""Tools as values: :class:`Tool` (a function's name, description and JSON Schema parameters),
+made from a Python function, a pydantic model class or OpenAI's tool dict; the list a chat
+takes, and which of its functions ``tool_choice`` lets a reply call."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any, cast
+
+from lcgen.decoding.options import shown
+
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_MODES = ("auto", "required", "none")
+_FUNCTION_KEYS = frozenset(["name", "description", "parameters", "strict"])
+
+
+@dataclass(frozen=True, slots=True)
+class Tool:
+    """A function a chat reply may call.
+
+    Attributes:
+        name: how calls name it: 1 to 64 ASCII letters, digits, ``_`` or ``-``.
+        parameters: the JSON Schema of its arguments, which are always a JSON object (None:
+            it takes none).
+        description: what it does, told to the model.
+
+    Raises:
+        ValueError: a name of other characters, empty, or longer than 64.
+        TypeError: a name or description that is not a str, or parameters that are not a
+            mapping.
+    """
+
+    name: str
+    parameters: dict[str, Any] | None = None
+    description: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str):
+            raise TypeError(f"a tool's name is a str, got {shown(self.name)}")
+        if not _NAME.fullmatch(self.name):
+            raise ValueError(
+                f"the tool name {self.name!r} is not 1 to 64 ASCII letters, digits, '_' or '-'"
+            )
+        if self.parameters is not None:
+            if not isinstance(self.parameters, Mapping):
+                raise TypeError(
+                    f"the parameters of tool {self.name!r} are a JSON Schema (a dict), got "
+                    f"{shown(self.parameters)}"
+                )
+            object.__setattr__(self, "parameters", dict(self.parameters))
+        if self.description is not None and not isinstance(self.description, str):
+            raise TypeError(
+                f"the description of tool {self.name!r} is a str, got {shown(self.description)}"
+            )
+
+    @classmethod
+    def of(cls, obj: ToolLike) -> Tool:
+        """``obj`` as a Tool.
+
+        Args:
+            obj: a Tool (returned as is); a Python function (its ``__name__``, its
+                docstring's first paragraph, the JSON Schema of its signature: pydantic reads
+                defaults, ``Literal``, ``Annotated[..., Field(description=...)]``); a pydantic
+                model class (its name, docstring and schema); or OpenAI's tool dict
+                ``{"type": "function", "function": {"name", "description", "parameters"}}``.
+
+        Raises:
+            TypeError: anything else (named), a function with ``*args``, ``**kwargs`` or
+                positional-only parameters, or with parameters that have no JSON Schema.
+            ValueError: a name that is not a tool's (see :class:`Tool`).
+        """
+        if isinstance(obj, Tool):
+            return obj
+        if isinstance(obj, Mapping):
+            return _of_dict(obj)
+        if isinstance(obj, type):
+            return _of_model(obj)
+        if callable(obj):
+            return _of_function(obj)
+        raise TypeError(f"{_KINDS}, got {shown(obj)}")
+
+    def as_openai(self) -> dict[str, Any]:
+        """The tool as OpenAI's tool dict."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        if self.parameters is not None:
+            function["parameters"] = self.parameters
+        return {"type": "function", "function": function}
+
+
+# What a chat's ``tools`` list holds: a Tool, a function, a pydantic model class or OpenAI's
+# tool dict ({"type": "function", "function": {...}}).
+ToolLike = Tool | Callable[..., Any] | type[Any] | Mapping[str, Any]
+
+_KINDS = (
+    "a tool is a Python function, a pydantic model class, an OpenAI tool dict "
+    "({'type': 'function', 'function': {'name': ...}}) or an lcgen.Tool"
+)
+
+
+def _of_dict(spec: Mapping[str, Any]) -> Tool:
+    function = spec.get("function")
+    if spec.get("type") != "function" or set(spec) != {"type", "function"}:
+        raise TypeError(f"{_KINDS}, got the dict {shown(spec)}")
+    if not isinstance(function, Mapping):
+        raise TypeError(f"a tool dict's 'function' is a dict, got {shown(function)}")
+    unknown = sorted(map(str, set(function) - _FUNCTION_KEYS))
+    if unknown:
+        raise TypeError(
+            f"the tool dict {shown(spec)} has unknown function keys {unknown}: it takes "
+            f"{sorted(_FUNCTION_KEYS)}"
+        )
+    name: Any = function.get("name")  # Tool checks its fields' types
+    return Tool(name, function.get("parameters"), function.get("description"))
+
+
+def _of_model(model: type[Any]) -> Tool:
+    """A pydantic model class as a tool: its schema's title (the class name) and description
+    (its docstring) become the tool's name and description."""
+    import pydantic
+
+    if not issubclass(model, pydantic.BaseModel):
+        raise TypeError(f"{_KINDS}, got the class {model.__qualname__} (not a pydantic model)")
+    try:
+        schema = model.model_json_schema()
+    except pydantic.PydanticUserError as exc:
+        raise TypeError(f"the pydantic model {model.__name__} has no JSON Schema: {exc}") from None
+    schema.pop("title", None)
+    description = schema.pop("description", None)
+    return Tool(model.__name__, schema, description)
+
+
+def _of_function(fn: Callable[..., Any]) -> Tool:
+    """A Python function as a tool: its parameters (by name, as a call's arguments are
+    passed: ``fn(**call.arguments)``) as pydantic's JSON Schema."""
+    import pydantic
+
+    name = getattr(fn, "__name__", None)
+    if not isinstance(name, str):
+        raise TypeError(f"{_KINDS}, got {shown(fn)} (a callable without a __name__)")
+    _check_signature(fn, name)
+    try:
+        schema = pydantic.TypeAdapter(cast(Any, fn)).json_schema()
+    except (pydantic.PydanticUserError, pydantic.errors.PydanticUndefinedAnnotation) as exc:
+        raise TypeError(f"the parameters of function {name!r} have no JSON Schema: {exc}") from None
+    doc = inspect.getdoc(fn)
+    description = doc.split("\n\n", 1)[0].strip() if doc else ""
+    return Tool(name, schema, description or None)
+
+
+def _check_signature(fn: Callable[..., Any], name: str) -> None:
+    """Refuse parameters a call cannot name: ``*args``, ``**kwargs``, positional-only."""
+    try:
+        signature = inspect.signature(fn)
+    except (TypeError, ValueError):
+        raise TypeError(f"the signature of function {name!r} cannot be read") from None
+    for param in signature.parameters.values():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            star = "*" if param.kind is param.VAR_POSITIONAL else "**"
+            raise TypeError(
+                f"function {name!r} takes {star}{param.name}: a tool's arguments are named in "
+                "its JSON Schema, so give each parameter its own name"
+            )
+        if param.kind is param.POSITIONAL_ONLY:
+            raise TypeError(
+                f"function {name!r} has the positional-only parameter {param.name!r}: a call "
+                "passes its arguments by name"
+            )
+
+
+def tool_list(tools: object) -> list[Tool]:
+    """A chat's ``tools`` as Tools (see :meth:`Tool.of`).
+
+    Raises:
+        TypeError: not a list, or an item that is not a tool (named).
+        ValueError: two tools with one name, or a bad name (named).
+    """
+    if isinstance(tools, str | bytes | Mapping) or not isinstance(tools, Iterable):
+        hint = " (one tool: tools=[it])" if callable(tools) or isinstance(tools, Mapping) else ""
+        raise TypeError(f"tools takes a list of tools, got {shown(tools)}{hint}")
+    out = [Tool.of(item) for item in tools]
+    seen: set[str] = set()
+    for tool in out:
+        if tool.name in seen:
+            raise ValueError(f"two tools are named {tool.name!r}: a call names its function")
+        seen.add(tool.name)
+    return out
+
+
+def active(tools: Seq[Tool], tool_choice: object = "auto") -> tuple[list[Tool], bool]:
+    """The tools a reply may call, and whether it must call one.
+
+    Args:
+        tools: the chat's tools.
+        tool_choice: ``"auto"`` (calls or text), ``"required"`` (calls), ``"none"`` (no
+            calls: none of the tools), a function's name or OpenAI's
+            ``{"type": "function", "function": {"name": ...}}`` (calls of that one).
+
+    Raises:
+        TypeError: a tool_choice of another shape.
+        ValueError: the named function is not among the tools, or ``"required"`` without
+            tools.
+    """
+    name = _named(tool_choice)
+    if name is not None:
+        named = [t for t in tools if t.name == name]
+        if not named:
+            names = [t.name for t in tools]
+            raise ValueError(f"tool_choice names {name!r}, which is not in tools {names}")
+        return named, True
+    if tool_choice == "required" and not tools:
+        raise ValueError("tool_choice 'required' needs tools, got none")
+    if tool_choice == "none":
+        return [], False
+    return list(tools), tool_choice == "required"
+
+
+def _named(tool_choice: object) -> str | None:
+    """The function ``tool_choice`` names; None for ``"auto"``, ``"required"``, ``"none"``.
+
+    Raises:
+        TypeError: a value of another shape.
+    """
+    if isinstance(tool_choice, str):
+        return None if tool_choice in _MODES else tool_choice
+    if isinstance(tool_choice, Mapping) and tool_choice.get("type") == "function":
+        function = tool_choice.get("function")
+        if isinstance(function, Mapping) and isinstance(function.get("name"), str):
+            return str(function["name"])
+    raise TypeError(
+        "tool_choice is 'auto', 'required', 'none', a function's name or "
+        f"{{'type': 'function', 'function': {{'name': ...}}}}, got {shown(tool_choice)}"
+    )

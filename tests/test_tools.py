@@ -1,0 +1,310 @@
+"""Function calling in the library: ``model.chat(messages, tools=...)``.
+
+Tools made from a function, a pydantic model, OpenAI's dict or a Tool agree; every call a
+reply makes validates against its function's parameters; earlier tool turns go back into the
+prompt; a chat loop reuses its prefix from the KV cache. Bad input is refused, named.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import pydantic
+import pytest
+from helpers import validate
+from pydantic import Field
+
+import lcgen
+import lcgen.tools
+from lcgen import Tool, ToolCall
+
+
+def get_weather(
+    city: Annotated[str, Field(description="The city's name", max_length=20)],
+    unit: Literal["celsius", "fahrenheit"] = "celsius",
+) -> str:
+    """The weather in a city now.
+
+    Args:
+        city: the city.
+        unit: the temperature's unit.
+    """
+    return f"18 {'C' if unit == 'celsius' else 'F'}, sunny in {city}"
+
+
+def get_time(zone: Annotated[str, Field(max_length=12)]) -> str:
+    """The time in a time zone."""
+    return f"12:00 in {zone}"
+
+
+class GetWeather(pydantic.BaseModel):
+    """The weather in a city now."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    city: Annotated[str, Field(description="The city's name", max_length=20)]
+    unit: Literal["celsius", "fahrenheit"] = "celsius"
+
+
+SET_UNIT = {
+    "type": "function",
+    "function": {
+        "name": "set_unit",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+SET_VOLUME = {
+    "type": "function",
+    "function": {
+        "name": "set_volume",
+        "parameters": {
+            "type": "object",
+            "properties": {"level": {"type": "integer", "minimum": 0, "maximum": 10}},
+            "required": ["level"],
+            "additionalProperties": False,
+        },
+    },
+}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+SWITCH = [{"role": "user", "content": "Switch to celsius and turn the volume to 3."}]
+CALL_ID = re.compile(r"call_[0-9a-f]{24}")
+
+
+@pytest.fixture(scope="module")
+def chat_model(model_path: Path) -> Iterator[lcgen.Model]:
+    with lcgen.Model(model_path, n_threads=1) as m:
+        yield m
+
+
+def check_calls(reply: lcgen.Text, tools: list[Any]) -> list[ToolCall]:
+    """The reply's calls, each checked: a fresh id, a known function, arguments valid for its
+    parameters; the reply's text is then empty."""
+    by_name = {t.name: t for t in map(Tool.of, tools)}
+    calls = list(reply.tool_calls)
+    assert calls and str(reply) == ""
+    for call in calls:
+        assert CALL_ID.fullmatch(call.id), call
+        validate(call.arguments, by_name[call.name].parameters)
+    assert len({call.id for call in calls}) == len(calls)
+    return calls
+
+
+# tools as values ------------------------------------------------------------------------------
+def test_a_function_a_model_a_dict_and_a_tool_agree() -> None:
+    function = Tool.of(get_weather)
+    assert function.name == "get_weather"
+    assert function.description == "The weather in a city now."  # the first paragraph
+    params = function.parameters
+    assert params is not None and params["required"] == ["city"]
+    assert params["properties"]["unit"]["default"] == "celsius"
+    assert params["properties"]["unit"]["enum"] == ["celsius", "fahrenheit"]
+    assert params["properties"]["city"]["description"] == "The city's name"
+    validate({"city": "Oslo"}, params)
+    with pytest.raises(Exception, match="kelvin"):
+        validate({"city": "Oslo", "unit": "kelvin"}, params)
+    model = Tool.of(GetWeather)
+    assert (model.name, model.description) == ("GetWeather", function.description)
+    assert model.parameters == params  # the title and description moved to the tool
+    as_dict = {"type": "function", "function": {"name": "get_weather", **_fields(function)}}
+    assert Tool.of(as_dict) == function == Tool.of(function.as_openai())
+    assert Tool.of(function) is function
+    grammars = {
+        lcgen.tools.grammar([Tool.of(t)], required=True).gbnf
+        for t in (get_weather, as_dict, Tool("get_weather", params, "other words"))
+    }
+    assert len(grammars) == 1
+
+
+def _fields(tool: Tool) -> dict[str, Any]:
+    return {"description": tool.description, "parameters": tool.parameters}
+
+
+def test_a_function_without_parameters_or_docstring() -> None:
+    def ring() -> None:
+        pass
+
+    tool = Tool.of(ring)
+    assert tool.description is None
+    assert tool.parameters == {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+def _starred(*numbers: int) -> int:
+    return sum(numbers)
+
+
+def _keywords(**options: str) -> None:
+    pass
+
+
+def _positional(a: int, /) -> None:
+    pass
+
+
+class _Opaque:
+    """A type pydantic has no JSON Schema for."""
+
+
+def _unknown_type(thing: _Opaque) -> None:
+    pass
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"tools": [_starred]}, TypeError, r"'_starred' takes \*numbers"),
+        ({"tools": [_keywords]}, TypeError, r"'_keywords' takes \*\*options"),
+        ({"tools": [_positional]}, TypeError, r"'_positional' has the positional-only .*'a'"),
+        ({"tools": [_unknown_type]}, TypeError, "'_unknown_type'"),
+        ({"tools": [lambda city: city]}, ValueError, "'<lambda>'"),
+        ({"tools": [Tool("get_weather"), get_weather]}, ValueError, "two tools .*'get_weather'"),
+        ({"tools": [42]}, TypeError, "got 42"),
+        ({"tools": [int]}, TypeError, "int"),
+        ({"tools": [{"name": "f"}]}, TypeError, "'name': 'f'"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "args": {}}}]},
+            TypeError,
+            "args",
+        ),
+        ({"tools": get_weather}, TypeError, r"tools=\[it\]"),
+        (
+            {"tools": [get_weather], "tool_choice": "get_time"},
+            ValueError,
+            r"'get_time'.*\['get_weather'\]",
+        ),
+        ({"tools": [get_weather], "tool_choice": 3}, TypeError, "got 3"),
+        ({"tool_choice": "required"}, ValueError, "'required' needs tools"),
+        ({"tools": [get_weather], "parallel_tool_calls": "yes"}, TypeError, "'yes'"),
+        ({"tools": [get_weather], "schema": GetWeather}, ValueError, "schema in Model.chat"),
+        ({"tools": [get_weather], "regex": "a"}, ValueError, "regex in Model.chat"),
+        ({"tools": [get_weather], "choice": ["a"]}, ValueError, "choice in Model.chat"),
+        ({"tools": [get_weather], "grammar": lcgen.Grammar('root ::= "a"')}, ValueError, "grammar"),
+    ],
+)
+def test_bad_tool_options_are_refused_and_named(
+    chat_model: lcgen.Model, kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        chat_model.chat(ASK, max_tokens=1, **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("name", "error"),
+    [("a b", ValueError), ("", ValueError), ("x" * 65, ValueError), (5, TypeError)],
+)
+def test_a_tool_name_is_checked(name: Any, error: type[Exception]) -> None:
+    with pytest.raises(error, match=re.escape(repr(name)[:20])):
+        Tool(name)
+
+
+# history ------------------------------------------------------------------------------------
+def test_earlier_tool_turns_are_written_into_the_prompt(chat_model: lcgen.Model) -> None:
+    call = ToolCall("call_1", "get_weather", {"city": "Paris"})
+    turn: list[dict[str, Any]] = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "18 C"},
+    ]
+    as_dicts: list[dict[str, Any]] = [
+        *ASK,
+        {**turn[1], "content": "", "tool_calls": [call.as_openai()]},
+        turn[2],
+    ]
+    prompt = chat_model.format_chat(turn)
+    assert prompt == chat_model.format_chat(as_dicts)  # a ToolCall or OpenAI's dict
+    assert json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}}) in prompt
+    assert "The function get_weather returned: 18 C" in prompt
+    told = chat_model.format_chat(turn, tools=[get_weather])
+    assert told.endswith(prompt.split("<|im_start|>user", 1)[1])  # the same turns after it
+    assert "You can call these functions:" in told and "You can call" not in prompt
+    assert chat_model.format_chat(turn, tools=[get_weather], tool_choice="none") == prompt
+
+
+@pytest.mark.parametrize(
+    ("message", "error", "match"),
+    [
+        ({"role": "tool", "content": "18 C"}, ValueError, "tool_call_id"),
+        ({"role": "user", "content": "hi", "tool_calls": []}, ValueError, "only an assistant"),
+        ({"role": "assistant", "content": None, "tool_calls": "f"}, TypeError, "'f'"),
+        ({"role": "assistant", "content": None, "tool_calls": [{"id": 1}]}, TypeError, "'id': 1"),
+        ({"role": "assistant", "content": None}, ValueError, "'content'"),
+    ],
+)
+def test_bad_tool_turns_are_refused_and_named(
+    chat_model: lcgen.Model, message: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        chat_model.chat_tokens([*ASK, message])
+
+
+# replies ------------------------------------------------------------------------------------
+def test_required_and_named_calls_validate(chat_model: lcgen.Model) -> None:
+    tools: list[Any] = [get_weather, get_time]
+    reply = chat_model.chat(ASK, tools=tools, tool_choice="required", max_tokens=60)
+    check_calls(reply, tools)
+    assert reply.finish_reason == "stop" and reply.tokens  # how the generation ended, kept
+    for choice in ("get_time", {"type": "function", "function": {"name": "get_time"}}):
+        named = chat_model.chat(ASK, tools=tools, tool_choice=choice, max_tokens=60)
+        assert {call.name for call in check_calls(named, tools)} == {"get_time"}
+
+
+def test_auto_replies_in_text_or_calls(chat_model: lcgen.Model) -> None:
+    hello = [{"role": "user", "content": "Say hello."}]
+    text = chat_model.chat(hello, tools=[get_weather], max_tokens=12)
+    assert text and text.tool_calls == () and not text.startswith(("{", "["))
+    # A bias on "{" makes the reply open a call: the grammar then holds it to a valid one.
+    (brace,) = chat_model.tokenize("{")
+    called = chat_model.chat(ASK, tools=[get_weather], max_tokens=60, logit_bias={brace: 100})
+    check_calls(called, [get_weather])
+    # tool_choice "none": a plain reply, which may then take its own constraint.
+    plain = chat_model.chat(ASK, tools=[get_weather], tool_choice="none", choice=["yes", "no"])
+    assert plain in ("yes", "no") and plain.tool_calls == ()
+
+
+def test_parallel_calls_and_one_call(chat_model: lcgen.Model) -> None:
+    tools = [SET_UNIT, SET_VOLUME]
+    # "[" opens only an array of calls here (the arguments take no arrays): a bias on it
+    # makes the reply several calls, each valid (the small model may repeat them).
+    (bracket,) = chat_model.tokenize("[")
+    options: dict[str, Any] = {"tool_choice": "required", "logit_bias": {bracket: 100}}
+    several = chat_model.chat(SWITCH, tools=tools, max_tokens=400, **options)
+    assert 2 <= len(check_calls(several, tools)) <= lcgen.tools.MAX_PARALLEL
+    one = chat_model.chat(SWITCH, tools=tools, parallel_tool_calls=False, max_tokens=60, **options)
+    assert len(check_calls(one, tools)) == 1
+
+
+def test_a_tool_loop_reuses_the_prefix(chat_model: lcgen.Model) -> None:
+    """The typical loop: the call, its result, the next reply; the functions are told in the
+    system message, so the second call decodes only the new turn."""
+    chat_model.cache.clear()
+    messages: list[dict[str, Any]] = list(ASK)
+    first_prompt = chat_model.chat_tokens(messages, tools=[get_weather])
+    (brace,) = chat_model.tokenize("{")
+    reply = chat_model.chat(messages, tools=[get_weather], max_tokens=60, logit_bias={brace: 100})
+    check_calls(reply, [get_weather])
+    messages.append({"role": "assistant", "content": reply, "tool_calls": reply.tool_calls})
+    for call in reply.tool_calls:
+        result = get_weather(**call.arguments)
+        messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+    prompt = chat_model.chat_tokens(messages, tools=[get_weather])
+    assert "The function get_weather returned: 18 C, sunny in" in chat_model.detokenize(prompt)
+    positions: list[int] = []
+
+    def first_position(step: lcgen.Step) -> None:
+        positions.append(step.position)
+
+    before = chat_model.cache.stats
+    answer = chat_model.chat(messages, tools=[get_weather], max_tokens=60, hooks=[first_position])
+    if answer.tool_calls:
+        check_calls(answer, [get_weather])
+    assert positions[0] == len(prompt)  # the reply followed exactly that prompt
+    reused = chat_model.cache.stats.tokens_reused - before.tokens_reused
+    assert len(first_prompt) - 1 <= reused < len(prompt)
+    assert answer.stats.decoded <= len(prompt) - reused + len(answer.tokens)
