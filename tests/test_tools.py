@@ -127,6 +127,20 @@ def _fields(tool: Tool) -> dict[str, Any]:
     return {"description": tool.description, "parameters": tool.parameters}
 
 
+def test_text_annotations_are_read_in_the_functions_own_globals() -> None:
+    # Code run by exec (a notebook cell, a pasted snippet) under `from __future__ import
+    # annotations`: its module is not importable, so pydantic alone cannot read "Literal".
+    namespace: dict[str, Any] = {"__name__": "pasted"}
+    code = (
+        "from __future__ import annotations\nfrom typing import Literal\n"
+        "def pick(unit: Literal['c', 'f'] = 'c') -> str:\n    return unit\n"
+    )
+    exec(compile(code, "snippet", "exec", dont_inherit=True), namespace)
+    tool = Tool.of(namespace["pick"])
+    assert tool.parameters is not None
+    assert tool.parameters["properties"]["unit"]["enum"] == ["c", "f"]
+
+
 def test_a_function_without_parameters_or_docstring() -> None:
     def ring() -> None:
         pass

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import typing
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -145,12 +146,38 @@ def _of_function(fn: Callable[..., Any]) -> Tool:
         raise TypeError(f"{_KINDS}, got {shown(fn)} (a callable without a __name__)")
     _check_signature(fn, name)
     try:
-        schema = pydantic.TypeAdapter(cast(Any, fn)).json_schema()
+        schema = pydantic.TypeAdapter(cast(Any, _annotated(fn))).json_schema()
     except (pydantic.PydanticUserError, pydantic.errors.PydanticUndefinedAnnotation) as exc:
         raise TypeError(f"the parameters of function {name!r} have no JSON Schema: {exc}") from None
     doc = inspect.getdoc(fn)
     description = doc.split("\n\n", 1)[0].strip() if doc else ""
     return Tool(name, schema, description or None)
+
+
+def _annotated(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn``, or where its annotations are text (``from __future__ import annotations``), a
+    stand-in with them read in ``fn``'s own globals: pydantic reads them in its module's,
+    which code run by ``exec`` (a notebook cell, a snippet) may not have."""
+    annotations = getattr(fn, "__annotations__", None)
+    if not annotations or not any(isinstance(a, str) for a in annotations.values()):
+        return fn
+    try:
+        hints = typing.get_type_hints(fn, include_extras=True)
+    except Exception:  # unreadable here too: pydantic says why
+        return fn
+    signature = inspect.signature(fn)
+    params = [
+        p.replace(annotation=hints.get(p.name, p.annotation)) for p in signature.parameters.values()
+    ]
+
+    def stand_in(**kwargs: Any) -> Any:
+        return fn(**kwargs)
+
+    stand_in.__name__, stand_in.__annotations__ = fn.__name__, hints
+    stand_in.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=params, return_annotation=hints.get("return", signature.return_annotation)
+    )
+    return stand_in
 
 
 def _check_signature(fn: Callable[..., Any], name: str) -> None:
