@@ -147,6 +147,7 @@ def open_bench(args: argparse.Namespace, scratch: Path) -> Bench:
         n_ctx=base.n_ctx,
         n_batch=base.n_batch,
         n_seq_max=base.n_seq_max,
+        flash_attn=FLASH_ATTN[args.flash_attn],
         cache=False,  # these rows time cold work, as llama-cpp-python's reset cache does
     )
     cfg = replace(
@@ -190,6 +191,9 @@ def default_out_dir() -> Path:
     return Path(__file__).resolve().parent
 
 
+FLASH_ATTN = {"auto": None, "on": True, "off": False}
+
+
 # command line ------------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=PROG, description=DESCRIPTION)
@@ -215,6 +219,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--model", default=lcgen.DEFAULT_MODEL, help="model name, .gguf path or hf: ref")
     p.add_argument("--threads", type=int, help="CPU threads (default: lcgen's default)")
+    p.add_argument(
+        "--flash-attn",
+        choices=sorted(FLASH_ATTN),
+        default="auto",
+        help="flash attention on every side (auto: as lcgen leaves it, llama.cpp decides); "
+        "the server rows keep each server's own default",
+    )
     p.add_argument("--rows", help=f"comma-separated rows to run (default all: {','.join(ROWS)})")
     p.add_argument(
         "--quick",

@@ -35,6 +35,7 @@ def environment(bench: Bench) -> dict[str, Any]:
         "n_threads": bench.lcgen.model.n_threads,
         "model_file": bench.lcgen.model.path.name,
         "model": bench.lcgen.model.description,
+        "flash_attn": {None: "auto", True: "on", False: "off"}[bench.lcgen.model.flash_attn],
         "llama_cpp_python": C.__version__,
         "lcgen": lcgen.__version__,
         "numpy": np.__version__,
@@ -147,7 +148,8 @@ def summary_lines(report: Report) -> list[str]:
     env, cfg = report.environment, report.settings
     lines = [
         f"Measured {env['date']} in one process on {env['model_file']}, {env['n_threads']} "
-        f"threads ({env['cpu_count']} CPUs), llama-cpp-python {env['llama_cpp_python']}: "
+        f"threads ({env['cpu_count']} CPUs), flash attention {env.get('flash_attn', 'auto')}, "
+        f"llama-cpp-python {env['llama_cpp_python']}: "
         f"{cfg['prompt_tokens']}-token prompt, {cfg['decode_tokens']} greedy tokens, "
         f"checkpoint rows on a {cfg['context_tokens']}-token sequence; rounds: "
         f"{cfg['repeats']}, {cfg['order']}; {cfg['statistic']}. limit = a raw llama.cpp C "

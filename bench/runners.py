@@ -237,6 +237,7 @@ def load_lcgen(path: Path, cfg: ContextConfig, **options: Any) -> lcgen.Model:
         n_gpu_layers=cfg.n_gpu_layers,
         n_ctx=cfg.n_ctx,
         n_batch=cfg.n_batch,
+        flash_attn=cfg.flash_attn,
         **options,
     )
 
