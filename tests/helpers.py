@@ -131,3 +131,30 @@ def validate(
     )
     if error is not None:
         raise error
+
+
+# Two functions in OpenAI's tool shape, for the function-calling tests.
+SET_UNIT = {
+    "type": "function",
+    "function": {
+        "name": "set_unit",
+        "parameters": {
+            "type": "object",
+            "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["unit"],
+            "additionalProperties": False,
+        },
+    },
+}
+SET_VOLUME = {
+    "type": "function",
+    "function": {
+        "name": "set_volume",
+        "parameters": {
+            "type": "object",
+            "properties": {"level": {"type": "integer", "minimum": 0, "maximum": 10}},
+            "required": ["level"],
+            "additionalProperties": False,
+        },
+    },
+}

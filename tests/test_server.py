@@ -27,7 +27,7 @@ from typing import IO, Any
 import openai
 import pydantic
 import pytest
-from helpers import running, validate
+from helpers import SET_UNIT, SET_VOLUME, running, validate
 
 import lcgen
 import lcgen.server
@@ -393,34 +393,8 @@ def test_tool_calls_required_named_and_streamed(client: openai.OpenAI) -> None:
     _check_call(streamed, tools)
 
 
-UNIT = {
-    "type": "function",
-    "function": {
-        "name": "set_unit",
-        "parameters": {
-            "type": "object",
-            "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
-            "required": ["unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-VOLUME = {
-    "type": "function",
-    "function": {
-        "name": "set_volume",
-        "parameters": {
-            "type": "object",
-            "properties": {"level": {"type": "integer", "minimum": 0, "maximum": 10}},
-            "required": ["level"],
-            "additionalProperties": False,
-        },
-    },
-}
-
-
 def test_parallel_tool_calls(client: openai.OpenAI, model: lcgen.Model) -> None:
-    tools = [UNIT, VOLUME]
+    tools = [SET_UNIT, SET_VOLUME]
     ask = [{"role": "user", "content": "Switch to celsius and turn the volume to 3."}]
     # The functions take no free text, so the grammar allows "[" only where a reply opens a
     # JSON array of several calls: a bias on it makes the reply do so. Every call must

@@ -15,7 +15,7 @@ from typing import Annotated, Any, Literal
 
 import pydantic
 import pytest
-from helpers import validate
+from helpers import SET_UNIT, SET_VOLUME, validate
 from pydantic import Field
 
 import lcgen
@@ -49,30 +49,6 @@ class GetWeather(pydantic.BaseModel):
     unit: Literal["celsius", "fahrenheit"] = "celsius"
 
 
-SET_UNIT = {
-    "type": "function",
-    "function": {
-        "name": "set_unit",
-        "parameters": {
-            "type": "object",
-            "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}},
-            "required": ["unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-SET_VOLUME = {
-    "type": "function",
-    "function": {
-        "name": "set_volume",
-        "parameters": {
-            "type": "object",
-            "properties": {"level": {"type": "integer", "minimum": 0, "maximum": 10}},
-            "required": ["level"],
-            "additionalProperties": False,
-        },
-    },
-}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 SWITCH = [{"role": "user", "content": "Switch to celsius and turn the volume to 3."}]
 CALL_ID = re.compile(r"call_[0-9a-f]{24}")
