@@ -286,9 +286,47 @@ def ttft_row(work: Workload) -> Row:
     )
 
 
+# crowded cache ---------------------------------------------------------------------------------
+CROWD_TOPICS = ("garden", "river", "mountain", "harbour", "forest", "market")
+
+
+def crowded_row(work: Workload) -> Row:
+    model_of = Lazy(
+        lambda b: load_lcgen(b.lcgen.model.path, b.llama_cpp_python.cfg), lcgen.Model.close
+    )
+    n_other, n_new = len(work.prompt), max(8, work.n_tokens // 4)
+
+    def run(bench: Bench, r: int) -> dict[str, Sample]:
+        model = model_of.get(bench)
+        out: dict[str, Sample] = {}
+        for name, topics in (("empty cache", ()), ("other prompts cached", CROWD_TOPICS)):
+            model.cache.clear()
+            for topic in topics:
+                model.generate(_prefix(model, topic, n_other), max_tokens=1)
+            start = time.perf_counter()
+            text = model.generate(
+                f"Say hello to visitor number {r}.", max_tokens=n_new, logit_bias=bench.work.bias
+            )
+            out[name] = Sample(time.perf_counter() - start, len(text.tokens))
+        return out
+
+    return Row(
+        "prefix-crowded",
+        f"a short prompt and {n_new} greedy tokens, tokens/s: with an empty cache against "
+        f"with {len(CROWD_TOPICS)} other prompts of about {n_other} tokens parked in it (what "
+        "a long-running process holds; without flash attention every decode attends over "
+        "all the cells in use, with it only over its own)",
+        {"empty cache": "tokens/s", "other prompts cached": "tokens/s"},
+        run,
+        (Check("other prompts cached", "empty cache"),),
+        close=model_of.close,
+    )
+
+
 FACTORIES: dict[str, RowFactory] = {
     "prefix-fewshot": few_shot_row,
     "prefix-chat": chat_row,
     "prefix-interleaved": interleaved_row,
     "prefix-ttft": ttft_row,
+    "prefix-crowded": crowded_row,
 }

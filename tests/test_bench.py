@@ -48,6 +48,7 @@ CHECKPOINT_SERIES = {
     "prefix-chat": {"lcgen", "llama-cpp-python"},
     "prefix-interleaved": {"lcgen", "llama-cpp-python", "llama-cpp-python + RAM cache"},
     "prefix-ttft": {"cold", "cached", "same prompt"},
+    "prefix-crowded": {"empty cache", "other prompts cached"},
     "speculate-copy": {
         "lcgen, ngram",
         "lcgen",
@@ -106,6 +107,7 @@ def test_quick_bench_writes_every_row(tmp_path: Path, model_path: Path) -> None:
         ("prefix-interleaved", "llama-cpp-python + RAM cache", "lcgen"),
         ("prefix-ttft", "cold", "cached"),
         ("prefix-ttft", "cold", "same prompt"),
+        ("prefix-crowded", "other prompts cached", "empty cache"),
         ("speculate-copy", "lcgen, ngram", "lcgen"),
         ("speculate-copy", "lcgen, ngram", "llama-cpp-python, prompt lookup"),
         ("speculate-free", "lcgen, ngram", "lcgen"),
