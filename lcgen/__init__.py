@@ -71,7 +71,7 @@ from lcgen.errors import (
     SlotsExhaustedError,
     StateFileError,
 )
-from lcgen.model import Model
+from lcgen.model import KV_CACHE_TYPES, Model
 from lcgen.runtime import (
     Backtracker,
     Checkpoint,
@@ -94,7 +94,7 @@ def load(ref: str | os.PathLike[str] = DEFAULT_MODEL, **options: Any) -> Model:
     Args:
         ref: what to load; see ``lcgen models`` for the registry names.
         **options: passed to :class:`Model` (n_ctx, n_batch, n_seq_max, n_gpu_layers,
-            n_threads, flash_attn, swa_full, verbose).
+            n_threads, flash_attn, type_k, type_v, swa_full, cache, slot_timeout, verbose).
 
     Returns:
         The loaded model.
@@ -111,6 +111,7 @@ def load(ref: str | os.PathLike[str] = DEFAULT_MODEL, **options: Any) -> Model:
 
 __all__ = [
     "DEFAULT_MODEL",
+    "KV_CACHE_TYPES",
     "Backtracker",
     "BatchMismatch",
     "BatchMismatchError",

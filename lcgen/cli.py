@@ -70,7 +70,20 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="layers to offload to GPU/Metal (default: all when available)",
     )
+    add_kv_type_args(p)
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
+
+
+def add_kv_type_args(p: argparse.ArgumentParser) -> None:
+    """``--cache-type-k`` and ``--cache-type-v`` (lcgen.load's type_k and type_v)."""
+    for part, what in (("k", "keys"), ("v", "values")):
+        p.add_argument(
+            f"--cache-type-{part}",
+            choices=lcgen.KV_CACHE_TYPES,
+            default="f16",
+            help=f"the KV cache's element type for {what} (default f16; on a CPU, bf16 values "
+            "decode faster and prefill long prompts slower)",
+        )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -140,6 +153,8 @@ def _load(args: argparse.Namespace, ref: str | None = None) -> lcgen.Model:
         n_ctx=args.n_ctx,
         n_threads=args.threads,
         n_gpu_layers=args.gpu_layers,
+        type_k=args.cache_type_k,
+        type_v=args.cache_type_v,
         verbose=args.verbose,
     )
 

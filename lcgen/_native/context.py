@@ -17,6 +17,21 @@ from lcgen.errors import ClosedError, ContextFullError, DecodeError, ModelLoadEr
 # What llama.cpp keeps for each cell besides its K and V: position, shift, sequence-id bits.
 _CELL_BOOKKEEPING = 40
 
+# The KV cache element types llama.cpp takes (its --cache-type-k/-v names): ggml type id and
+# bytes per element (a quantized type's blocks of 32 carry a 2-byte scale, and q4_1/q5_1 a
+# 2-byte minimum too).
+KV_TYPES: dict[str, tuple[int, float]] = {
+    "f32": (0, 4.0),
+    "f16": (1, 2.0),
+    "bf16": (30, 2.0),
+    "q8_0": (8, 34 / 32),
+    "q5_1": (7, 24 / 32),
+    "q5_0": (6, 22 / 32),
+    "q4_1": (3, 20 / 32),
+    "q4_0": (2, 18 / 32),
+    "iq4_nl": (20, 18 / 32),
+}
+
 
 def machine_memory() -> int:
     """This machine's RAM and swap in bytes (0 where the system does not say)."""
@@ -35,14 +50,15 @@ def machine_memory() -> int:
     return ram + swap
 
 
-def check_memory(model: ModelHandle, n_ctx: int) -> None:
+def check_memory(model: ModelHandle, n_ctx: int, type_k: str = "f16", type_v: str = "f16") -> None:
     """Refuse a context whose KV cache cannot fit in this machine's memory, before llama.cpp
     spends a minute failing to allocate it (or the process is killed touching it).
 
     Raises:
         ModelLoadError: naming ``n_ctx``, the bytes it needs and the bytes there are.
     """
-    on_host = model.kv_bytes_per_cell() if model.n_offloaded == 0 else 0
+    k, v = model.kv_elements_per_cell() if model.n_offloaded == 0 else (0, 0)
+    on_host = round(k * KV_TYPES[type_k][1] + v * KV_TYPES[type_v][1])
     need, have = n_ctx * (on_host + _CELL_BOOKKEEPING), machine_memory()
     if have and need > have:
         raise ModelLoadError(
@@ -65,8 +81,10 @@ class ContextHandle:
         flash_attn: bool | None = None,
         swa_full: bool = True,
         spare_seq: bool = False,
+        type_k: str = "f16",
+        type_v: str = "f16",
     ) -> None:
-        check_memory(model, n_ctx)
+        check_memory(model, n_ctx, type_k, type_v)
         params = C.llama_context_default_params()
         if flash_attn is not None:
             params.flash_attn_type = (
@@ -79,6 +97,7 @@ class ContextHandle:
         params.n_threads = n_threads
         params.n_threads_batch = n_threads
         params.no_perf = True
+        params.type_k, params.type_v = KV_TYPES[type_k][0], KV_TYPES[type_v][0]
         # One cell pool shared by all sequences: a fork shares prefix cells instead of copying.
         params.kv_unified = True
         # The whole sliding-window cache (the default) keeps every partial seq_rm exact.

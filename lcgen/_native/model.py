@@ -140,18 +140,19 @@ class ModelHandle:
         ptr = self.live()
         return _read_str(lambda buf, n: C.llama_model_meta_val_str(ptr, key.encode(), buf, n))
 
-    def kv_bytes_per_cell(self) -> int:
-        """The bytes one KV cell takes in an F16 cache over every layer (0 for a recurrent
+    def kv_elements_per_cell(self) -> tuple[int, int]:
+        """The K and the V elements one KV cell holds over every layer (0 for a recurrent
         model, whose state is not per cell)."""
         if self.is_recurrent:
-            return 0
+            return 0, 0
         ptr = self.live()
         arch = self.meta("general.architecture") or ""
         n_head = max(int(C.llama_model_n_head(ptr)), 1)
         head = int(C.llama_model_n_embd(ptr)) // n_head
         k = _int_or(self.meta(f"{arch}.attention.key_length"), head)
         v = _int_or(self.meta(f"{arch}.attention.value_length"), head)
-        return self.n_layer * int(C.llama_model_n_head_kv(ptr)) * (k + v) * 2
+        n = self.n_layer * int(C.llama_model_n_head_kv(ptr))
+        return n * k, n * v
 
     @_locked
     def fingerprint(self) -> str:

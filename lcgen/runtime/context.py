@@ -74,20 +74,35 @@ class Context:
         swa_full: bool = True,
         adaptive_threads: bool = False,
         pad_batches: bool = False,
+        type_k: str = "f16",
+        type_v: str = "f16",
     ) -> None:
         # Padding takes a sequence id beyond the slots (llama.cpp allows 256 in all, and
         # wants n_batch and n_ctx at least as large as their count); a sliding window's own
-        # small cache (swa_full=False) would hold the padding in its window.
+        # small cache (swa_full=False) would hold the padding in its window. llama.cpp tiles
+        # rows only with an f16 cache (an f32 one is cast to f16).
         pad_batches = (
             pad_batches
+            and type_k == type_v
+            and type_k in ("f16", "f32")
             and (swa_full or not model.n_swa)
             and min(n_batch, n_ctx) >= PAD_TO
             and n_seq_max < min(n_batch, n_ctx, 256)
         )
         self._handle = ContextHandle(
-            model, n_ctx, n_batch, n_seq_max, n_threads, flash_attn, swa_full, pad_batches
+            model,
+            n_ctx,
+            n_batch,
+            n_seq_max,
+            n_threads,
+            flash_attn,
+            swa_full,
+            pad_batches,
+            type_k,
+            type_v,
         )
         self.pad_batches = pad_batches
+        self.kv_types = (type_k, type_v)  # the cache's element types (saved states carry them)
         self.n_padded = 0  # padding tokens decoded (not in n_decoded)
         # With adaptive threads, each decode runs with the count measured fastest (at most
         # n_threads): see lcgen.runtime.threads.

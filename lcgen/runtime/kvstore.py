@@ -559,6 +559,7 @@ class KVStore:
             ]
             header: dict[str, Any] = {
                 "model": self._fingerprint(),
+                "kv": list(self._ctx.kv_types),
                 "entries": [{"tokens": e.tokens, "pinned": e.state == "pinned"} for e in kept],
             }
             sizes = [self._ctx.seq_state_size(e.slot) for e in kept]
@@ -599,6 +600,7 @@ class KVStore:
                 f"the cache file {os.fspath(path)!r} was saved with another model "
                 f"(fingerprint {str(header.get('model'))[:12]})"
             )
+        statefile.check_kv_types(header, self._ctx.kv_types, f"the cache file {os.fspath(path)!r}")
         items = _checked_entries(header, self._vocab)
         blobs = _split_blobs(kv, len(items))
         loaded: list[Entry] = []

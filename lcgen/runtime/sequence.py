@@ -100,6 +100,7 @@ class Sequence(TokenSequence):
             self._trim_kv(self._n_decoded - 1)  # saved sequences keep their last token pending
         header: dict[str, Any] = {
             "model": self.model.fingerprint,
+            "kv": list(self._ctx.kv_types),
             "tokens": self._whole_tokens(),
             "n_decoded": self._n_decoded,
             "rng": self._rng.bit_generator.state,
@@ -296,6 +297,7 @@ def _checked_header(header: dict[str, Any], model: ModelLike) -> tuple[list[int]
             f"the sequence was saved with another model (fingerprint {str(fingerprint)[:12]}, "
             f"this model is {model.fingerprint[:12]}: {model.path.name})"
         )
+    statefile.check_kv_types(header, model.context.kv_types, "the sequence")
     tokens, n_decoded = header.get("tokens"), header.get("n_decoded")
     if not isinstance(tokens, list) or not all(
         isinstance(t, int) and 0 <= t < model.vocab.n_vocab for t in tokens

@@ -66,6 +66,26 @@ def encode(
     return out
 
 
+def check_kv_types(header: dict[str, Any], types: tuple[str, str], what: str) -> None:
+    """Refuse a state saved from a KV cache of other element types (``header["kv"]``; files
+    without it are left to llama.cpp's own check).
+
+    Raises:
+        StateFileError: naming both caches' types.
+    """
+    saved = header.get("kv")
+    if saved is None:
+        return
+    if not (isinstance(saved, list) and len(saved) == 2 and all(isinstance(t, str) for t in saved)):
+        raise StateFileError(f"{what} has a malformed 'kv' field: {saved!r}")
+    if tuple(saved) != types:
+        raise StateFileError(
+            f"{what} was saved from a KV cache of type_k={saved[0]!r}, type_v={saved[1]!r}; "
+            f"this model's is type_k={types[0]!r}, type_v={types[1]!r}: load the model with "
+            "the saved types to read it"
+        )
+
+
 def decode(
     data: bytes | bytearray | memoryview, kind: FileKind = SEQUENCE
 ) -> tuple[dict[str, Any], memoryview]:
