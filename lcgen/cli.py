@@ -911,7 +911,13 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--system", default=None, help="a system message")
         if name == "demo":
             p.set_defaults(
-                model=lcgen.DEFAULT_MODEL, n_ctx=4096, threads=None, gpu_layers=None, verbose=False
+                model=lcgen.DEFAULT_MODEL,
+                n_ctx=4096,
+                threads=None,
+                gpu_layers=None,
+                cache_type_k="f16",
+                cache_type_v="f16",
+                verbose=False,
             )
     server.add_parser(sub)  # `lcgen serve` (its web parts load only when it runs)
     return parser
