@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
-from bench.harness import Check, Row, RowFactory, at_least, interleaved
-from bench.runners import Workload
+from dataclasses import replace
+
+from bench.harness import Bench, Check, Lazy, Row, RowFactory, at_least, interleaved
+from bench.runners import Lcgen, Sample, Workload, load_lcgen
 
 THREE_WAY = ("limit", "llama-cpp-python", "lcgen")
 
@@ -65,8 +67,48 @@ def stream_row(work: Workload) -> Row:
     )
 
 
+def kv_bf16_row(work: Workload) -> Row:
+    """lcgen with bf16 values in its KV cache (``type_v="bf16"``) against the default f16:
+    decode after the prompt and after the long prompt, and the long prompt's prefill."""
+    bf16 = Lazy(
+        lambda b: Lcgen(
+            load_lcgen(b.lcgen.model.path, b.llama_cpp_python.cfg, type_v="bf16", cache=False)
+        ),
+        Lcgen.close,
+    )
+    long = replace(work, prompt=work.long_prompt, n_tokens=max(1, work.n_tokens // 4))
+
+    def side(b: Bench, kind: str) -> Lcgen:
+        return bf16.get(b) if kind == "bf16" else b.lcgen
+
+    def untokened(sample: Sample) -> Sample:  # the types may pick other tokens: not compared
+        return Sample(sample.seconds, sample.count)
+
+    measures = {}
+    for kind in ("f16", "bf16"):
+        measures[f"decode {kind}"] = lambda b, k=kind: untokened(side(b, k).decode(work))
+        measures[f"long decode {kind}"] = lambda b, k=kind: untokened(side(b, k).decode(long))
+        measures[f"long prefill {kind}"] = lambda b, k=kind: untokened(side(b, k).prefill(long))
+    return Row(
+        "kv-bf16",
+        f"lcgen's tokens/s with the KV cache's values in bf16 (type_v='bf16') against f16 (the "
+        f"default): greedy decode after the {len(work.prompt)}-token prompt and after the "
+        f"{len(work.long_prompt)}-token long prompt, and that long prompt's prefill (on a CPU, "
+        "llama.cpp's flash attention accumulates f16 values in f16 row by row and tiles rows "
+        "only for f16)",
+        dict.fromkeys(measures, "tokens/s"),
+        interleaved(measures),
+        tuple(
+            Check(f"{what} bf16", f"{what} f16")
+            for what in ("decode", "long decode", "long prefill")
+        ),
+        close=bf16.close,
+    )
+
+
 FACTORIES: dict[str, RowFactory] = {
     "prefill": prefill_row,
     "decode": decode_row,
     "stream": stream_row,
+    "kv-bf16": kv_bf16_row,
 }

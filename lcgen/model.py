@@ -194,8 +194,8 @@ class Model:
         type_v: the same for values (a quantized one needs flash attention). On the CPU,
             ``"bf16"`` makes decoding of one or a few tokens per sequence much faster
             (SmolLM2 on the test machine: 1.5x at 500 tokens of context, 1.6x at 2,000) and
-            long prompts slower to prefill (a 128-token chunk after 1,500 tokens takes 2.2x
-            as long): llama.cpp's CPU flash
+            long prompts slower to prefill (a 2,047-token prompt at half the speed; `make
+            bench`, row kv-bf16): llama.cpp's CPU flash
             attention accumulates an f16 cache's values in f16 row by row, and tiles rows
             only with an f16 cache. Its logits are as close to an f32 reference as f16's.
         swa_full: keep the full sliding-window cache (sliding-window models such as Gemma 3);

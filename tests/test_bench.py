@@ -30,6 +30,11 @@ CHECKPOINT_SERIES = {
     "save-load": {"to_bytes", "from_bytes", "save", "load"},
     "regenerate": {"generate 32", "rewind 32 + regenerate 32"},
     "stream": {"generate", "stream", "generate, no stops"},
+    "kv-bf16": {
+        f"{what} {kind}"
+        for what in ("decode", "long decode", "long prefill")
+        for kind in ("f16", "bf16")
+    },
     "constrained": set(constrained.CONSTRAINED_SERIES),
     "schema-compile": {
         f"{name}{p}" for name in ("", "with masks ", "llguidance ") for p in ("p50", "p99")
@@ -99,6 +104,9 @@ def test_quick_bench_writes_every_row(tmp_path: Path, model_path: Path) -> None:
         ("grammar-rollback", "gen.state", "decode 1 token"),
         ("grammar-rollback", "gen.restore", "decode 1 token"),
         ("anti-slop", "anti-slop", "plain"),
+        ("kv-bf16", "decode bf16", "decode f16"),
+        ("kv-bf16", "long decode bf16", "long decode f16"),
+        ("kv-bf16", "long prefill bf16", "long prefill f16"),
         ("continuous", "together", "one after another"),
         ("prefix-fewshot", "lcgen", "llama-cpp-python"),
         ("prefix-fewshot", "cells held", "prompt tokens"),
