@@ -90,9 +90,10 @@ def _check_int(name: str, value: object, low: int, high: int) -> int:
 KV_CACHE_TYPES = tuple(KV_TYPES)
 
 
-def _check_kv_type(name: str, value: object) -> str:
-    if value not in KV_TYPES:
-        raise ValueError(f"{name} must be one of {', '.join(KV_TYPES)}, got {value!r}")
+def _check_kv_type(name: str, value: object, *more: str) -> str:
+    allowed = (*KV_TYPES, *more)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}, got {value!r}")
     return str(value)
 
 
@@ -191,11 +192,12 @@ class Model:
         type_k: the KV cache's element type for keys: ``"f16"`` (llama.cpp's default),
             ``"bf16"``, ``"f32"``, or quantized ``"q8_0"``, ``"q5_1"``, ``"q5_0"``, ``"q4_1"``,
             ``"q4_0"``, ``"iq4_nl"`` (less memory, slightly different logits).
-        type_v: the same for values (a quantized one needs flash attention). On the CPU,
-            ``"bf16"`` makes decoding of one or a few tokens per sequence much faster
-            (SmolLM2 on the test machine: 1.5x at 500 tokens of context, 1.6x at 2,000) and
-            long prompts slower to prefill (a 2,047-token prompt at half the speed; `make
-            bench`, row kv-bf16): llama.cpp's CPU flash
+        type_v: the same for values (a quantized one needs flash attention), or ``"auto"``:
+            bf16 where every layer runs on the CPU with flash attention, f16 elsewhere (what
+            ``lcgen serve`` uses). On the CPU, ``"bf16"`` makes decoding of one or a few
+            tokens per sequence much faster (SmolLM2 on the test machine: 1.5x at 500 tokens
+            of context, 1.6x at 2,000) and long prompts slower to prefill (a 2,047-token
+            prompt at half the speed; ``make bench``, row kv-bf16): llama.cpp's CPU flash
             attention accumulates an f16 cache's values in f16 row by row, and tiles rows
             only with an f16 cache. Its logits are as close to an f32 reference as f16's.
         swa_full: keep the full sliding-window cache (sliding-window models such as Gemma 3);
@@ -232,10 +234,8 @@ class Model:
         verbose: bool = False,
     ) -> None:
         n_seq_max = _check_sizes(n_ctx, n_batch, n_seq_max)
-        self.type_k, self.type_v = (
-            _check_kv_type("type_k", type_k),
-            _check_kv_type("type_v", type_v),
-        )
+        type_k = _check_kv_type("type_k", type_k)
+        type_v = _check_kv_type("type_v", type_v, "auto")
         # The most threads; with adaptive_threads, decodes use the count measured fastest.
         self.n_threads = _check_threads(n_threads) if n_threads is not None else _default_threads()
         init(verbose)
@@ -268,6 +268,9 @@ class Model:
         self.extra_cpu_buffers = self._handle.extra_cpu_buffers
         n_ctx = n_ctx or self._handle.n_ctx_train
         self.flash_attn = flash_attn  # None: llama.cpp decides
+        if type_v == "auto":  # bf16 where llama.cpp's CPU flash attention reads the values
+            type_v = "bf16" if self.n_gpu_layers == 0 and flash_attn is not False else "f16"
+        self.type_k, self.type_v = type_k, type_v
         self.context = Context(
             self._handle,
             n_ctx,

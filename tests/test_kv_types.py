@@ -32,6 +32,18 @@ def test_bad_names_are_refused_before_loading(tmp_path: Path) -> None:
             options: dict[str, Any] = {kw: bad}
             lcgen.Model(missing, **options)
     assert lcgen.KV_CACHE_TYPES[:3] == ("f32", "f16", "bf16")
+    with pytest.raises(ValueError, match=r"type_k must be one of .*iq4_nl, got 'auto'"):
+        lcgen.Model(missing, type_k="auto")  # values only
+
+
+def test_auto_values_are_bf16_on_the_cpu_with_flash_attention(model_path: Path) -> None:
+    on_cpu = {"n_gpu_layers": 0, "n_ctx": 256, "n_threads": 1}
+    with lcgen.Model(model_path, type_v="auto", **on_cpu) as m:
+        assert (m.type_v, m.context.kv_types) == ("bf16", ("f16", "bf16"))
+    with lcgen.Model(model_path, type_v="auto", flash_attn=False, **on_cpu) as m:
+        assert (m.type_v, m.context.kv_types) == ("f16", ("f16", "f16"))
+    with lcgen.Model(model_path, n_ctx=256, n_threads=1) as m:
+        assert m.type_v == "f16"  # the library's default stays llama.cpp's
 
 
 def test_quantized_values_need_flash_attention(model_path: Path) -> None:
@@ -123,3 +135,7 @@ def test_command_line_flags(model_path: Path, capsys: pytest.CaptureFixture[str]
         cli.main([*argv, "--cache-type-v", "bf17"])
     assert exit_.value.code == 2
     assert "invalid choice: 'bf17'" in capsys.readouterr().err
+    parse = cli.build_parser().parse_args
+    assert parse(["serve", "m"]).cache_type_v == "auto"  # a server's batches decode faster
+    assert parse(["generate", "m", "x"]).cache_type_v == "f16"
+    assert parse(["serve", "m", "--cache-type-v", "f16"]).cache_type_v == "f16"

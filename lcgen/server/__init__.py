@@ -71,7 +71,7 @@ def serve(
     max_queue: int | None = None,
     draft: str | os.PathLike[str] | None = None,
     type_k: str = "f16",
-    type_v: str = "f16",
+    type_v: str = "auto",
     verbose: bool = False,
 ) -> None:
     """Load a model and serve it until interrupted (Ctrl-C, SIGTERM); requests still running
@@ -91,7 +91,8 @@ def serve(
         max_queue: the most choices waiting for a slot before requests get 429, at least 1
             (None: 64).
         draft: a draft model (same vocabulary) for requests with ``speculate: "draft"``.
-        type_k, type_v: the KV cache's element types (see :class:`lcgen.Model`).
+        type_k, type_v: the KV cache's element types (see :class:`lcgen.Model`); ``"auto"``
+            values: bf16 on the CPU, where it decodes the server's batches faster.
         verbose: show llama.cpp's log and every request.
 
     Raises:
@@ -292,14 +293,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="a draft model of the same vocabulary, for requests with speculate: 'draft'",
     )
-    for part, what in (("k", "keys"), ("v", "values")):
-        p.add_argument(
-            f"--cache-type-{part}",
-            choices=lcgen.KV_CACHE_TYPES,
-            default="f16",
-            help=f"the KV cache's element type for {what} (default f16; on a CPU, bf16 values "
-            "decode faster and prefill long prompts slower)",
-        )
+    p.add_argument(
+        "--cache-type-k",
+        choices=lcgen.KV_CACHE_TYPES,
+        default="f16",
+        help="the KV cache's element type for keys (default f16)",
+    )
+    p.add_argument(
+        "--cache-type-v",
+        choices=("auto", *lcgen.KV_CACHE_TYPES),
+        default="auto",
+        help="the KV cache's element type for values (default auto: bf16 on a CPU, where it "
+        "decodes faster and prefills long prompts slower; f16 on a GPU)",
+    )
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's log and requests")
 
 
