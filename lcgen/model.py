@@ -368,8 +368,9 @@ class Model:
         return self._handle.meta(key)
 
     # chat ------------------------------------------------------------------------------
-    # ``tools`` items are typed ``ToolLike | Any``: mypy types a list of two different functions
-    # as list[builtins.function], which is no Callable to it.
+    # Every chat entry point takes the tool options as keywords (see :meth:`chat`) and makes
+    # them into one ToolPlan at once. ``tools`` items are typed ``ToolLike | Any``: mypy types
+    # a list of two different functions as list[builtins.function], which is no Callable to it.
     def format_chat(
         self,
         messages: Seq[Message],
@@ -453,8 +454,9 @@ class Model:
         Returns:
             The reply as :class:`~lcgen.Text`; with tools, a reply that calls functions is
             ``""`` with the calls in its ``tool_calls`` (each an :class:`~lcgen.ToolCall`
-            whose arguments are valid for its function's parameters). With ``schema``, the
-            parsed value.
+            whose arguments are valid for its function's parameters; :meth:`lcgen.Tool.invoke`
+            runs one) and ``finish_reason`` ``"tool_calls"``. With ``schema``, the parsed
+            value.
 
         Raises:
             ValueError: ``schema``, ``grammar``, ``choice`` or ``regex`` with tools (the
@@ -467,21 +469,56 @@ class Model:
             (and see :meth:`generate`)
         """
         plan = make_tool_plan(tools, tool_choice, parallel_tool_calls)
-        check_options(plan, schema, options)
-        prompt = self.tokenize(self._render_chat(messages, plan), special=True)
-        if plan is None:
-            with Sequence(self, prompt) as seq:
-                return seq.generate(schema=schema, **options)
-        options["grammar"] = plan.grammar()  # check_options saw none given
+        prompt = self._chat_start(messages, plan, schema, options)
         with Sequence(self, prompt) as seq:
+            if plan is None:
+                return seq.generate(schema=schema, **options)
             return plan.reply(seq.generate(**options))
 
     def chat_stream(
-        self, messages: Seq[Message], **options: Unpack[GenerateOptions]
+        self,
+        messages: Seq[Message],
+        *,
+        tools: Seq[ToolLike | Any] | None = None,
+        tool_choice: str | Mapping[str, Any] = "auto",
+        parallel_tool_calls: bool = True,
+        **options: Unpack[GenerateOptions],
     ) -> Iterator[Chunk]:
-        """Stream the assistant's reply to ``messages`` chunk by chunk."""
-        with Sequence(self, self.chat_tokens(messages)) as seq:
-            yield from seq.stream(**options)
+        """Stream the assistant's reply to ``messages`` chunk by chunk (see :meth:`chat`).
+
+        With ``tools``, a reply that is text streams as it comes; a reply that calls functions
+        streams no text (its JSON is not prose): its chunks have ``text`` ``""`` (their tokens
+        and log-probabilities kept) and the last carries the calls in ``tool_calls`` with
+        ``finish_reason`` ``"tool_calls"``. Joined with :meth:`lcgen.Text.of`, the chunks are
+        the reply :meth:`chat` returns.
+
+        Yields:
+            One :class:`~lcgen.Chunk` per generated token; the last has ``finish_reason``
+            set (and a reply's calls in ``tool_calls``).
+
+        Raises:
+            IncompleteOutputError: the reply's calls were cut short (raise ``max_tokens``).
+            (and see :meth:`chat` for the tool options, :meth:`stream` for the rest)
+        """
+        plan = make_tool_plan(tools, tool_choice, parallel_tool_calls)
+        prompt = self._chat_start(messages, plan, None, options)
+        with Sequence(self, prompt) as seq:
+            chunks = seq.stream(**options)
+            yield from chunks if plan is None else plan.stream(chunks)
+
+    def _chat_start(
+        self,
+        messages: Seq[Message],
+        plan: ToolPlan | None,
+        schema: SchemaLike | None,
+        options: GenerateOptions,
+    ) -> list[int]:
+        """The prompt of a chat reply; with tools, ``options`` checked to give no other
+        constraint and given the tools' grammar."""
+        check_options(plan, schema, options)
+        if plan is not None:
+            options["grammar"] = plan.grammar()  # check_options saw none given
+        return self.tokenize(self._render_chat(messages, plan), special=True)
 
     # generation ------------------------------------------------------------------------
     def sequence(

@@ -430,6 +430,17 @@ def test_parallel_tool_calls(client: openai.OpenAI, model: lcgen.Model) -> None:
     _check_call(single.message.tool_calls[0], tools)
 
 
+def test_every_finish_reason_is_told_as_openai_s() -> None:
+    from typing import get_args
+
+    from lcgen.decoding.results import FinishReason
+    from lcgen.server.responses import FINISH_REASONS
+
+    # a chunk that ends with "tool_calls" (a streamed chat reply's calls) has one too
+    assert set(FINISH_REASONS) == set(get_args(FinishReason))
+    assert FINISH_REASONS["tool_calls"] == "tool_calls"
+
+
 def test_parallel_calls_grammar_and_parsing(model: lcgen.Model) -> None:
     from lcgen.server.requests import ChatRequest
 

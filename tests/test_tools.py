@@ -1,15 +1,19 @@
-"""Function calling in the library: ``model.chat(messages, tools=...)``.
+"""Function calling in the library: ``model.chat(messages, tools=...)`` and ``chat_stream``.
 
 Tools made from a function, a pydantic model, OpenAI's dict or a Tool agree; every call a
-reply makes validates against its function's parameters; earlier tool turns go back into the
-prompt; a chat loop reuses its prefix from the KV cache. Bad input is refused, named.
+reply makes validates against its function's parameters, and ``Tool.invoke`` runs it with
+them validated; a streamed reply joins to the whole one, its calls in the last chunk and never
+as text; earlier tool turns go back into the prompt; a chat loop reuses its prefix from the KV
+cache. Bad input is refused, named.
 """
 
 from __future__ import annotations
 
+import datetime
 import json
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -20,7 +24,7 @@ from pydantic import Field
 
 import lcgen
 import lcgen.tools
-from lcgen import Tool, ToolCall
+from lcgen import Chunk, Tool, ToolCall
 
 
 def get_weather(
@@ -178,11 +182,19 @@ def _unknown_type(thing: _Opaque) -> None:
         ({"tools": [get_weather], "grammar": lcgen.Grammar('root ::= "a"')}, ValueError, "grammar"),
     ],
 )
+@pytest.mark.parametrize("streamed", [False, True])
 def test_bad_tool_options_are_refused_and_named(
-    chat_model: lcgen.Model, kwargs: dict[str, Any], error: type[Exception], match: str
+    chat_model: lcgen.Model,
+    kwargs: dict[str, Any],
+    error: type[Exception],
+    match: str,
+    streamed: bool,
 ) -> None:
     with pytest.raises(error, match=match):
-        chat_model.chat(ASK, max_tokens=1, **kwargs)
+        if streamed:
+            list(chat_model.chat_stream(ASK, max_tokens=1, **kwargs))
+        else:
+            chat_model.chat(ASK, max_tokens=1, **kwargs)
 
 
 @pytest.mark.parametrize(
@@ -239,7 +251,7 @@ def test_required_and_named_calls_validate(chat_model: lcgen.Model) -> None:
     tools: list[Any] = [get_weather, get_time]
     reply = chat_model.chat(ASK, tools=tools, tool_choice="required", max_tokens=60)
     check_calls(reply, tools)
-    assert reply.finish_reason == "stop" and reply.tokens  # how the generation ended, kept
+    assert reply.finish_reason == "tool_calls" and reply.tokens  # its tokens kept
     for choice in ("get_time", {"type": "function", "function": {"name": "get_time"}}):
         named = chat_model.chat(ASK, tools=tools, tool_choice=choice, max_tokens=60)
         assert {call.name for call in check_calls(named, tools)} == {"get_time"}
@@ -249,6 +261,7 @@ def test_auto_replies_in_text_or_calls(chat_model: lcgen.Model) -> None:
     hello = [{"role": "user", "content": "Say hello."}]
     text = chat_model.chat(hello, tools=[get_weather], max_tokens=12)
     assert text and text.tool_calls == () and not text.startswith(("{", "["))
+    assert text.finish_reason in ("stop", "length")
     # A bias on "{" makes the reply open a call: the grammar then holds it to a valid one.
     (brace,) = chat_model.tokenize("{")
     called = chat_model.chat(ASK, tools=[get_weather], max_tokens=60, logit_bias={brace: 100})
@@ -298,3 +311,179 @@ def test_a_tool_loop_reuses_the_prefix(chat_model: lcgen.Model) -> None:
     reused = chat_model.cache.stats.tokens_reused - before.tokens_reused
     assert len(first_prompt) - 1 <= reused < len(prompt)
     assert answer.stats.decoded <= len(prompt) - reused + len(answer.tokens)
+
+
+# streamed replies ---------------------------------------------------------------------------
+# tools, options, a character the reply is biased to open with ("{": a call, "[": several),
+# whether the reply calls them
+STREAMED = [
+    pytest.param([get_weather, get_time], {"tool_choice": "required"}, None, True, id="required"),
+    pytest.param([GetWeather], {"tool_choice": "GetWeather"}, None, True, id="named-model"),
+    pytest.param([get_weather], {}, "{", True, id="auto-calls"),
+    pytest.param([get_weather], {}, None, False, id="auto-text"),
+    pytest.param([get_weather], {"tool_choice": "none"}, None, False, id="none"),
+    pytest.param(
+        [SET_UNIT, SET_VOLUME],
+        {"tool_choice": "required", "max_tokens": 400},
+        "[",
+        True,
+        id="several",
+    ),
+]
+
+
+@pytest.mark.parametrize(("tools", "options", "opens", "calls"), STREAMED)
+def test_a_streamed_reply_joins_to_the_whole_reply(
+    chat_model: lcgen.Model,
+    tools: list[Any],
+    options: dict[str, Any],
+    opens: str | None,
+    calls: bool,
+) -> None:
+    kwargs = {"tools": tools, "max_tokens": 120, "logprobs": 1, **options}
+    if opens is not None:
+        (token,) = chat_model.tokenize(opens)
+        kwargs["logit_bias"] = {token: 100}
+    ask = SWITCH if SET_UNIT in tools else ASK
+    chat_model.cache.clear()  # both decode the prompt alike: the same logits, bit for bit
+    chunks = list(chat_model.chat_stream(ask, **kwargs))
+    chat_model.cache.clear()
+    whole = chat_model.chat(ask, **kwargs)
+    joined = lcgen.Text.of(chunks)
+    assert (str(joined), joined.tokens, joined.finish_reason) == (
+        str(whole),
+        whole.tokens,
+        whole.finish_reason,
+    )
+    assert joined.logprobs == whole.logprobs  # a call's tokens and log-probabilities kept
+    assert [(c.name, c.arguments) for c in joined.tool_calls] == [
+        (c.name, c.arguments) for c in whole.tool_calls
+    ]
+    *body, last = chunks
+    assert all(c.finish_reason is None and c.tool_calls == () for c in body)
+    if calls:  # no chunk streams the calls' JSON as text
+        check_calls(joined, tools)
+        assert all(c.text == "" for c in chunks) and last.finish_reason == "tool_calls"
+        assert last.tool_calls == joined.tool_calls
+    else:  # text streams as it comes
+        assert whole.tool_calls == () and sum(bool(c.text) for c in chunks) > 1
+        assert last.finish_reason in ("stop", "length")
+
+
+def test_a_streamed_call_cut_short_raises_as_chat_does(chat_model: lcgen.Model) -> None:
+    kwargs: dict[str, Any] = {"tools": [get_weather], "tool_choice": "required", "max_tokens": 5}
+    seen: list[Chunk] = []
+    with pytest.raises(lcgen.IncompleteOutputError, match="raise max_tokens") as streamed:
+        for chunk in chat_model.chat_stream(ASK, **kwargs):
+            seen.append(chunk)
+    with pytest.raises(lcgen.IncompleteOutputError) as whole:
+        chat_model.chat(ASK, **kwargs)
+    assert streamed.value.text == whole.value.text and streamed.value.text.startswith('{"')
+    assert seen and all(c.text == "" for c in seen)  # the JSON was never streamed
+
+
+def _chunk(text: str, end: lcgen.decoding.results.FinishReason | None = None) -> Chunk:
+    return Chunk(text, (len(text),), end)
+
+
+CALL = '{"name": "f", "arguments": {"a": 1}}'
+
+
+@pytest.mark.parametrize(
+    ("pieces", "parallel", "texts", "calls"),
+    [
+        (["", "Hel", "lo {"], True, ["", "Hel", "lo {"], 0),  # text as it comes
+        (["", CALL[:3], CALL[3:20], CALL[20:]], False, ["", "", "", ""], 1),  # a call split
+        ([f"[{CALL}, ", f"{CALL}]"], True, ["", ""], 2),  # several
+        (["[1]"], False, ["[1]"], 0),  # "[" opens text where calls are one at most
+        ([""], True, [""], 0),  # nothing
+    ],
+)
+def test_a_tool_plan_streams_text_and_holds_calls(
+    pieces: list[str], parallel: bool, texts: list[str], calls: int
+) -> None:
+    plan = lcgen.tools.ToolPlan((Tool("f"),), parallel=parallel)
+    chunks = [_chunk(p) for p in pieces[:-1]] + [_chunk(pieces[-1], "stop")]
+    out = list(plan.stream(chunks))
+    assert [c.text for c in out] == texts and [c.tokens for c in out] == [c.tokens for c in chunks]
+    assert len(out[-1].tool_calls) == calls
+    assert out[-1].finish_reason == ("tool_calls" if calls else "stop")
+    if not calls:
+        assert out == chunks  # a text reply's chunks, as they were
+
+
+def test_a_tool_plan_releases_json_of_its_format_and_refuses_a_cut_call() -> None:
+    json_text = [_chunk('{"answer": '), _chunk("42}", "stop")]
+    formatted = lcgen.tools.ToolPlan((Tool("f"),), reply_format={"type": "object"})
+    assert [c.text for c in formatted.stream(json_text)] == ["", '{"answer": 42}']
+    plain = lcgen.tools.ToolPlan((Tool("f"),))
+    with pytest.raises(lcgen.IncompleteOutputError, match="stop string '}' cut it") as cut:
+        list(plain.stream([_chunk(CALL[:10]), replace(_chunk(CALL[10:-1], "stop"), stop="}")]))
+    assert cut.value.text == CALL[:-1]
+
+
+# invoking a call ----------------------------------------------------------------------------
+class Trip(pydantic.BaseModel):
+    city: str
+    day: datetime.date
+
+
+def plan_trip(trip: Trip, nights: int = 1) -> str:
+    """Plan a trip."""
+    assert isinstance(trip, Trip) and isinstance(trip.day, datetime.date)  # validated
+    return f"{nights} nights in {trip.city} from {trip.day:%d %b}"
+
+
+class Loud(pydantic.BaseModel):
+    word: str
+
+    @pydantic.field_validator("word")
+    @classmethod
+    def _upper(cls, word: str) -> str:
+        if word != word.upper():
+            raise ValueError("say it in capitals")
+        return word
+
+
+def test_a_reply_s_calls_are_invoked_with_validated_arguments(chat_model: lcgen.Model) -> None:
+    weather, of_model = Tool.of(get_weather), Tool.of(GetWeather)
+    tools = [weather, of_model]
+    for tool in tools:
+        reply = chat_model.chat(ASK, tools=tools, tool_choice=tool.name, max_tokens=60)
+        (call,) = check_calls(reply, tools)
+        result = tool.invoke(call)
+        if tool is of_model:  # the validated instance
+            assert isinstance(result, GetWeather) and result.model_dump() == {
+                "unit": "celsius",
+                **call.arguments,
+            }
+        else:
+            assert result == get_weather(**call.arguments)
+    trip = Tool.of(plan_trip)
+    arguments = {"trip": {"city": "Rome", "day": "2025-05-01"}}
+    assert trip.invoke(ToolCall.new("plan_trip", arguments)) == "1 nights in Rome from 01 May"
+
+
+def test_invoking_refuses_and_names_what_it_cannot_run() -> None:
+    with pytest.raises(ValueError, match="'get_time', not 'get_weather'"):
+        Tool.of(get_weather).invoke(ToolCall.new("get_time", {"zone": "UTC"}))
+    with pytest.raises(TypeError, match="'set_unit' has no function"):
+        Tool.of(SET_UNIT).invoke(ToolCall.new("set_unit", {"unit": "celsius"}))
+    with pytest.raises(lcgen.SchemaValidationError, match="capitals") as refused:
+        Tool.of(Loud).invoke(ToolCall.new("Loud", {"word": "hi"}))
+    assert json.loads(refused.value.text) == {"word": "hi"}
+    with pytest.raises(TypeError, match="callable, got 3"):
+        Tool("f", function=3)  # type: ignore[arg-type]
+    assert Tool("f", function=len) == Tool("f")  # the function is not what the model is told
+
+
+def test_a_pasted_function_is_invoked_with_its_own_types() -> None:
+    namespace: dict[str, Any] = {"__name__": "pasted"}
+    code = (
+        "from __future__ import annotations\nimport datetime\n"
+        "def days(since: datetime.date) -> int:\n"
+        "    return (datetime.date(2025, 1, 2) - since).days\n"
+    )
+    exec(compile(code, "snippet", "exec", dont_inherit=True), namespace)
+    call = ToolCall.new("days", {"since": "2025-01-01"})
+    assert Tool.of(namespace["days"]).invoke(call) == 1

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
     from lcgen.errors import IncompleteOutputError
     from lcgen.vocab import Vocab
 
-FinishReason = Literal["stop", "length", "retries"]
+# "tool_calls": a chat reply that calls functions (``Model.chat`` and ``chat_stream`` with tools).
+FinishReason = Literal["stop", "length", "retries", "tool_calls"]
 # A JSON Schema (a dict, JSON text, or true / false) or a pydantic model class.
 SchemaLike = Mapping[str, Any] | str | bool | type[Any]
 
@@ -103,7 +104,8 @@ class Chunk:
         finish_reason: None while generating; ``"stop"`` (end-of-generation token, stop token
             or stop string), ``"length"`` (``max_tokens`` reached) or ``"retries"`` (hooks,
             validators or banned phrases rejected more than ``max_retries`` candidates, or
-            every token was rejected) on the last chunk.
+            every token was rejected) on the last chunk; ``"tool_calls"`` on the last chunk of a
+            chat reply that calls functions (``Model.chat_stream`` with tools).
         stop: the stop string that ended generation, if one did.
         logprob: with ``logprobs`` set, the sampled token's log-probability under the model
             (log-softmax of the raw logits, before temperature and filters).
@@ -114,6 +116,8 @@ class Chunk:
             tokens; ``logprob`` is then their sum).
         stats: on the last chunk of a sequence's generation, what it cost (tokens decoded,
             rewinds, resamples).
+        tool_calls: on the last chunk of a streamed chat reply that calls functions, the
+            calls (as :class:`Text`'s ``tool_calls``); empty elsewhere.
     """
 
     text: str
@@ -124,6 +128,7 @@ class Chunk:
     top_logprobs: tuple[TopLogprob, ...] = ()
     stats: GenerationStats | None = None
     logprobs: tuple[TokenLogprob, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,7 +167,8 @@ class Text(str):
     """The text a generation returned (a ``str``), with how it ended.
 
     Attributes:
-        finish_reason: as on the last :class:`Chunk`.
+        finish_reason: as on the last :class:`Chunk`: ``"tool_calls"`` for a chat reply that
+            calls functions.
         stop: the stop string that ended it, if one did.
         tokens: the generated token ids.
         stats: what the generation cost (:class:`GenerationStats`).
@@ -200,14 +206,16 @@ class Text(str):
         text.tokens = tuple(tokens)
         text.stats = (last.stats if last else None) or GenerationStats()
         text.logprobs = tuple(logprobs) if logprobs and each_token_has_one else None
+        text.tool_calls = last.tool_calls if last else ()
         return text
 
     def calling(self, calls: Iterable[ToolCall]) -> Text:
-        """This result as a chat reply that calls functions: the text ``""`` and the calls in
-        ``tool_calls`` (how it ended, its tokens, stats and log-probabilities kept)."""
+        """This result as a chat reply that calls functions: the text ``""``, the calls in
+        ``tool_calls`` and ``finish_reason`` ``"tool_calls"`` (its stop string, tokens, stats
+        and log-probabilities kept)."""
         out = Text("")
         out.__dict__.update(self.__dict__)
-        out.tool_calls = tuple(calls)
+        out.tool_calls, out.finish_reason = tuple(calls), "tool_calls"
         return out
 
 

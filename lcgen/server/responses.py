@@ -19,7 +19,12 @@ from lcgen.tools import parse_calls, starts_call
 
 # lcgen's finish reasons as OpenAI's: "retries" (banned phrases or hooks rejected more than
 # max_retries candidates) is the closest OpenAI has to a refusal by a filter.
-FINISH_REASONS = {"stop": "stop", "length": "length", "retries": "content_filter"}
+FINISH_REASONS = {
+    "stop": "stop",
+    "length": "length",
+    "retries": "content_filter",
+    "tool_calls": "tool_calls",
+}
 
 Kind = Literal["chat", "text"]
 # An echoed prompt (``echo`` on /v1/completions): its text and, with log-probabilities, its

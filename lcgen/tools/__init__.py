@@ -5,9 +5,10 @@
     def get_weather(city: str, unit: Literal["celsius", "fahrenheit"] = "celsius") -> str:
         ...  # its docstring's first paragraph tells the model what it does
 
-    reply = model.chat(messages, tools=[get_weather])
+    weather = lcgen.Tool.of(get_weather)
+    reply = model.chat(messages, tools=[weather])
     for call in reply.tool_calls:       # lcgen.ToolCall(id, name, arguments: dict)
-        result = get_weather(**call.arguments)
+        result = weather.invoke(call)   # get_weather, its arguments validated by pydantic
 
 A tool is a Python function, a pydantic model class, OpenAI's tool dict or an
 :class:`~lcgen.Tool` (:meth:`Tool.of` converts). The model is told the functions in the
@@ -17,8 +18,11 @@ reply is constrained so that every call is valid: with ``tool_choice`` ``"requir
 function's name it must be calls whose arguments validate against their function's
 ``parameters``; with ``"auto"`` it is either such calls (a reply that starts with ``{``, or
 ``[`` for several) or text that starts with neither. A reply that is calls comes back as a
-:class:`~lcgen.Text` ``""`` with the calls in ``tool_calls``. The server's ``response_format``
-can shape the reply that is not calls instead (JSON text valid for its schema).
+:class:`~lcgen.Text` ``""`` with the calls in ``tool_calls`` and ``finish_reason``
+``"tool_calls"``; ``model.chat_stream`` streams no text for it and gives the calls in its last
+:class:`~lcgen.Chunk`'s ``tool_calls``. :meth:`Tool.invoke` runs a call (a pydantic model
+class's tool: makes the validated instance). The server's ``response_format`` can shape the
+reply that is not calls instead (JSON text valid for its schema).
 
 Earlier turns go back into the prompt as messages of OpenAI's shapes (an assistant message
 with ``tool_calls``, a ``"tool"`` message with ``tool_call_id``), written as text: an

@@ -1,18 +1,20 @@
 """Tools as values: :class:`Tool` (a function's name, description and JSON Schema parameters),
-made from a Python function, a pydantic model class or OpenAI's tool dict; the list a chat
-takes, and which of its functions ``tool_choice`` lets a reply call."""
+made from a Python function, a pydantic model class or OpenAI's tool dict, and running a call
+of it; the list a chat takes, and which of its functions ``tool_choice`` lets a reply call."""
 
 from __future__ import annotations
 
 import inspect
+import json
 import re
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from lcgen.decoding.options import shown
+from lcgen.decoding.results import ToolCall, _validated
 
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 _MODES = ("auto", "required", "none")
@@ -28,16 +30,20 @@ class Tool:
         parameters: the JSON Schema of its arguments, which are always a JSON object (None:
             it takes none).
         description: what it does, told to the model.
+        function: what :meth:`invoke` runs: the Python function or pydantic model class the
+            tool was made from (None: made from a dict; give one to invoke it). Tools that
+            differ only in it are equal.
 
     Raises:
         ValueError: a name of other characters, empty, or longer than 64.
-        TypeError: a name or description that is not a str, or parameters that are not a
-            mapping.
+        TypeError: a name or description that is not a str, parameters that are not a
+            mapping, or a function that is not callable.
     """
 
     name: str
     parameters: dict[str, Any] | None = None
     description: str | None = None
+    function: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -56,6 +62,10 @@ class Tool:
         if self.description is not None and not isinstance(self.description, str):
             raise TypeError(
                 f"the description of tool {self.name!r} is a str, got {shown(self.description)}"
+            )
+        if self.function is not None and not callable(self.function):
+            raise TypeError(
+                f"the function of tool {self.name!r} is a callable, got {shown(self.function)}"
             )
 
     @classmethod
@@ -83,6 +93,48 @@ class Tool:
         if callable(obj):
             return _of_function(obj)
         raise TypeError(f"{_KINDS}, got {shown(obj)}")
+
+    def invoke(self, call: ToolCall) -> Any:
+        """Run a call of this tool: its :attr:`function` with the call's arguments validated by
+        pydantic, as its parameters' Python types (a nested model as its instance, a date as a
+        ``date``); for a tool made from a pydantic model class, the validated instance.
+
+        ::
+
+            weather = lcgen.Tool.of(get_weather)
+            reply = model.chat(messages, tools=[weather])
+            results = [weather.invoke(call) for call in reply.tool_calls]
+
+        Args:
+            call: a call of this tool (from a reply's ``tool_calls``).
+
+        Returns:
+            What the function returns; for a pydantic model class, its instance.
+
+        Raises:
+            ValueError: the call names another function.
+            TypeError: the tool has no function (it was made from a dict).
+            SchemaValidationError: pydantic's validation refused the arguments: it checks more
+                than their JSON Schema says, which the grammar cannot enforce.
+            (and what the function raises)
+        """
+        if call.name != self.name:
+            raise ValueError(f"the call {call.id} is of function {call.name!r}, not {self.name!r}")
+        fn = self.function
+        if fn is None:
+            raise TypeError(
+                f"tool {self.name!r} has no function to invoke (it was made from a dict): make "
+                "it from one, or give Tool(..., function=...)"
+            )
+        text = json.dumps(call.arguments, ensure_ascii=False)
+        model_validate = getattr(fn, "model_validate", None)
+        if model_validate is not None:  # a pydantic model class: its instance
+            return _validated(model_validate, call.arguments, text, fn)
+        import pydantic
+
+        check = pydantic.validate_call(_arguments(fn))
+        arguments = _validated(lambda given: check(**given), call.arguments, text, fn)
+        return fn(**arguments)
 
     def as_openai(self) -> dict[str, Any]:
         """The tool as OpenAI's tool dict."""
@@ -133,12 +185,12 @@ def _of_model(model: type[Any]) -> Tool:
         raise TypeError(f"the pydantic model {model.__name__} has no JSON Schema: {exc}") from None
     schema.pop("title", None)
     description = schema.pop("description", None)
-    return Tool(model.__name__, schema, description)
+    return Tool(model.__name__, schema, description, model)
 
 
 def _of_function(fn: Callable[..., Any]) -> Tool:
     """A Python function as a tool: its parameters (by name, as a call's arguments are
-    passed: ``fn(**call.arguments)``) as pydantic's JSON Schema."""
+    passed: ``fn(**call.arguments)``) as pydantic's JSON Schema; ``fn`` runs its calls."""
     import pydantic
 
     name = getattr(fn, "__name__", None)
@@ -146,38 +198,38 @@ def _of_function(fn: Callable[..., Any]) -> Tool:
         raise TypeError(f"{_KINDS}, got {shown(fn)} (a callable without a __name__)")
     _check_signature(fn, name)
     try:
-        schema = pydantic.TypeAdapter(cast(Any, _annotated(fn))).json_schema()
+        schema = pydantic.TypeAdapter(cast(Any, _arguments(fn))).json_schema()
     except (pydantic.PydanticUserError, pydantic.errors.PydanticUndefinedAnnotation) as exc:
         raise TypeError(f"the parameters of function {name!r} have no JSON Schema: {exc}") from None
     doc = inspect.getdoc(fn)
     description = doc.split("\n\n", 1)[0].strip() if doc else ""
-    return Tool(name, schema, description or None)
+    return Tool(name, schema, description or None, fn)
 
 
-def _annotated(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn``, or where its annotations are text (``from __future__ import annotations``), a
-    stand-in with them read in ``fn``'s own globals: pydantic reads them in its module's,
-    which code run by ``exec`` (a notebook cell, a snippet) may not have."""
-    annotations = getattr(fn, "__annotations__", None)
-    if not annotations or not any(isinstance(a, str) for a in annotations.values()):
-        return fn
+def _arguments(fn: Callable[..., Any]) -> Callable[..., dict[str, Any]]:
+    """A stand-in of ``fn``'s signature that returns its arguments (for pydantic to describe
+    and validate them without calling ``fn``), its annotations read in ``fn``'s own globals
+    where they are text (``from __future__ import annotations``): pydantic reads them in the
+    module's, which code run by ``exec`` (a notebook cell, a snippet) may not have."""
+    signature = inspect.signature(fn)
     try:
         hints = typing.get_type_hints(fn, include_extras=True)
     except Exception:  # unreadable here too: pydantic says why
-        return fn
-    signature = inspect.signature(fn)
+        hints = dict(getattr(fn, "__annotations__", {}))
     params = [
         p.replace(annotation=hints.get(p.name, p.annotation)) for p in signature.parameters.values()
     ]
 
-    def stand_in(**kwargs: Any) -> Any:
-        return fn(**kwargs)
+    def arguments(**kwargs: Any) -> dict[str, Any]:
+        return kwargs
 
-    stand_in.__name__, stand_in.__annotations__ = fn.__name__, hints
-    stand_in.__signature__ = signature.replace(  # type: ignore[attr-defined]
+    arguments.__name__ = arguments.__qualname__ = fn.__name__
+    arguments.__module__ = getattr(fn, "__module__", None) or arguments.__module__
+    arguments.__annotations__ = hints
+    arguments.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=params, return_annotation=hints.get("return", signature.return_annotation)
     )
-    return stand_in
+    return arguments
 
 
 def _check_signature(fn: Callable[..., Any], name: str) -> None:

@@ -1,18 +1,19 @@
 """A chat's tool options made into one value at the edge: :class:`ToolPlan` (what the prompt
-tells, what the reply may be, how it is read back)."""
+tells, what the reply may be, how it is read back, whole or streamed)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from lcgen.constrain import Grammar
-from lcgen.decoding.results import Text
+from lcgen.decoding.results import Chunk, Text
+from lcgen.errors import IncompleteOutputError
 from lcgen.tools.define import Tool, active, tool_list
 from lcgen.tools.messages import prompt_messages
-from lcgen.tools.schema import grammar, parse_calls
+from lcgen.tools.schema import grammar, parse_calls, starts_call
 
 # The generation options that constrain a reply: tools make their own constraint.
 _CONSTRAINTS = ("schema", "grammar", "choice", "regex")
@@ -59,6 +60,48 @@ class ToolPlan:
         the text ``""``) where it is calls, else as it is."""
         calls = parse_calls(text, self.parallel, self.names)
         return text if calls is None else text.calling(calls)
+
+    def stream(self, chunks: Iterable[Chunk]) -> Iterator[Chunk]:
+        """The generated ``chunks`` as the chat reply's stream. A reply that is text streams
+        as it comes. One that is calls (its first character says so) streams no text: its
+        chunks come with ``text`` ``""`` (their tokens and log-probabilities kept), and the
+        last carries the calls in ``tool_calls`` and ``finish_reason`` ``"tool_calls"``; so the
+        stream joined (:meth:`Text.of`) is :meth:`reply` of the whole text. With a
+        ``reply_format``, a reply that starts as calls but is not (JSON of the format) comes
+        whole in its last chunk.
+
+        Raises:
+            IncompleteOutputError: the calls were cut short (max_tokens, a stop string or
+                token) before they were complete; the partial text is on the exception.
+        """
+        held = ""  # a reply that is calls, not streamed
+        chunks = iter(chunks)
+        for chunk in chunks:
+            if not held and chunk.text and not starts_call(chunk.text, self.parallel):
+                yield chunk
+                yield from chunks  # text
+                return
+            held += chunk.text
+            yield replace(chunk, text="") if chunk.finish_reason is None else self._end(chunk, held)
+
+    def _end(self, last: Chunk, held: str) -> Chunk:
+        """The last chunk of a reply that is calls (or, with a ``reply_format``, JSON)."""
+        calls = parse_calls(held, self.parallel, self.names)
+        if calls is not None:
+            return replace(last, text="", finish_reason="tool_calls", tool_calls=calls)
+        if not held or self.reply_format is not None:
+            return replace(last, text=held)
+        if last.finish_reason == "length":
+            reason = "generation reached max_tokens (raise max_tokens)"
+        elif last.stop is not None:
+            reason = f"the stop string {last.stop!r} cut it"
+        elif last.finish_reason == "retries":
+            reason = "the retries ran out"
+        else:
+            reason = "a stop token (stop_tokens) ended it"
+        raise IncompleteOutputError(
+            f"the reply's tool call is incomplete: {reason} ({len(held)} characters)", held
+        )
 
 
 def make_tool_plan(
