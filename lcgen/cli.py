@@ -70,11 +70,11 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="layers to offload to GPU/Metal (default: all when available)",
     )
-    add_kv_type_args(p)
+    _add_kv_type_args(p)
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
 
 
-def add_kv_type_args(p: argparse.ArgumentParser) -> None:
+def _add_kv_type_args(p: argparse.ArgumentParser) -> None:
     """``--cache-type-k`` and ``--cache-type-v`` (lcgen.load's type_k and type_v)."""
     for part, what in (("k", "keys"), ("v", "values")):
         p.add_argument(

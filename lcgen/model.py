@@ -270,7 +270,6 @@ class Model:
         self.flash_attn = flash_attn  # None: llama.cpp decides
         if type_v == "auto":  # bf16 where llama.cpp's CPU flash attention reads the values
             type_v = "bf16" if self.n_gpu_layers == 0 and flash_attn is not False else "f16"
-        self.type_k, self.type_v = type_k, type_v
         self.context = Context(
             self._handle,
             n_ctx,
@@ -299,6 +298,16 @@ class Model:
     def n_ctx(self) -> int:
         """The most tokens one sequence can hold."""
         return self.context.n_ctx
+
+    @property
+    def type_k(self) -> str:
+        """The KV cache's element type for keys."""
+        return self.context.kv_types[0]
+
+    @property
+    def type_v(self) -> str:
+        """The KV cache's element type for values (``"auto"`` resolved)."""
+        return self.context.kv_types[1]
 
     @property
     def threads_now(self) -> int:
