@@ -207,8 +207,9 @@ def json_row(work: Workload) -> Row:
     return Row(
         "speculate-json",
         "JSON-Schema-constrained extraction from the same passage (6 fields, the notebook's "
-        "last entry copied word for word), greedy until the JSON is complete, tokens/s after "
-        "the first: lcgen's seq.stream(grammar=...) with speculate='ngram' and without",
+        "last entry asked for word for word; SmolLM2 writes short values and copies little), "
+        "greedy until the JSON is complete, tokens/s after the first: lcgen's "
+        "seq.stream(grammar=...) with speculate='ngram' and without",
         _units(measures),
         interleaved(measures),
         (Check("lcgen, ngram", "lcgen", at_least(JSON_MIN_RATIO)),),

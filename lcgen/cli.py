@@ -48,7 +48,8 @@ def _int_in(low: int, high: int) -> Callable[[str], int]:
     return parse
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
+def _add_model_args(p: argparse.ArgumentParser, values: str = "f16") -> None:
+    """The model and how to load it; ``values``: the default of ``--cache-type-v``."""
     p.add_argument(
         "model", help="registry name (see `lcgen models`), .gguf path or hf:org/repo/file"
     )
@@ -70,20 +71,26 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="layers to offload to GPU/Metal (default: all when available)",
     )
-    _add_kv_type_args(p)
+    _add_kv_type_args(p, values)
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
 
 
-def _add_kv_type_args(p: argparse.ArgumentParser) -> None:
-    """``--cache-type-k`` and ``--cache-type-v`` (lcgen.load's type_k and type_v)."""
-    for part, what in (("k", "keys"), ("v", "values")):
-        p.add_argument(
-            f"--cache-type-{part}",
-            choices=lcgen.KV_CACHE_TYPES,
-            default="f16",
-            help=f"the KV cache's element type for {what} (default f16; on a CPU, bf16 values "
-            "decode faster and prefill long prompts slower)",
-        )
+def _add_kv_type_args(p: argparse.ArgumentParser, values: str) -> None:
+    """``--cache-type-k`` and ``--cache-type-v`` (lcgen.load's type_k and type_v; ``values``:
+    the default of the second)."""
+    p.add_argument(
+        "--cache-type-k",
+        choices=lcgen.KV_CACHE_TYPES,
+        default="f16",
+        help="the KV cache's element type for keys (default f16)",
+    )
+    p.add_argument(
+        "--cache-type-v",
+        choices=("auto", *lcgen.KV_CACHE_TYPES),
+        default=values,
+        help=f"the KV cache's element type for values (default {values}; auto: bf16 on a CPU, "
+        "where it decodes faster and prefills long prompts slower, f16 on a GPU)",
+    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -902,7 +909,8 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(func=func)
         if name in {"generate", "chat", "info"}:
-            _add_model_args(p)
+            # A chat decodes each turn in short batches, where bf16 values are faster.
+            _add_model_args(p, "auto" if name == "chat" else "f16")
         if name in {"generate", "chat"}:
             _add_sampling_args(p, 256 if name == "generate" else 512)
         if name == "generate":

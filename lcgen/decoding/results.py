@@ -253,19 +253,24 @@ def incomplete(
             return None  # complete (an end token, or a cut exactly where it could end)
     except GrammarError:
         pass
-    if text.stop:
-        reason = f"the stop string {text.stop!r} cut it"
-    elif text.finish_reason == "length":
-        reason = "generation reached max_tokens"
-    elif by_token:
-        reason = f"the stop token {text.tokens[-1]} (stop_tokens) ended it"
-    else:
-        reason = "the retries ran out"
+    stop_token = text.tokens[-1] if by_token else None
     return IncompleteOutputError(
-        f"the output is incomplete: {reason} before it matched its constraint "
-        f"({len(str(text))} characters){': raise max_tokens' * (text.finish_reason == 'length')}",
+        f"the output is incomplete: {cut_reason(text.finish_reason, text.stop, stop_token)} "
+        f"before it matched its constraint ({len(str(text))} characters)"
+        f"{': raise max_tokens' * (text.finish_reason == 'length')}",
         str(text),
     )
+
+
+def cut_reason(finish_reason: str | None, stop: str | None, stop_token: int | None = None) -> str:
+    """Why a generation ended before its output was complete, in words (for errors)."""
+    if stop:
+        return f"the stop string {stop!r} cut it"
+    if finish_reason == "length":
+        return "generation reached max_tokens"
+    if finish_reason == "retries":
+        return "the retries ran out"
+    return f"the stop token{'' if stop_token is None else f' {stop_token}'} (stop_tokens) ended it"
 
 
 def parse_structured(text: str, schema: SchemaLike) -> Any:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from lcgen.constrain import Grammar
-from lcgen.decoding.results import Chunk, Text
+from lcgen.decoding.results import Chunk, Text, cut_reason
 from lcgen.errors import IncompleteOutputError
 from lcgen.tools.define import Tool, active, tool_list
 from lcgen.tools.messages import prompt_messages
@@ -91,16 +91,11 @@ class ToolPlan:
             return replace(last, text="", finish_reason="tool_calls", tool_calls=calls)
         if not held or self.reply_format is not None:
             return replace(last, text=held)
-        if last.finish_reason == "length":
-            reason = "generation reached max_tokens (raise max_tokens)"
-        elif last.stop is not None:
-            reason = f"the stop string {last.stop!r} cut it"
-        elif last.finish_reason == "retries":
-            reason = "the retries ran out"
-        else:
-            reason = "a stop token (stop_tokens) ended it"
+        reason = cut_reason(last.finish_reason, last.stop)
         raise IncompleteOutputError(
-            f"the reply's tool call is incomplete: {reason} ({len(held)} characters)", held
+            f"the reply's tool call is incomplete: {reason} ({len(held)} characters)"
+            f"{': raise max_tokens' * (last.finish_reason == 'length')}",
+            held,
         )
 
 
