@@ -33,64 +33,16 @@ class UsageError(ValueError):
     that cannot be used), found before generating: status 2, as argparse's own usage errors."""
 
 
-def _int_in(low: int, high: int) -> Callable[[str], int]:
-    """An argparse type: an int in [low, high] (out of range: a usage error, status 2)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"must be in [{low}, {high}], got {value}")
-        return value
-
-    return parse
-
-
 def _add_model_args(p: argparse.ArgumentParser, values: str = "f16") -> None:
     """The model and how to load it; ``values``: the default of ``--cache-type-v``."""
-    p.add_argument(
-        "model", help="registry name (see `lcgen models`), .gguf path or hf:org/repo/file"
-    )
-    p.add_argument(
-        "--n-ctx",
-        type=_int_in(0, 2**31 - 1),
-        default=4096,
-        help="context size in tokens (default 4096; 0: the model's training context)",
-    )
-    p.add_argument(
-        "--threads",
-        type=_int_in(1, 512),
-        default=None,
-        help="CPU threads, fixed (default: adapts to the load, at most the cores, <= 8)",
-    )
+    server.add_model_arguments(p, values)
     p.add_argument(
         "--gpu-layers",
         type=int,
         default=None,
         help="layers to offload to GPU/Metal (default: all when available)",
     )
-    _add_kv_type_args(p, values)
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
-
-
-def _add_kv_type_args(p: argparse.ArgumentParser, values: str) -> None:
-    """``--cache-type-k`` and ``--cache-type-v`` (lcgen.load's type_k and type_v; ``values``:
-    the default of the second)."""
-    p.add_argument(
-        "--cache-type-k",
-        choices=lcgen.KV_CACHE_TYPES,
-        default="f16",
-        help="the KV cache's element type for keys (default f16)",
-    )
-    p.add_argument(
-        "--cache-type-v",
-        choices=("auto", *lcgen.KV_CACHE_TYPES),
-        default=values,
-        help=f"the KV cache's element type for values (default {values}; auto: bf16 on a CPU, "
-        "where it decodes faster and prefills long prompts slower, f16 on a GPU)",
-    )
 
 
 def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -136,7 +88,7 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--ban-ignore-case", action="store_true", help="match --ban in any case")
     p.add_argument(
         "--max-retries",
-        type=_int_in(0, 2**31 - 1),
+        type=server.int_in(0, 2**31 - 1),
         default=None,
         help="most rewinds and resamples for banned phrases (default 64)",
     )

@@ -246,11 +246,44 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The server's options on a parser (``lcgen serve`` and ``python -m lcgen.server``)."""
+def add_model_arguments(p: argparse.ArgumentParser, values: str) -> None:
+    """The model and how it loads, as every ``lcgen`` command that loads one takes them: its
+    reference, ``--n-ctx``, ``--threads`` and the KV cache's element types (``values``: the
+    default of ``--cache-type-v``)."""
     p.add_argument(
         "model", help="registry name (see `lcgen models`), .gguf path or hf:org/repo/file"
     )
+    p.add_argument(
+        "--n-ctx",
+        type=int_in(0, 2**31 - 1),
+        default=4096,
+        help="context size in tokens (default 4096; 0: the model's training context)",
+    )
+    p.add_argument(
+        "--threads",
+        type=int_in(1, 512),
+        default=None,
+        help="CPU threads, fixed (default: adapts to the load, at most the cores, <= 8)",
+    )
+    p.add_argument(
+        "--cache-type-k",
+        choices=lcgen.KV_CACHE_TYPES,
+        default="f16",
+        help="the KV cache's element type for keys (default f16)",
+    )
+    p.add_argument(
+        "--cache-type-v",
+        choices=("auto", *lcgen.KV_CACHE_TYPES),
+        default=values,
+        help=f"the KV cache's element type for values (default {values}; auto: bf16 on a CPU, "
+        "where it decodes faster and prefills long prompts slower, f16 on a GPU)",
+    )
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The server's options on a parser (``lcgen serve`` and ``python -m lcgen.server``)."""
+    # A server's work is short batches, which bf16 values decode faster on a CPU.
+    add_model_arguments(p, "auto")
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
     p.add_argument(
         "--port",
@@ -265,22 +298,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="require 'Authorization: Bearer KEY' (default: $LCGEN_API_KEY unless empty)",
     )
     p.add_argument(
-        "--n-ctx",
-        type=_int_arg(_in_range(0, 2**31 - 1)),
-        default=4096,
-        help="context size in tokens (default 4096; 0: the model's training context)",
-    )
-    p.add_argument(
         "--n-seq-max",
-        type=_int_arg(_in_range(1, 256)),
+        type=int_in(1, 256),
         default=None,
         help="sequence slots, 1-256 (default 32)",
-    )
-    p.add_argument(
-        "--threads",
-        type=_int_arg(_in_range(1, 512)),
-        default=None,
-        help="CPU threads, fixed (default: adapts to the load, at most the cores, <= 8)",
     )
     p.add_argument(
         "--max-queue",
@@ -293,20 +314,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="a draft model of the same vocabulary, for requests with speculate: 'draft'",
     )
-    p.add_argument(
-        "--cache-type-k",
-        choices=lcgen.KV_CACHE_TYPES,
-        default="f16",
-        help="the KV cache's element type for keys (default f16)",
-    )
-    p.add_argument(
-        "--cache-type-v",
-        choices=("auto", *lcgen.KV_CACHE_TYPES),
-        default="auto",
-        help="the KV cache's element type for values (default auto: bf16 on a CPU, where it "
-        "decodes faster and prefills long prompts slower; f16 on a GPU)",
-    )
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's log and requests")
+
+
+def int_in(low: int, high: int) -> Callable[[str], int]:
+    """An argparse type: an int in [low, high] (out of range: a usage error, status 2)."""
+    return _int_arg(_in_range(low, high))
 
 
 def _in_range(low: int, high: int) -> Callable[[int], int]:
