@@ -511,6 +511,20 @@ CASES = [
         [-5.51, 1000.01, 0.001],
     ),
     Case("not-string", {"not": {"type": "string"}}, [1, None, [], {}], ["x"]),
+    # A number const or enum under not excludes those numbers only.
+    Case("not-const-integer", {"type": "integer", "not": {"const": 0}}, [1, -3, 10], [0, 1.5]),
+    Case(
+        "not-enum-numbers",
+        {"not": {"enum": [0, 1, 2.5]}},
+        [2, -3, 1.5, 3, "a", None],
+        [0, 1, 1.0, 2.5],
+    ),
+    Case(
+        "not-const-beside-types",
+        {"type": ["integer", "string"], "not": {"const": 0}},
+        [1, 11, "x"],
+        [0, 0.5],
+    ),
     Case(
         "if-then-else",
         {"if": {"type": "string"}, "then": {"minLength": 2}, "else": {"type": "integer"}},

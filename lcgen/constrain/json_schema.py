@@ -523,6 +523,7 @@ class _Compiler(ValueCompiler):
                 out += [{"const": b} for b in (True, False) if not any(v is b for v in values)]
             if "string" in kinds:
                 out.append({"type": "string", NOT_IN: [v for v in values if isinstance(v, str)]})
+            out += self.numbers_between(values)
         for key, flip in (("minimum", "maximum"), ("maximum", "minimum")):
             b = spec.bound(member, key, "exclusive" + key.capitalize())
             if b is not None:
@@ -551,6 +552,22 @@ class _Compiler(ValueCompiler):
             keys = ", ".join(sorted(set(member) & spec.CONSTRAINING))
             raise GrammarError(f"not of {keys} (at {path}) is not supported")
         return out
+
+    def numbers_between(self, values: list[Any]) -> list[dict[str, Any]]:
+        """Number schemas that together hold every number but the numbers among ``values``:
+        the open intervals around and between them."""
+        points = sorted({v for v in values if spec.type_of(v) in ("integer", "number")})
+        if not points:
+            return []
+        ends = [None, *points, None]
+        return [
+            {
+                "type": "number",
+                **({} if low is None else self.bound_schema("minimum", low, True)),
+                **({} if high is None else self.bound_schema("maximum", high, True)),
+            }
+            for low, high in zip(ends, ends[1:], strict=False)
+        ]
 
     def bound_schema(self, key: str, value: Any, exclusive: bool) -> dict[str, Any]:
         if not exclusive:
