@@ -487,3 +487,53 @@ def test_a_pasted_function_is_invoked_with_its_own_types() -> None:
     exec(compile(code, "snippet", "exec", dont_inherit=True), namespace)
     call = ToolCall.new("days", {"since": "2025-01-01"})
     assert Tool.of(namespace["days"]).invoke(call) == 1
+
+
+class Search(pydantic.BaseModel):
+    """Search the web."""
+
+    query: str
+
+
+class Address(pydantic.BaseModel):
+    street: str
+    properties: dict[str, int] = pydantic.Field(default={"properties": 1})
+
+
+class Loose(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(extra="allow")
+    note: str
+
+
+def book(where: Address, loose: Loose) -> str:
+    """Book a room."""
+    return str(where)
+
+
+def test_pydantic_objects_in_tools_take_no_other_keys_unless_they_allow_them() -> None:
+    # As schema= reads a pydantic model: extra="ignore" (the default) and "forbid" admit no
+    # other keys, extra="allow" does; a dict field and data values stay as they are.
+    assert Tool.of(Search).parameters == {
+        "type": "object",
+        "properties": {"query": {"title": "Query", "type": "string"}},
+        "required": ["query"],
+        "additionalProperties": False,
+    }
+    params = Tool.of(book).parameters
+    assert params is not None
+    address, loose = params["$defs"]["Address"], params["$defs"]["Loose"]
+    assert address["additionalProperties"] is False
+    assert address["properties"]["properties"]["additionalProperties"] == {"type": "integer"}
+    assert address["properties"]["properties"]["default"] == {"properties": 1}
+    assert "additionalProperties" not in address["properties"]  # a field, not a keyword
+    assert loose["additionalProperties"] is True
+    validate({"where": {"street": "Main"}, "loose": {"note": "x", "more": 1}}, params)
+    with pytest.raises(Exception, match="extra"):
+        validate({"where": {"street": "Main", "extra": 1}, "loose": {"note": "x"}}, params)
+
+
+def test_a_pydantic_tool_s_call_has_only_its_fields(chat_model: lcgen.Model) -> None:
+    ask = [{"role": "user", "content": "Search for cats"}]
+    reply = chat_model.chat(ask, tools=[Search], tool_choice="required", max_tokens=60)
+    (call,) = check_calls(reply, [Search])
+    assert set(call.arguments) == {"query"}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import decimal
 import difflib
 import functools
+import itertools
 import warnings
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -566,7 +567,7 @@ class _Compiler(ValueCompiler):
                 **({} if low is None else self.bound_schema("minimum", low, True)),
                 **({} if high is None else self.bound_schema("maximum", high, True)),
             }
-            for low, high in zip(ends, ends[1:], strict=False)
+            for low, high in itertools.pairwise(ends)
         ]
 
     def bound_schema(self, key: str, value: Any, exclusive: bool) -> dict[str, Any]:

@@ -185,7 +185,7 @@ def _of_model(model: type[Any]) -> Tool:
         raise TypeError(f"the pydantic model {model.__name__} has no JSON Schema: {exc}") from None
     schema.pop("title", None)
     description = schema.pop("description", None)
-    return Tool(model.__name__, schema, description, model)
+    return Tool(model.__name__, _closed(schema), description, model)
 
 
 def _of_function(fn: Callable[..., Any]) -> Tool:
@@ -203,7 +203,35 @@ def _of_function(fn: Callable[..., Any]) -> Tool:
         raise TypeError(f"the parameters of function {name!r} have no JSON Schema: {exc}") from None
     doc = inspect.getdoc(fn)
     description = doc.split("\n\n", 1)[0].strip() if doc else ""
-    return Tool(name, schema, description or None, fn)
+    return Tool(name, _closed(schema), description or None, fn)
+
+
+# Keywords whose value maps names to schemas, and keywords whose value is JSON data (the
+# others hold a schema or a list of them).
+_SCHEMA_MAPS = frozenset(["properties", "patternProperties", "$defs", "definitions"])
+_DATA = frozenset(["default", "const", "enum", "examples"])
+
+
+def _closed(schema: Any) -> Any:
+    """Pydantic's ``schema`` with each object that declares properties and says nothing of
+    others closed to them, as ``schema=`` reads a pydantic model: pydantic's default
+    ``extra="ignore"`` and ``"forbid"`` take no other keys (``"allow"`` says
+    ``additionalProperties: true``), so arguments never fill with keys the function lacks."""
+    if isinstance(schema, list):
+        return [_closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {
+        key: value
+        if key in _DATA
+        else {k: _closed(v) for k, v in value.items()}
+        if key in _SCHEMA_MAPS and isinstance(value, dict)
+        else _closed(value)
+        for key, value in schema.items()
+    }
+    if "properties" in out and not {"additionalProperties", "patternProperties"} & set(out):
+        out["additionalProperties"] = False
+    return out
 
 
 def _arguments(fn: Callable[..., Any]) -> Callable[..., dict[str, Any]]:
