@@ -977,6 +977,7 @@ BAD = [
     (_body(tool_choice="required"), "tool_choice"),  # tool_choice without tools
     (_body(tool_choice={"type": "function", "function": {"name": "f"}}), "tool_choice"),
     (_body(messages=[*USER, {"role": "tool", "content": "1"}]), "messages.1"),  # no tool_call_id
+    (_body(messages=[*USER, {"role": "tool", "tool_call_id": "c", "content": "1"}]), "messages"),
     (
         _body(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}),
         "response_format",

@@ -233,6 +233,11 @@ def test_earlier_tool_turns_are_written_into_the_prompt(chat_model: lcgen.Model)
     ("message", "error", "match"),
     [
         ({"role": "tool", "content": "18 C"}, ValueError, "tool_call_id"),
+        (
+            {"role": "tool", "tool_call_id": "call_X", "content": "18 C"},
+            ValueError,
+            "message 1 answers the call 'call_X', which no assistant message before it made",
+        ),
         ({"role": "user", "content": "hi", "tool_calls": []}, ValueError, "only an assistant"),
         ({"role": "assistant", "content": None, "tool_calls": "f"}, TypeError, "'f'"),
         ({"role": "assistant", "content": None, "tool_calls": [{"id": 1}]}, TypeError, "'id': 1"),

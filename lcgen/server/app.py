@@ -74,14 +74,14 @@ class _Server:
                 param="messages",
             )
         callable_tools = req.callable_tools()
-        messages = lcgen.tools.prompt_messages(
-            [m.as_dict() for m in req.messages],
-            callable_tools,
-            req.tool_required,
-            req.tool_parallel,
-            formatted=req.response_format is not None and req.response_format.type != "text",
-        )
         try:
+            messages = lcgen.tools.prompt_messages(
+                [m.as_dict() for m in req.messages],
+                callable_tools,
+                req.tool_required,
+                req.tool_parallel,
+                formatted=req.response_format is not None and req.response_format.type != "text",
+            )
             prompt = await run_in_threadpool(self.model.chat_tokens, messages)
         except ValueError as exc:
             raise APIError(400, f"messages: {exc}", param="messages") from None

@@ -160,6 +160,7 @@ def prompt_messages(
     Raises:
         TypeError: a call of an assistant message is of another shape (see
             :func:`check_messages`).
+        ValueError: a tool message answers a call that no assistant message before it made.
     """
     names: dict[str, str] = {}  # call id -> function name
     out: list[dict[str, Any]] = []
@@ -172,8 +173,13 @@ def prompt_messages(
             written = json.dumps(values[0] if len(values) == 1 else values, ensure_ascii=False)
             text = f"{text}\n{written}" if text else written
         elif role == "tool":
-            name = names.get(message.get("tool_call_id") or "", "a function")
-            role, text = "user", f"The function {name} returned: {text}"
+            call_id = message.get("tool_call_id")
+            if call_id not in names:
+                raise ValueError(
+                    f"chat message {i} answers the call {call_id!r}, which no assistant message "
+                    f"before it made (their calls: {sorted(names) or 'none'})"
+                )
+            role, text = "user", f"The function {names[call_id]} returned: {text}"
         kept = {key: value for key, value in message.items() if key not in _TOOL_KEYS}
         out.append({**kept, "role": role, "content": text})
     if tools:
