@@ -26,6 +26,7 @@ Message = dict[str, str]
 #: The exit status after stdout was closed early (``lcgen generate ... | head``): 128 + SIGPIPE,
 #: what a shell reports for a Unix tool stopped by that signal.
 EXIT_BROKEN_PIPE = 141
+CHAT_MAX_TOKENS = 512  # a chat reply's default most tokens (at most half the context)
 
 
 class UsageError(ValueError):
@@ -45,12 +46,15 @@ def _add_model_args(p: argparse.ArgumentParser, values: str = "f16") -> None:
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's log")
 
 
-def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int | None) -> None:
+    """Sampling flags; ``max_tokens`` None: a chat's reply, at most half the context."""
     p.add_argument(
         "--max-tokens",
         type=int,
         default=max_tokens,
-        help=f"most tokens to generate (default {max_tokens})",
+        help=f"most tokens to generate (default {max_tokens})"
+        if max_tokens is not None
+        else f"most tokens a reply has (default {CHAT_MAX_TOKENS}, at most half the context)",
     )
     p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
@@ -140,7 +144,7 @@ def _checked_options(
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:
     return {
-        "max_tokens": args.max_tokens,
+        "max_tokens": CHAT_MAX_TOKENS if args.max_tokens is None else args.max_tokens,
         "temperature": args.temperature,
         "top_k": args.top_k,
         "top_p": args.top_p,
@@ -482,7 +486,9 @@ def cmd_chat(args: argparse.Namespace) -> int:
     options = _checked_options(args)  # before the model loads
     model = _load(args)
     _check_chat_template(model, f"`lcgen generate {args.model} PROMPT` continues a text")
-    if args.max_tokens >= model.n_ctx:  # every turn would fail
+    if args.max_tokens is None:  # not given: a reply leaves room for the conversation
+        options["max_tokens"] = min(CHAT_MAX_TOKENS, model.n_ctx // 2)
+    elif args.max_tokens >= model.n_ctx:  # every turn would fail
         raise UsageError(
             f"--max-tokens {args.max_tokens} leaves no room for a message in the context of "
             f"{model.n_ctx} tokens: lower it or raise --n-ctx"
@@ -864,16 +870,16 @@ def build_parser() -> argparse.ArgumentParser:
             # A chat decodes each turn in short batches, where bf16 values are faster.
             _add_model_args(p, "auto" if name == "chat" else "f16")
         if name in {"generate", "chat"}:
-            _add_sampling_args(p, 256 if name == "generate" else 512)
+            _add_sampling_args(p, 256 if name == "generate" else None)
         if name == "generate":
             _add_generate_args(p)
         if name == "chat":
             p.add_argument("--system", default=None, help="a system message")
         if name == "demo":
+            server.add_threads_argument(p)
             p.set_defaults(
                 model=lcgen.DEFAULT_MODEL,
                 n_ctx=4096,
-                threads=None,
                 gpu_layers=None,
                 cache_type_k="f16",
                 cache_type_v="f16",

@@ -236,6 +236,10 @@ class Model:
         n_seq_max = _check_sizes(n_ctx, n_batch, n_seq_max)
         type_k = _check_kv_type("type_k", type_k)
         type_v = _check_kv_type("type_v", type_v, "auto")
+        if not isinstance(cache, bool):
+            if not isinstance(cache, int):
+                raise TypeError(f"cache must be True, False or a number of cells, got {cache!r}")
+            _check_int("cache", cache, 0, 2**31 - 1)
         # The most threads; with adaptive_threads, decodes use the count measured fastest.
         self.n_threads = _check_threads(n_threads) if n_threads is not None else _default_threads()
         init(verbose)
@@ -580,6 +584,11 @@ class Model:
             SlotsExhaustedError: every sequence slot is in use.
             GrammarError: the constraint cannot be built or enforced.
         """
+        if isinstance(prompt, list | tuple) and any(isinstance(p, str) for p in prompt):
+            raise TypeError(
+                f"stream takes one prompt, got {shown(prompt)}: generate() takes a list of "
+                "prompts (a batch), or stream each"
+            )
         with self.sequence(self._prompt(prompt, suffix)) as seq:
             yield from seq.stream(schema=schema, **options)
 

@@ -31,7 +31,7 @@ THREADS = ["--threads", "1"]
 
 
 def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    threads = THREADS if args[0] in {"generate", "chat", "info"} else []
+    threads = THREADS if args[0] in {"generate", "chat", "info", "demo"} else []
     return subprocess.run(
         [sys.executable, "-m", "lcgen.cli", *args, *threads],
         input=stdin,
@@ -85,7 +85,9 @@ def test_generate_with_speculation(model: lcgen.Model) -> None:
 
 
 def test_chat_reads_turns_from_stdin(model: lcgen.Model) -> None:
-    out = run("chat", "smollm2-135m", *ARGS, stdin="Name three colors.\n/exit\n")
+    # f16 values, as the model compared with (lcgen chat's default is bf16 on a CPU)
+    flags = [*ARGS, "--cache-type-v", "f16"]
+    out = run("chat", "smollm2-135m", *flags, stdin="Name three colors.\n/exit\n")
     assert out.returncode == 0, out.stderr
     expected = model.chat([{"role": "user", "content": "Name three colors."}], max_tokens=12)
     assert out.stdout == expected + "\n"
@@ -502,6 +504,18 @@ def test_chat_with_no_room_for_a_message_is_a_usage_error(
     assert cli.main(argv) == 2
     err = capsys.readouterr().err
     assert "--max-tokens 1000 leaves no room for a message in the context of 256" in err
+
+
+def test_chat_s_default_reply_length_fits_a_small_context(
+    model: lcgen.Model, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The default --max-tokens (512) is at most half the context: a chat in 256 tokens
+    # replies with up to 128 tokens, as the library would with max_tokens=128.
+    monkeypatch.setattr("sys.stdin", io.StringIO("Name three colors.\n"))
+    argv = ["chat", "smollm2-135m", "--threads", "1", "--n-ctx", "256", "--cache-type-v", "f16"]
+    assert cli.main(argv) == 0
+    expected = model.chat([{"role": "user", "content": "Name three colors."}], max_tokens=128)
+    assert capsys.readouterr().out == expected + "\n"
 
 
 def test_an_empty_prompt_on_stdin(

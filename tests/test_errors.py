@@ -159,6 +159,21 @@ def test_model_closed_twice(model_path: Path, tmp_path: Path) -> None:
     seq.close()
 
 
+@pytest.mark.parametrize(
+    ("cache", "error", "match"),
+    [
+        (1.5, TypeError, "cache must be True, False or a number of cells, got 1.5"),
+        ("yes", TypeError, "cache must be True, False or a number of cells, got 'yes'"),
+        (-1, ValueError, r"cache must be in \[0, 2147483647\], got -1"),
+    ],
+)
+def test_a_bad_cache_budget_is_named_before_loading(
+    cache: Any, error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        lcgen.Model("no-such-file.gguf", cache=cache)  # checked before the file is looked at
+
+
 def test_options_that_take_lists_refuse_a_lone_value(model: lcgen.Model) -> None:
     with pytest.raises(TypeError, match=r"use banned=\['Paris'\]"):
         model.generate("x", banned="Paris")  # type: ignore[arg-type]
@@ -190,6 +205,11 @@ def test_unclear_errors_now_name_the_value(model: lcgen.Model) -> None:
         (TypeError, "a prompt is a str or a list", lambda: model.generate(None)),
         (TypeError, "a prompt is a str or a list of token ids", lambda: model.sequence(123)),
         (TypeError, "token ids must be ints", lambda: model.sequence(["a", "b"])),
+        (
+            TypeError,
+            "stream takes one prompt, got ['a', 'b']: generate() takes a list",
+            lambda: next(model.stream(["a", "b"])),
+        ),
         (TypeError, "chat takes a list of messages", lambda: model.chat("Hello")),
         (ValueError, "needs a str 'content'", lambda: model.chat([{"role": "user"}])),
         (ValueError, "at least one message, got []", lambda: model.chat([])),

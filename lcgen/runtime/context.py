@@ -114,6 +114,8 @@ class Context:
         self._in_use: dict[int, int] = {}  # thread -> steps it is in (reading logits views)
         self._closing = False
         self.ledger = CellLedger()
+        # A recurrent state is no cells per position: no prefix of it can be shared.
+        self._recurrent = model.is_recurrent
         # Called when the memory has no room for a batch; frees some (True) or cannot (False).
         self.on_full: Callable[[], bool] | None = None
         self.n_decoded = 0  # tokens decoded over the context's life, for cost accounting
@@ -185,6 +187,36 @@ class Context:
         with self.lock:
             self._handle.seq_cp(src, dst, 0, n_keep)
             self.ledger.copied(src, dst, n_keep)
+
+    def share_prefix(self, src: int, dst: int, n: int) -> int:
+        """Make ``dst``, a state restored from bytes (its cells its own), hold ``src``'s cells
+        at its first ``n`` positions instead of its own, which are dropped: the same tokens at
+        the same positions, which a restore would otherwise hold twice.
+
+        A sliding window's cells are restored only for each window's last positions: where
+        ``dst`` would lose some its window needs, or hold a gap, only the positions below both
+        windows' first ones are shared (the full-attention cells: ``dst``'s window is kept).
+
+        Returns:
+            How many positions ``dst`` shares now (0 for a recurrent memory).
+        """
+        with self.lock:
+            held = self.ledger.held(dst)
+            n = min(n, held, self.ledger.held(src))
+            low_src, low_dst = (
+                self._handle.seq_pos_range(src)[0],
+                self._handle.seq_pos_range(dst)[0],
+            )
+            if not low_src <= low_dst <= n:
+                n = min(n, low_src, low_dst)
+            if self._recurrent or n <= 0 or not self._handle.seq_rm(dst, 0, n):
+                return 0
+            self._handle.seq_cp(src, dst, 0, n)
+            # As if ``dst`` had copied the prefix and decoded the rest (its own cells).
+            self.ledger.removed(dst, 0)
+            self.ledger.copied(src, dst, n)
+            self.ledger.decoded(dst, n, held - n)
+            return n
 
     def pos_range(self, seq_id: int) -> tuple[int, int]:
         with self.lock:

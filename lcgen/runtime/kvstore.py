@@ -651,14 +651,36 @@ class KVStore:
         return other.tokens[: len(tokens)] == tokens
 
     def _load_entry(self, tokens: list[int], blob: memoryview) -> Entry:
+        """Restore one entry into a slot of its own, sharing the longest prefix that another
+        entry holds (llama.cpp restores a sequence into cells of its own)."""
         entry = Entry(self._take_slot(keep=None), tokens, "parked", next(self._clock))
         self._entries[entry.slot] = entry
-        n = self._ctx.set_seq_state(entry.slot, blob)
-        if n != len(tokens):
-            raise StateFileError(
-                f"a cache entry of {len(tokens)} tokens holds the state of {n} positions"
-            )
+        try:
+            n = self._ctx.set_seq_state(entry.slot, blob)
+            if n != len(tokens):
+                raise StateFileError(
+                    f"a cache entry of {len(tokens)} tokens holds the state of {n} positions"
+                )
+        except BaseException:
+            self._drop(entry)  # load() drops only the entries it got back
+            raise
+        self._share_prefix(entry)
         return entry
+
+    def _share_prefix(self, entry: Entry) -> None:
+        """Let a restored entry hold the cells of the longest prefix that another entry holds
+        in place of its own copy of them, as the cache that saved them shared theirs (the
+        same bytes where it did; else the same tokens, as any cached prefix is reused)."""
+        best, n_best = None, 0
+        for other in self._entries.values():
+            if other is not entry:
+                n = min(
+                    common_prefix(other.tokens, entry.tokens), self._ctx.ledger.held(other.slot)
+                )
+                if n > n_best:
+                    best, n_best = other, n
+        if best is not None:
+            self._ctx.share_prefix(best.slot, entry.slot, n_best)
 
 
 def _checked_entries(header: dict[str, Any], vocab: Vocab) -> list[tuple[list[int], bool]]:

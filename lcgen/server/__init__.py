@@ -259,12 +259,7 @@ def add_model_arguments(p: argparse.ArgumentParser, values: str) -> None:
         default=4096,
         help="context size in tokens (default 4096; 0: the model's training context)",
     )
-    p.add_argument(
-        "--threads",
-        type=int_in(1, 512),
-        default=None,
-        help="CPU threads, fixed (default: adapts to the load, at most the cores, <= 8)",
-    )
+    add_threads_argument(p)
     p.add_argument(
         "--cache-type-k",
         choices=lcgen.KV_CACHE_TYPES,
@@ -277,6 +272,16 @@ def add_model_arguments(p: argparse.ArgumentParser, values: str) -> None:
         default=values,
         help=f"the KV cache's element type for values (default {values}; auto: bf16 on a CPU, "
         "where it decodes faster and prefills long prompts slower, f16 on a GPU)",
+    )
+
+
+def add_threads_argument(p: argparse.ArgumentParser) -> None:
+    """``--threads`` (lcgen.load's n_threads)."""
+    p.add_argument(
+        "--threads",
+        type=int_in(1, 512),
+        default=None,
+        help="CPU threads, fixed (default: adapts to the load, at most the cores, <= 8)",
     )
 
 
