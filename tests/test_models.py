@@ -524,9 +524,27 @@ def test_download_true_online_tries_the_hub_after_the_cache(
 ) -> None:
     monkeypatch.delenv("HF_HUB_OFFLINE")
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(lookup, "_hub_unreachable", lambda: None)  # as if the host resolved
     with pytest.raises(ModelNotFoundError, match="download failed: network disabled in tests"):
         models.resolve("hf:org/repo/x.gguf")
     assert [call.get("local_files_only", False) for call in hf_calls] == [True, False]
+
+
+def test_a_hub_whose_name_does_not_resolve_fails_at_once(
+    hf_cache: HFCache, hf_calls: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # huggingface_hub retried the connection for about 25 s (its warnings on stderr) first.
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(hf_constants, "ENDPOINT", "https://hub.invalid")  # never resolves
+    for name in ("https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ModelNotFoundError, match=r"failed: hub.invalid cannot be resolved"):
+        models.resolve("hf:org/repo/x.gguf")
+    assert [call.get("local_files_only") for call in hf_calls] == [True]  # no download tried
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")  # a proxy resolves names
+    with pytest.raises(ModelNotFoundError, match="download failed: network disabled in tests"):
+        models.resolve("hf:org/repo/x.gguf")
 
 
 def test_offline_never_attempts_a_download(

@@ -281,12 +281,34 @@ def _hf_download(source: HFSource, *, download: bool) -> Path:
         raise _Unavailable("not downloaded (download=False)")
     if _is_offline():
         raise _Unavailable("not downloaded (HF_HUB_OFFLINE is set)")
+    if (why := _hub_unreachable()) is not None:
+        raise _Unavailable(f"download failed: {why}")
     from huggingface_hub import hf_hub_download
 
     try:
         return Path(hf_hub_download(source.repo, source.file))
     except (OSError, ValueError) as exc:
         raise _Unavailable(f"download failed: {exc}") from exc
+
+
+def _hub_unreachable() -> str | None:
+    """Why the Hub cannot be reached at all, found at once; None where it may be. Without a
+    network its host name does not resolve, and huggingface_hub would try to connect 6 times
+    over about 25 seconds before saying so. A proxy resolves names itself: not checked then."""
+    import socket
+    import urllib.parse
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    host = urllib.parse.urlsplit(constants.ENDPOINT).hostname
+    if not host or {"https", "all"} & set(urllib.request.getproxies()):
+        return None
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as exc:
+        return f"{host} cannot be resolved ({exc}): no network?"
+    return None
 
 
 def _is_offline() -> bool:
