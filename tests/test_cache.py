@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import lcgen
+from lcgen.registry import resolve
 
 FEW_SHOT = "".join(
     f"Q: What is {a} plus {b}?\nA: {a + b}.\n\n" for a, b in [(2, 3), (7, 5), (10, 4), (6, 6)]
@@ -521,7 +522,7 @@ def test_a_damaged_cache_file_raises_and_loads_nothing(
         path.unlink()
     model.cache.clear()
     if damage == "model":
-        gemma = pytest.importorskip("lcgen.registry").resolve("gemma3-270m", download=False)
+        gemma = resolve("gemma3-270m", download=False)
         with (
             lcgen.Model(gemma, n_ctx=512) as other,
             pytest.raises(lcgen.StateFileError, match="another model"),
@@ -692,3 +693,60 @@ def test_pin_names_a_prompt_that_is_neither_text_nor_token_ids(model: lcgen.Mode
     for bad, shown in [(123, "got int 123"), (None, "got NoneType"), ([True, 2], r"\[True, 2\]")]:
         with pytest.raises(TypeError, match=shown):
             model.cache.pin(bad)  # type: ignore[arg-type]
+
+
+def test_a_loaded_cache_shares_prefix_cells_as_the_saved_one_did(
+    model: lcgen.Model, cold_model: lcgen.Model, model_path: Path, tmp_path: Path
+) -> None:
+    """llama.cpp restores each entry into cells of its own: the load gives an entry the cells
+    of the longest prefix another entry holds, so a shared prefix takes its cells once (a
+    pool too small for three copies of it takes the file without evicting)."""
+    prefix = FEW_SHOT * 4  # about 330 tokens
+    prompts = [f"{prefix}Q: What is {a} plus {b}?\nA:" for a, b in [(3, 4), (8, 1), (5, 9)]]
+    model.cache.pin(prefix)
+    try:
+        for prompt in prompts[:2]:
+            model.generate(prompt, max_tokens=4)
+        model.generate(prompts[2], max_tokens=4, stop=["\n"])
+        held = model.cache.stats.cells_held
+        assert held < len(model.tokenize(prefix)) + 3 * 20  # shared in the source
+        path = tmp_path / "shared.lcc"
+        assert model.cache.save(path) == 4
+    finally:
+        model.cache.unpin(prefix)
+    with lcgen.Model(model_path, n_ctx=768) as other:  # the entries unshared: about 1,350 cells
+        assert other.cache.load(path) == 4
+        stats = other.cache.stats
+        assert (stats.cells_held, stats.entries, stats.evictions) == (held, 4, 0)
+        for prompt in prompts:
+            before = other.context.n_decoded
+            ours, _ = steps_of(other, prompt, 6)
+            assert other.context.n_decoded - before == 6  # the prompt's last token, 5 new
+            cold, cold_rows = steps_of(cold_model, prompt, 6)
+            assert_same_where_clear(ours, cold, cold_rows, prompt[-20:])
+
+
+@pytest.mark.parametrize("swa_full", [True, False])
+def test_a_loaded_sliding_window_cache_shares_prefix_cells(tmp_path: Path, swa_full: bool) -> None:
+    """Gemma 3: a restored state holds only its window's last positions; entries load
+    shortest first, so each one's window starts no earlier than its holder's and the shared
+    prefix's cells (in the window's cache too) are shared as in the saving cache."""
+    gemma = resolve("gemma3-270m", download=False)
+    prefix = FEW_SHOT * 7  # past the 512-position window
+    prompts = [prefix + f"Q: {q}?\nA:" for q in ["What is 10 plus 14", "3 plus 4", "Is 8 one"]]
+    path = tmp_path / "gemma.lcc"
+    with lcgen.Model(gemma, n_ctx=2048, swa_full=swa_full) as source:
+        for prompt in prompts:
+            source.generate(prompt, max_tokens=1)
+        held = source.cache.stats.cells_held
+        assert source.cache.save(path) == 3
+        expected = [steps_of(source, prompt + " Yes", 4) for prompt in prompts]
+    with lcgen.Model(gemma, n_ctx=2048, swa_full=swa_full) as other:
+        assert other.cache.load(path) == 3
+        assert other.cache.stats.cells_held == held
+        for prompt, (theirs, rows) in zip(prompts, expected, strict=True):
+            n_new = len(other.tokenize(prompt + " Yes")) - len(other.tokenize(prompt))
+            before = other.context.n_decoded
+            ours, _ = steps_of(other, prompt + " Yes", 4)
+            assert other.context.n_decoded - before == n_new + 3  # the entry is reused
+            assert_same_where_clear(ours, theirs, rows, prompt[-20:])

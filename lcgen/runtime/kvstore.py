@@ -612,6 +612,10 @@ class KVStore:
                 for (tokens, pinned), blob in zip(items, blobs, strict=True)
                 if (pinned or self.enabled) and not self._covered(tokens, pinned)
             ]
+            # Shortest first: an entry shares the cells of the longest prefix that one loaded
+            # before it holds, so a prefix's holder comes first; and a sliding window's
+            # restored positions start no later in a longer entry (see Context.share_prefix).
+            todo.sort(key=lambda item: len(item[0]))
             n_pinned = sum(pinned for _, pinned, _ in todo)
             room = len(self._free) + sum(e.state == "parked" for e in self._entries.values())
             if n_pinned + (n_pinned < len(todo)) > room:
