@@ -127,6 +127,22 @@ class Vocab:
         return out
 
     # one token --------------------------------------------------------------------------
+    def check_id(self, token: object) -> int:
+        """``token`` as an int, checked to be an id of the vocabulary: llama.cpp aborts the
+        process on an id out of range, and a negative one would index the caches from the end.
+
+        Raises:
+            TypeError: not an int (a bool included).
+            ValueError: outside ``[0, n_vocab)``.
+        """
+        if type(token) is not int:
+            if isinstance(token, bool) or not hasattr(token, "__index__"):
+                raise TypeError(f"a token id is an int, got {token!r}")
+            token = operator.index(token)
+        if not 0 <= token < self.n_vocab:
+            raise ValueError(f"token id {token} is outside the vocabulary [0, {self.n_vocab})")
+        return token
+
     def piece(self, token: int) -> bytes:
         """The bytes of one token as text shows it (control tokens: none); may be part of a
         UTF-8 character."""
@@ -134,6 +150,7 @@ class Vocab:
 
     def special_piece(self, token: int) -> bytes:
         """The bytes of one token with special tokens shown (what a grammar matches)."""
+        token = self.check_id(token)
         piece = self._pieces[token]
         if piece is None:
             piece = self._pieces[token] = self._handle.token_to_piece(token)
@@ -141,6 +158,7 @@ class Vocab:
 
     def is_special(self, token: int) -> bool:
         """Whether the token's text is shown only where special tokens are (control tokens)."""
+        token = self.check_id(token)
         flag = self._special[token]
         if flag is None:
             flag = self._special[token] = bool(self._handle.token_attr(token) & SPECIAL_ATTRS)
@@ -148,6 +166,7 @@ class Vocab:
 
     def is_eog(self, token: int) -> bool:
         """Whether ``token`` ends generation (EOS, EOT and the like)."""
+        token = self.check_id(token)
         flag = self._eog.get(token)
         if flag is None:
             flag = self._eog[token] = self._handle.is_eog(token)

@@ -26,6 +26,7 @@ import lcgen
 
 PRELUDE = """
 import sys, threading, time, os, signal
+import numpy as np
 import lcgen
 
 def expect(error, call, match=""):
@@ -103,6 +104,22 @@ def test_closing_the_model_while_another_thread_generates() -> None:
         m.close()
         t.join(60)
         assert not t.is_alive() and len(errors) == 1, errors
+        """)
+    )
+
+
+def test_token_ids_llama_cpp_would_abort_on_are_refused() -> None:
+    # token_piece(-1) aborted the process (std::out_of_range in llama_vocab_get_attr): -1
+    # indexed the piece cache from its end and reached llama.cpp unchecked.
+    assert_passes(
+        run_case("""
+        m = lcgen.load(n_threads=1)
+        for call in (m.token_piece, m.vocab.special_piece, m.vocab.is_special, m.is_eog):
+            for bad in (-1, m.n_vocab, 2**40):
+                expect(ValueError, lambda: call(bad), f"token id {bad} is outside the vocabulary")
+            expect(TypeError, lambda: call(True), "a token id is an int, got True")
+            expect(TypeError, lambda: call(1.0), "a token id is an int, got 1.0")
+        assert m.token_piece(np.int64(28)) == m.token_piece(28) and not m.is_eog(np.int32(28))
         """)
     )
 
@@ -349,6 +366,10 @@ def test_infinite_logits_raise_decode_error_and_minus_infinity_bans(model: lcgen
             (one, {"temperature": 0.7, "seed": 1}),
             (one, {"logit_bias": {3: 1.0}}),
             (np.full(n, np.inf, dtype=np.float32), {}),
+            # float64 beyond float32's range passed the check, then overflowed in sampling:
+            # greedy picked token 0, several log-probabilities came out 0.0 at once
+            (np.full(n, 1e300), {}),
+            (np.where(np.arange(n) % 2, 1e300, -1e300), {"logprobs": 3, "temperature": 0.5}),
         ]
         for logits, options in cases:
             gen = lcgen.Generator(model, max_tokens=2, **options)
@@ -362,6 +383,8 @@ def test_infinite_logits_raise_decode_error_and_minus_infinity_bans(model: lcgen
         banned[:7] = -np.inf
         chunk = lcgen.Generator(model, max_tokens=2, logprobs=2).step(banned)
         assert chunk.tokens == (7,) and chunk.logprob is not None and np.isfinite(chunk.logprob)
+        with pytest.raises(lcgen.NoCandidatesError, match="or the logits given, ban them all"):
+            lcgen.Generator(model, max_tokens=2).step(np.full(n, -1e300))
 
 
 NAN, INF = float("nan"), float("inf")

@@ -345,6 +345,10 @@ def _forged(model: lcgen.Model, **changes: object) -> bytearray:
         ({"tokens": "hello"}, "not token ids"),
         ({"rng": "x"}, "malformed"),
         ({"rng_log": [[1]]}, "malformed"),
+        # loaded, then a rewind failed far from the file: "TypeError: state must be a dict"
+        ({"rng_log": [[3, "junk"]]}, "malformed"),
+        ({"rng_log": [["3", {}]]}, "malformed"),
+        ({"rng_log": {"3": 1}}, "malformed"),
     ],
 )
 def test_forged_headers_with_a_valid_checksum_are_refused(
@@ -352,6 +356,22 @@ def test_forged_headers_with_a_valid_checksum_are_refused(
 ) -> None:
     with pytest.raises(lcgen.StateFileError, match=message):
         lcgen.Sequence.from_bytes(model, _forged(model, **changes))
+    assert model.cache.stats.live == 0
+
+
+def test_forged_files_whose_header_is_not_an_object_are_refused(model: lcgen.Model) -> None:
+    # an AttributeError ('list' object has no attribute 'get') and a JSONDecodeError before
+    _, kv = ckpt.decode(_saved(model))
+    listed = _encode([1, 2], kv)  # type: ignore[arg-type]
+    with pytest.raises(lcgen.StateFileError, match="header is not a JSON object: \\[1, 2\\]"):
+        lcgen.Sequence.from_bytes(model, listed)
+    garbled = _encode({"a": 1}, kv)
+    garbled[15:22] = b"\xff" * 7  # the header's 7 bytes, then the checksum made to fit
+    garbled[-32:] = ckpt.hashlib.sha256(bytes(garbled[:-32])).digest()
+    with pytest.raises(lcgen.StateFileError, match="header is not JSON text"):
+        lcgen.Sequence.from_bytes(model, garbled)
+    with pytest.raises(TypeError, match=r"a saved sequence is bytes .*, got str"):
+        lcgen.Sequence.from_bytes(model, "abc")  # type: ignore[arg-type]
     assert model.cache.stats.live == 0
 
 
@@ -372,6 +392,17 @@ def test_rewind_targets_that_are_not_checkpoints_of_it(model: lcgen.Model) -> No
         assert seq.tokens == before  # refused before anything changed
         run.rewind(cp)
         assert run.step().tokens
+
+
+def test_a_step_whose_pending_token_went_elsewhere_says_so(model: lcgen.Model) -> None:
+    # Another thread decoding the sequence between a step's request and its decode left the
+    # step nothing to decode: an AssertionError ("a sequence had no pending token").
+    from lcgen.runtime.run import decode
+
+    with model.sequence("Hello there") as seq:
+        decode([seq])
+        with pytest.raises(lcgen.RewindError, match="drive a sequence from one thread"):
+            decode([seq])  # its pending token is decoded already, as by that other thread
 
 
 def test_a_run_refuses_a_sequence_changed_behind_its_back(model: lcgen.Model) -> None:

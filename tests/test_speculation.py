@@ -461,6 +461,22 @@ def test_closing_a_sequence_gives_its_draft_models_slot_back(
         assert out.stats.drafted > 0
 
 
+def test_a_draft_model_closed_mid_stream_leaves_the_generation_going(
+    model: lcgen.Model, model_path: Path
+) -> None:
+    # The generation died with "ClosedError: the model ... is closed", naming no draft.
+    greedy = {"max_tokens": 16, "temperature": 0.0}
+    ref, rows = reference(model, "Once upon a time", **greedy)
+    small = lcgen.Model(model_path, n_ctx=512, n_seq_max=2, n_threads=1)
+    stream = model.stream("Once upon a time", speculate=small, **greedy)  # type: ignore[call-overload]
+    chunks = [next(stream), next(stream)]
+    small.close()
+    chunks += list(stream)
+    text = lcgen.Text.of(chunks)
+    assert text.stats is not None and text.stats.tokens == 16
+    assert_same_where_clear(text.tokens, ref, rows)
+
+
 @pytest.mark.parametrize(
     ("options", "error", "match"),
     [

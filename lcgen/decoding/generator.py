@@ -428,8 +428,10 @@ class Generator:
 
 
 def _as_logits(logits: object, n_vocab: int) -> np.ndarray:
-    """``logits`` as a float array of shape (n_vocab,): an array of floats as it is; one of
-    ints, or a list of numbers, converted to float32 (as llama.cpp's logits are).
+    """``logits`` as a float32 array of shape (n_vocab,), as llama.cpp's logits are: a float32
+    array as it is, anything else converted (before the NaN and +inf checks, so a float64
+    beyond float32's range is refused as the +inf it becomes, not passed on to overflow in
+    sampling).
 
     Raises:
         TypeError: they are not numbers.
@@ -448,7 +450,7 @@ def _as_logits(logits: object, n_vocab: int) -> np.ndarray:
         )
     if logits.shape != (n_vocab,):
         raise ValueError(f"logits must have shape ({n_vocab},), got {logits.shape}")
-    if logits.dtype.kind == "f" and given is logits:
+    if logits.dtype == np.float32 and given is logits:
         return logits
     with np.errstate(over="ignore"):  # beyond float32's range: +-inf (+inf is refused)
         return logits.astype(np.float32)

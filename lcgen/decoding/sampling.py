@@ -239,7 +239,9 @@ def _check_best(logit: float) -> None:
     if logit != logit:
         raise DecodeError("the logits hold NaN: the model's weights or settings are broken")
     if logit == -math.inf:
-        raise NoCandidatesError("every token's logit is -inf here (logit_bias bans them all)")
+        raise NoCandidatesError(
+            "every token's logit is -inf here (a logit_bias, or the logits given, ban them all)"
+        )
 
 
 def sample(

@@ -7,7 +7,7 @@ from collections.abc import Sequence as Seq
 
 from lcgen.decoding.sampling import SamplerConfig, new_rng, sample
 from lcgen.decoding.speculation import AdaptiveLength, Drafter, NgramDrafter, Speculation
-from lcgen.errors import ContextFullError
+from lcgen.errors import ClosedError, ContextFullError
 from lcgen.runtime.run import decode
 from lcgen.runtime.tokens import ModelLike, TokenSequence, check_model
 
@@ -38,13 +38,22 @@ class ModelDrafter(AdaptiveLength):
         self._seq: TokenSequence | None = None
         self._greedy = SamplerConfig(temperature=0.0, logit_bias=tuple(logit_bias))
         self._rng = new_rng(0)  # greedy sampling never draws from it
+        self._gone = False  # the draft model was closed
 
     def propose(self, tokens: Seq[int], room: int) -> list[int]:
-        k = self.next_length(min(room, self.model.context.n_ctx - len(tokens) - 1))
-        if k <= 0 or not self._follow(tokens):
+        if self._gone:
             return []
         try:
+            self.model.context.check_open()
+            k = self.next_length(min(room, self.model.context.n_ctx - len(tokens) - 1))
+            if k <= 0 or not self._follow(tokens):
+                return []
             return self._decode_draft(k)
+        except ClosedError:
+            # The draft model was closed under the generation: a draft is only a speed-up,
+            # so the generation goes on without one.
+            self._seq, self._gone = None, True
+            return []
         except ContextFullError:
             # The draft model's cells are taken (by other generations' drafts or its own
             # sequences). A draft is only a speed-up: this step goes without one, the slot is

@@ -68,7 +68,11 @@ def decode(seqs: Seq[TokenSequence]) -> list[np.ndarray]:
     for seq, row in zip(seqs, kept, strict=True):
         if row is None:
             request, row = next(decoded), next(rows)
-            assert row is not None, "a sequence had no pending token"
+            if row is None:  # its pending token was decoded elsewhere since it was asked for
+                raise RewindError(
+                    "the sequence changed while this step decoded it: drive a sequence from "
+                    "one thread at a time"
+                )
             seq.mark_decoded(request)
             if seq.keep_next:
                 seq.keep_logits(row)

@@ -8,6 +8,8 @@ import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any, TypeVar, Unpack, overload
 
+import numpy as np
+
 from lcgen.decoding import Chunk, GenerateOptions, Generator, Plan, Text, make_plan
 from lcgen.decoding.results import SchemaLike, parse_structured
 from lcgen.decoding.sampling import check_seed
@@ -15,6 +17,7 @@ from lcgen.decoding.speculation import Drafter
 from lcgen.errors import ContextFullError, StateFileError
 from lcgen.runtime import statefile
 from lcgen.runtime.backtrack import Backtracker
+from lcgen.runtime.checkpoint import RngState
 from lcgen.runtime.context import DecodeRequest, check_fits
 from lcgen.runtime.drafts import drafter_for
 from lcgen.runtime.run import PlainRun
@@ -141,7 +144,7 @@ class Sequence(TokenSequence):
                     f"holds {n_cells}"
                 )
             seq._rng.bit_generator.state = header["rng"]
-            seq._rng_log = {int(pos): state for pos, state in header["rng_log"]}
+            seq._rng_log = _checked_rng_log(header["rng_log"], len(tokens), seq._rng)
         except (KeyError, TypeError, ValueError) as exc:
             seq.close()
             raise StateFileError(f"the saved sequence's header is malformed: {exc!r}") from None
@@ -282,6 +285,26 @@ def _chunks(run: PlainRun | Backtracker) -> Iterator[Chunk]:
         yield Chunk("", (), run.generator.finish_reason, stats=run.stats())
     while not run.is_done:
         yield run.step()
+
+
+def _checked_rng_log(log: object, n_tokens: int, rng: np.random.Generator) -> dict[int, RngState]:
+    """A saved sequence's RNG states by position, each checked now (a rewind would restore
+    them far from the file).
+
+    Raises:
+        TypeError, ValueError: a position or a state that ``rng``'s bit generator refuses.
+    """
+    if not isinstance(log, list):
+        raise TypeError(f"rng_log is not a list: {log!r:.60}")
+    scratch = type(rng.bit_generator)()
+    out: dict[int, RngState] = {}
+    for item in log:
+        pos, state = item
+        if type(pos) is not int or not 0 <= pos <= n_tokens:
+            raise ValueError(f"rng_log position {pos!r} is not one of the sequence's")
+        scratch.state = state
+        out[pos] = state
+    return out
 
 
 def _checked_header(header: dict[str, Any], model: ModelLike) -> tuple[list[int], int]:

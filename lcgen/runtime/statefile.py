@@ -96,7 +96,12 @@ def decode(
             corrupted.
     """
     magic, what = kind
-    view = memoryview(data).cast("B")
+    try:
+        view = memoryview(data).cast("B")
+    except TypeError:
+        raise TypeError(
+            f"a saved {what} is bytes (bytes, bytearray or memoryview), got {type(data).__name__}"
+        ) from None
     if len(view) < _HEAD.size + _KV_LEN.size + _DIGEST or view[: len(magic)] != magic:
         raise StateFileError(f"not an lcgen {what} file ({len(view)} bytes, bad header)")
     _, version, head_len = _HEAD.unpack_from(view)
@@ -117,7 +122,12 @@ def decode(
     kv = body[at + _KV_LEN.size :]
     if len(kv) != kv_len:
         raise StateFileError(f"{what} file holds {len(kv)} KV bytes, its header says {kv_len}")
-    header: dict[str, Any] = json.loads(bytes(body[_HEAD.size : at]))
+    try:  # well formed unless forged: the checksum covers it
+        header = json.loads(bytes(body[_HEAD.size : at]))
+    except ValueError as exc:  # not UTF-8 or not JSON
+        raise StateFileError(f"{what} file header is not JSON text: {exc}") from None
+    if not isinstance(header, dict):
+        raise StateFileError(f"{what} file header is not a JSON object: {header!r:.60}")
     return header, kv
 
 
