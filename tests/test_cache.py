@@ -9,6 +9,7 @@ an identical prompt repeats its first run bit for bit (the store kept the logits
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Iterator
@@ -261,6 +262,37 @@ def test_a_batch_whose_prompts_outgrow_the_memory_waits_for_cells(model_path: Pa
             small.cache.clear()
             lone.append(small.generate(p, max_tokens=6))
     assert [str(o) for o in outs] == [str(o) for o in lone]
+
+
+def test_a_batch_whose_generations_outgrow_the_memory_pauses_the_youngest(
+    model_path: Path,
+) -> None:
+    """Each element fits the context alone, but not all of them together up to max_tokens:
+    every element needed a cell with none free, and the whole batch failed with
+    ContextFullError. Now the youngest elements drop their own cells (their tokens stay),
+    the oldest go on, and the paused ones decode their tokens again when cells are free."""
+    ban = {i: -math.inf for i in range(17)}  # no end of generation: each runs to max_tokens
+    prompts = ["The history of the Roman empire " * 12, "A recipe for banana bread, step " * 12]
+    with lcgen.Model(model_path, n_ctx=256, n_threads=1) as small:
+        for p in prompts:
+            assert small.generate(p, max_tokens=140, logit_bias=ban).stats.tokens == 140
+        small.cache.clear()
+        outs = small.generate(prompts, max_tokens=140, logit_bias=ban)
+        assert [o.stats.tokens for o in outs] == [140, 140]
+        assert outs[0].stats.redecoded == 0 and outs[1].stats.redecoded > 0  # paused
+        # the same batch again from the same cache state: the same pauses, the same tokens
+        small.cache.clear()
+        again = small.generate(prompts, max_tokens=140, logit_bias=ban)
+        assert [o.tokens for o in again] == [o.tokens for o in outs]
+        # copies of one prompt keep the cells they share when paused
+        copies = small.generate(["hello " * 200] * 2, max_tokens=50)
+        assert [o.stats.tokens for o in copies] == [50, 50]
+        assert copies[1].stats.redecoded < 50  # its own tokens only, not the shared prompt
+        state = lcgen.continuous(lcgen.generate.text(small, max_tokens=6))(
+            "hello " * 249, num_samples=2
+        )
+        assert state.shape == (1, 2)
+        assert small.cache.stats.live == 0
 
 
 @pytest.mark.parametrize("cached", [True, False])

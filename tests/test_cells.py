@@ -32,6 +32,14 @@ class Pool:
             if src in owners and pos < n:
                 owners.add(dst)
 
+    def shared_prefix(self, seq: int) -> int:
+        """How many of seq's first positions are cells another id holds too."""
+        shared = {p for p, owners in self.cells.values() if seq in owners and len(owners) > 1}
+        n = 0
+        while n in shared:
+            n += 1
+        return n
+
     def remove(self, seq: int, pos: int) -> None:
         for cell, (p, owners) in list(self.cells.items()):
             if p >= pos:
@@ -75,6 +83,7 @@ def test_the_ledger_counts_what_the_pool_holds(
             assert ledger.held(seq) == pool.held(seq)
             alone = sum(1 for _, owners in pool.cells.values() if owners == {seq})
             assert ledger.exclusive(seq) == alone
+            assert ledger.shared_prefix(seq) == pool.shared_prefix(seq)
 
 
 def test_a_copy_then_both_decode_makes_separate_cells() -> None:

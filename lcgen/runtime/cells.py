@@ -81,15 +81,32 @@ class CellLedger:
 
     def exclusive(self, seq_id: int) -> int:
         """How many cells only ``seq_id`` holds (what dropping it frees)."""
+        reach = self._reach_of_others(seq_id)
+        return sum(
+            max(0, r.end - max(r.start, reach.get(r.origin, r.start)))
+            for r in self._runs.get(seq_id, [])
+        )
+
+    def shared_prefix(self, seq_id: int) -> int:
+        """How many of ``seq_id``'s first positions other ids hold too (dropping their cells
+        frees none)."""
+        reach = self._reach_of_others(seq_id)
+        n = 0
+        for r in self._runs.get(seq_id, []):
+            shared = min(r.end, max(r.start, reach.get(r.origin, r.start)))
+            if shared < r.end:
+                return shared
+            n = r.end
+        return n
+
+    def _reach_of_others(self, seq_id: int) -> dict[int, int]:
+        """Per origin, the end of its cells that ids other than ``seq_id`` hold."""
         reach: dict[int, int] = {}
         for other, runs in self._runs.items():
             if other != seq_id:
                 for r in runs:
                     reach[r.origin] = max(reach.get(r.origin, r.start), r.end)
-        return sum(
-            max(0, r.end - max(r.start, reach.get(r.origin, r.start)))
-            for r in self._runs.get(seq_id, [])
-        )
+        return reach
 
 
 def _clip(runs: list[_Run], pos: int) -> list[_Run]:

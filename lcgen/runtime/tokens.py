@@ -424,6 +424,17 @@ class TokenSequence:
         self._draft = []
         return n
 
+    def drop_cells(self) -> int:
+        """Drop the KV cells only this sequence holds (those of a prefix shared with another
+        sequence or a cached entry stay: dropping them would free nothing), keeping its
+        tokens: its next step decodes them again (how a scheduler short of cells pauses a
+        generation). Returns how many tokens lost their cells."""
+        self._check_open()
+        n = self._n_decoded
+        self._trim_kv(min(n, self._ctx.ledger.shared_prefix(self._slot)))
+        self.stats.tokens_redecoded += n - self._n_decoded
+        return n - self._n_decoded
+
     def resync(self) -> None:
         """After an interrupted step (an error, a hook that raised, Ctrl-C): make the KV memory
         hold exactly the tokens counted as decoded, and keep the last token pending."""
