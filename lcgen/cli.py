@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import io
 import json
 import os
 import re
+import stat
 import sys
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -27,6 +29,11 @@ Message = dict[str, str]
 #: what a shell reports for a Unix tool stopped by that signal.
 EXIT_BROKEN_PIPE = 141
 CHAT_MAX_TOKENS = 512  # a chat reply's default most tokens (at most half the context)
+#: The largest file an option or a chat command names (--json-schema, --grammar FILE, /load):
+#: a schema, a grammar or a saved chat is kilobytes, and a chat holds no more than its context
+#: (a million tokens are some 4 MiB of text). Without a bound, a device (/dev/zero) or a huge
+#: file named by mistake was read whole into memory until the process was killed.
+MAX_FILE_BYTES = 16 * 2**20
 
 
 class UsageError(ValueError):
@@ -249,15 +256,41 @@ def _constraint(args: argparse.Namespace) -> tuple[str, lcgen.Grammar] | None:
         raise UsageError(f"{where}: {_reason(exc)}") from None
 
 
+def read_file(path: Path) -> str:
+    """The UTF-8 text of a file an option names, read with a bound (:data:`MAX_FILE_BYTES`).
+
+    A pipe (``--json-schema <(...)``) is read too, up to the bound; a device or a socket is not.
+
+    Raises:
+        OSError: the file cannot be read (a directory: ``IsADirectoryError``).
+        ValueError: it is a device or a socket, or over the bound (the bound named);
+            ``UnicodeDecodeError``: it is not UTF-8 text.
+    """
+    mode = path.stat().st_mode
+    if stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+        raise ValueError("not a regular file (a device or a socket): give a file's path")
+    with path.open("rb") as file:
+        data = file.read(MAX_FILE_BYTES + 1)  # a file that grows, or a pipe: bounded too
+    if len(data) > MAX_FILE_BYTES:
+        raise ValueError(
+            f"the file is over {MAX_FILE_BYTES // 2**20} MiB, the most lcgen reads of a file "
+            "an option names"
+        )
+    return data.decode("utf-8")
+
+
 def _schema(path: Path) -> dict[str, Any] | bool:
     """The JSON Schema in a file.
 
     Raises:
         OSError: the file cannot be read.
-        ValueError: it is not JSON, or the JSON is not a schema (an object, true or false).
+        ValueError: it is not JSON, or the JSON is not a schema (an object, true or false), or
+            the file is not a file or over :data:`MAX_FILE_BYTES` (see :func:`read_file`).
     """
     try:
-        schema = json.loads(path.read_text(encoding="utf-8"))
+        schema = json.loads(read_file(path))
     except json.JSONDecodeError as exc:
         raise ValueError(f"not valid JSON: {exc}") from None
     if not isinstance(schema, dict | bool):
@@ -279,8 +312,15 @@ def _reason(exc: BaseException) -> str:
 
 
 def _grammar(text: str) -> lcgen.Grammar:
-    """--grammar: inline GBNF (text with a ``::=`` rule), else a bundled name or a file."""
-    return lcgen.Grammar(text) if "::=" in text else lcgen.Grammar.from_file(text)
+    """--grammar: inline GBNF (text with a ``::=`` rule), else a bundled name or a file (read
+    with :func:`read_file`'s bound; a bundled name as :meth:`lcgen.Grammar.from_file` takes it:
+    a bare name that is no file here)."""
+    if "::=" in text:
+        return lcgen.Grammar(text)
+    path = Path(text)
+    if not path.is_file() and path.suffix == "" and path.name == text:
+        return lcgen.Grammar.from_file(text)  # a bundled grammar (or the names of those)
+    return lcgen.Grammar(read_file(path))
 
 
 def _prompt(args: argparse.Namespace) -> str:
@@ -640,15 +680,21 @@ class ChatSession:
         if not path:
             raise ValueError("/save needs a file name")
         data = {"lcgen_chat": 1, "model": self.model.path.name, "messages": self.messages}
-        Path(path).write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")
-        self.model.cache.save(path + ".kv")
+        try:
+            Path(path).write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")
+            self.model.cache.save(path + ".kv")
+        except OSError as exc:  # a missing folder, no permission: the file named
+            raise ValueError(f"/save {exc.filename or path}: {_reason(exc)}") from None
         print(f"lcgen: saved {len(self.messages)} messages to {path}", file=sys.stderr)
 
     def load(self, path: str) -> None:
         """Resume a conversation from :meth:`save`'s files (the KV cache when it matches)."""
         if not path:
             raise ValueError("/load needs a file name")
-        self.messages = load_messages(Path(path))
+        try:
+            self.messages = load_messages(Path(path))
+        except OSError as exc:  # no such file, no permission: the file named
+            raise ValueError(f"/load {exc.filename or path}: {_reason(exc)}") from None
         note = "no KV cache file: the history is decoded at the next turn"
         if Path(path + ".kv").exists():
             try:
@@ -693,12 +739,16 @@ def load_messages(path: Path) -> list[Message]:
     """The messages of a conversation saved by ``/save``.
 
     Raises:
-        ValueError: the file is not a saved conversation (what is wrong is named).
+        OSError: the file cannot be read.
+        ValueError: the file is not a saved conversation (what is wrong is named), or it is
+            not a file or over :data:`MAX_FILE_BYTES` (see :func:`read_file`).
     """
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        data = json.loads(read_file(path))
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path} is not a saved lcgen chat (not JSON: {exc})") from None
+    except ValueError as exc:  # not UTF-8, a device, too large
+        raise ValueError(f"{path} is not a saved lcgen chat: {_reason(exc)}") from None
     messages = data.get("messages") if isinstance(data, dict) else None
     if not isinstance(messages, list) or not all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)

@@ -78,6 +78,14 @@ def _check_sizes(n_ctx: int, n_batch: int, n_seq_max: int | None) -> int:
     return n_seq_max
 
 
+def _check_bool(name: str, value: object, *, none: bool = False) -> None:
+    """Refuse a flag that is not True or False (or None, where ``none`` allows it): a string
+    such as ``"no"`` was taken as true."""
+    if not (isinstance(value, bool) or (none and value is None)):
+        allowed = "True, False or None" if none else "True or False"
+        raise TypeError(f"{name} must be {allowed}, got {value!r}")
+
+
 def _check_int(name: str, value: object, low: int, high: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r}")
@@ -214,6 +222,7 @@ class Model:
     Raises:
         ModelLoadError: the file is missing, not a GGUF, truncated or unsupported.
         ValueError: a size argument is out of range.
+        TypeError: an argument is of the wrong type (swa_full="x": a flag takes True or False).
     """
 
     def __init__(
@@ -236,6 +245,9 @@ class Model:
         n_seq_max = _check_sizes(n_ctx, n_batch, n_seq_max)
         type_k = _check_kv_type("type_k", type_k)
         type_v = _check_kv_type("type_v", type_v, "auto")
+        _check_bool("swa_full", swa_full)
+        _check_bool("flash_attn", flash_attn, none=True)
+        _check_bool("verbose", verbose)
         if not isinstance(cache, bool):
             if not isinstance(cache, int):
                 raise TypeError(f"cache must be True, False or a number of cells, got {cache!r}")
@@ -369,15 +381,40 @@ class Model:
         return self.vocab.is_eog(token)
 
     def tokens_extending(self, prefix: bytes) -> np.ndarray:
-        """Ids of the tokens whose text starts with ``prefix`` or starts it (token healing)."""
-        return self.vocab.tokens_extending(prefix)
+        """Ids of the tokens whose text starts with ``prefix`` or starts it (token healing).
+
+        Raises:
+            TypeError: ``prefix`` is not bytes (a str: encode it).
+        """
+        if isinstance(prefix, str):
+            raise TypeError(
+                f"tokens_extending takes bytes, got the str {prefix!r:.80}: use "
+                f"{prefix.encode()!r:.80}"
+            )
+        if not isinstance(prefix, bytes | bytearray):
+            raise TypeError(
+                f"tokens_extending takes bytes, got {type(prefix).__name__} {prefix!r:.80}"
+            )
+        return self.vocab.tokens_extending(bytes(prefix))
 
     def check_tokens(self, tokens: Iterable[int]) -> list[int]:
         """The tokens as a list, each checked to be a valid id (see :class:`Vocab`)."""
         return self.vocab.check_tokens(tokens)
 
     def metadata(self, key: str) -> str | None:
-        """A GGUF metadata value (e.g. ``"general.name"``), or None when absent."""
+        """A GGUF metadata value (e.g. ``"general.name"``), or None when absent.
+
+        Raises:
+            TypeError: ``key`` is not a str.
+            ValueError: it holds a NUL character (llama.cpp would read the key only up to it).
+        """
+        if not isinstance(key, str):
+            raise TypeError(
+                f"metadata takes a key as a str (e.g. 'general.name'), got {type(key).__name__} "
+                f"{key!r:.80}"
+            )
+        if "\0" in key:
+            raise ValueError(f"a metadata key holds no NUL character, got {key!r:.80}")
         return self._handle.meta(key)
 
     # chat ------------------------------------------------------------------------------

@@ -298,6 +298,30 @@ def test_a_full_memory_in_the_middle_of_a_prefill_leaves_the_sequence_usable() -
         ({"stop_tokens": "ab"}, TypeError, "stop_tokens takes a list of token ids (int), got 'ab'"),
         ({"stop_tokens": [1.5]}, TypeError, "stop_tokens must be an int, got 1.5"),
         ({"seed": True}, ValueError, "seed must be an int >= 0 or None, got True"),
+        # flags that took any value as true or false
+        ({"token_healing": "yes"}, TypeError, "token_healing must be True or False, got 'yes'"),
+        ({"include_stop": "no"}, TypeError, "include_stop must be True or False, got 'no'"),
+        (
+            {"banned": ["x"], "banned_ignore_case": 1},
+            TypeError,
+            "banned_ignore_case must be True or False, got 1",
+        ),
+        # no generated text holds a lone surrogate: such a string could never match
+        (
+            {"stop": ["\ud800"]},
+            ValueError,
+            "stop string '\\ud800' contains the lone surrogate U+D800",
+        ),
+        (
+            {"banned": ["a\udc80"]},
+            ValueError,
+            "phrase 'a\\udc80' contains the lone surrogate U+DC80",
+        ),
+        (
+            {"choice": ["\ud800"]},
+            lcgen.GrammarError,
+            "a literal contains the lone surrogate U+D800",
+        ),
     ],
 )
 def test_bad_generation_options_are_named(
@@ -429,6 +453,27 @@ def test_json_schema_numbers_that_are_not_finite_are_named(schema: Any, message:
 )
 def test_json_schema_keywords_of_the_wrong_kind_are_named(schema: Any, message: str) -> None:
     with pytest.raises(lcgen.GrammarError, match=re.escape(f"invalid JSON Schema: {message}")):
+        lcgen.Grammar.from_json_schema(schema)
+
+
+@pytest.mark.parametrize(
+    ("schema", "message"),
+    [
+        (
+            {"type": "object", "properties": {1: {"type": "integer"}}},
+            "properties at # has the key 1",
+        ),
+        (
+            {"properties": {"a": {"patternProperties": {2: {}}}}},
+            "patternProperties at #/properties/a",
+        ),
+        ({"dependentRequired": {(1,): ["a"]}}, "dependentRequired at # has the key (1,), a tuple"),
+        ({"anyOf": [{"type": "object"}, {1: {}}]}, "the JSON Schema at #/anyOf/1 has the key 1"),
+    ],
+)
+def test_json_schema_keys_that_are_not_strings_are_named(schema: Any, message: str) -> None:
+    # a dict written in Python: 'int' object is not iterable, from inside the compiler
+    with pytest.raises(lcgen.GrammarError, match=re.escape(message)):
         lcgen.Grammar.from_json_schema(schema)
 
 

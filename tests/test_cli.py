@@ -16,6 +16,8 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 
@@ -372,6 +374,22 @@ def test_chat_commands(
     assert "temperature must be >= 0" in capsys.readouterr().err
 
 
+def test_chat_file_errors_name_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # These fail before the model is used: a stand-in with its file name does.
+    chat = cli.ChatSession(cast(lcgen.Model, SimpleNamespace(path=Path("m.gguf"))), {}, None)
+    (tmp_path / "latin1.json").write_bytes(b'{"messages": ["\xd5"]}')
+    missing = tmp_path / "no-such-folder" / "c.json"
+    for line in [f"/load {tmp_path / 'latin1.json'}", f"/save {missing}", f"/load {missing}"]:
+        assert chat.handle(line) is True
+    assert capsys.readouterr().err.splitlines() == [
+        f"lcgen: error: {tmp_path / 'latin1.json'} is not a saved lcgen chat: not UTF-8 text "
+        "(invalid continuation byte at byte 15)",
+        f"lcgen: error: /save {missing}: No such file or directory",
+        f"lcgen: error: /load {missing}: No such file or directory",
+    ]
+    assert chat.messages == []
+
+
 def test_a_saved_chat_resumes_in_another_process(tmp_path: Path) -> None:
     path = str(tmp_path / "chat.json")
     first = run("chat", "smollm2-135m", *ARGS, stdin=f"Name three colors.\n/save {path}\n/exit\n")
@@ -536,6 +554,38 @@ def test_a_json_schema_file_that_is_not_json_is_named(
     assert err.startswith(f"lcgen: error: --json-schema {path}: not valid JSON: Expecting property")
     assert cli.main(["generate", "smollm2-135m", "x", "--json-schema", str(tmp_path)]) == 2
     assert capsys.readouterr().err == f"lcgen: error: --json-schema {tmp_path}: Is a directory\n"
+
+
+@pytest.mark.parametrize("flag", ["--json-schema", "--grammar"])
+def test_a_file_option_is_read_with_a_bound(
+    flag: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # /dev/zero was read without end until the process was killed (out of memory).
+    big = tmp_path / "big.json"
+    with big.open("wb") as file:
+        file.truncate(cli.MAX_FILE_BYTES + 1)  # sparse: no disk taken
+    assert cli.main(["generate", "no-such-model", "hi", flag, str(big)]) == 2
+    assert capsys.readouterr().err == (
+        f"lcgen: error: {flag} {big}: the file is over 16 MiB, the most lcgen reads of a file "
+        "an option names\n"
+    )
+    if os.path.exists("/dev/zero"):
+        assert cli.main(["generate", "no-such-model", "hi", flag, "/dev/zero"]) == 2
+        assert capsys.readouterr().err == (
+            f"lcgen: error: {flag} /dev/zero: not a regular file (a device or a socket): give "
+            "a file's path\n"
+        )
+
+
+def test_a_file_option_may_be_a_pipe(capsys: pytest.CaptureFixture[str]) -> None:
+    read, write = os.pipe()  # as `--json-schema <(...)` gives it: /dev/fd/N
+    os.write(write, b'{"type": "integer"}')
+    os.close(write)
+    try:
+        schema = cli.read_file(Path(f"/dev/fd/{read}"))
+    finally:
+        os.close(read)
+    assert json.loads(schema) == {"type": "integer"}
 
 
 # a reader that goes away (`| head`): a quiet exit with status 141 ----------------------------

@@ -339,6 +339,13 @@ def test_state_api_and_errors(model: lcgen.Model) -> None:
         continuous("text")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_samples"):
         text("x", num_samples=0)
+    # a million samples held 1.2 GB before the first decode
+    with pytest.raises(ValueError, match="num_samples=1000000 makes 1,000,000 samples, over the"):
+        text("x", num_samples=10**6)
+    with pytest.raises(ValueError, match="num_samples=4000 of 2 batch elements makes 8,000"):
+        text(PROMPTS, num_samples=4000)
+    with pytest.raises(ValueError, match="num_samples=5000 makes 5,000 samples"):
+        SequenceState.from_text(model, "x", num_samples=5000)
     wide = SequenceState.from_text(model, GRID)
     with pytest.raises(SampleMismatch, match=r"\(2, 3\)"):
         text(wide, num_samples=2)

@@ -174,6 +174,21 @@ def test_a_bad_cache_budget_is_named_before_loading(
         lcgen.Model("no-such-file.gguf", cache=cache)  # checked before the file is looked at
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "match"),
+    [
+        ("swa_full", "x", "swa_full must be True or False, got 'x'"),  # was taken as true
+        ("flash_attn", "no", "flash_attn must be True, False or None, got 'no'"),
+        ("verbose", 1, "verbose must be True or False, got 1"),
+    ],
+)
+def test_a_bad_load_flag_is_named_before_loading(
+    model_path: Path, flag: str, value: Any, match: str
+) -> None:
+    with pytest.raises(TypeError, match=re.escape(match)):
+        lcgen.load(model_path, **{flag: value})  # the file exists: refused before it loads
+
+
 def test_options_that_take_lists_refuse_a_lone_value(model: lcgen.Model) -> None:
     with pytest.raises(TypeError, match=r"use banned=\['Paris'\]"):
         model.generate("x", banned="Paris")  # type: ignore[arg-type]
@@ -202,9 +217,22 @@ def test_unclear_errors_now_name_the_value(model: lcgen.Model) -> None:
         (TypeError, "lcgen.SamplerConfig", lambda: model.generate("x", sampler="greedy")),
         (TypeError, "lcgen.Grammar(text)", lambda: model.generate("x", grammar='root ::= "a"')),
         (TypeError, "Override takes a token id", lambda: lcgen.Override("x")),
+        (TypeError, "metadata takes a key as a str", lambda: model.metadata(None)),
+        (ValueError, "holds no NUL character", lambda: model.metadata("general.name\0x")),
+        (
+            TypeError,
+            "tokens_extending takes bytes, got the str 'ab': use b'ab'",
+            lambda: model.tokens_extending("ab"),
+        ),
+        (TypeError, "tokens_extending takes bytes, got int 5", lambda: model.tokens_extending(5)),
         (TypeError, "a prompt is a str or a list", lambda: model.generate(None)),
         (TypeError, "a prompt is a str or a list of token ids", lambda: model.sequence(123)),
         (TypeError, "token ids must be ints", lambda: model.sequence(["a", "b"])),
+        (
+            TypeError,
+            "restore takes a GeneratorState (from generator.state), got str 'x'",
+            lambda: lcgen.Generator(model).restore("x"),  # type: ignore[arg-type]
+        ),
         (
             TypeError,
             "stream takes one prompt, got ['a', 'b']: generate() takes a list",

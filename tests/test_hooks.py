@@ -8,7 +8,7 @@ are decoded exactly once, and what the stats report matches the decode calls cou
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -389,6 +389,31 @@ def test_bad_hook_results(model: lcgen.Model) -> None:
         chat(model, ROME, banned=["x"], max_retries=-1)
     with pytest.raises(TypeError, match="unknown generation option"):
         chat(model, ROME, bannd=["x"])
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda: lcgen.Rewind(True), TypeError, "Rewind takes n as an int, got True"),  # was n=1
+        (lambda: lcgen.Rewind(chars=True), TypeError, "Rewind takes chars as an int, got True"),
+        (lambda: lcgen.Rewind(1.5), TypeError, "Rewind takes n as an int, got 1.5"),
+        (lambda: lcgen.Rewind(1, ban="yes"), TypeError, "Rewind takes ban as True or False"),
+        (lambda: lcgen.Override(True), TypeError, "Override takes a token id (int), got True"),
+        # was "'int' object is not iterable"
+        (lambda: lcgen.Resample(exclude=5), TypeError, "exclude takes a list of token ids, got 5"),
+        (lambda: lcgen.Resample(exclude="ab"), TypeError, "exclude takes a list of token ids"),
+        (lambda: lcgen.Resample(exclude=[1, "2"]), TypeError, "got '2' in it"),  # int("2") took it
+        (lambda: lcgen.Resample(exclude=[True]), TypeError, "got True in it"),
+        (lambda: lcgen.Resample(temperature="hot"), TypeError, "must be a number, got 'hot'"),
+        (lambda: lcgen.Resample(temperature=float("nan")), ValueError, "must be >= 0, got nan"),
+    ],
+)
+def test_hook_results_of_the_wrong_type_are_named(
+    make: Callable[[], object], error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        make()
+    assert lcgen.Resample(exclude=np.array([3, 5])).exclude == (3, 5)  # numpy's ids are ids
 
 
 # validators -------------------------------------------------------------------------------------

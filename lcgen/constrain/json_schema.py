@@ -137,6 +137,10 @@ def _schema_error(exc: jsonschema.SchemaError) -> GrammarError:
     return GrammarError(f"invalid JSON Schema: {where}: {exc.message}")
 
 
+# The keywords whose value is an object keyed by property names (or patterns of them).
+_BY_PROPERTY_NAME = frozenset(
+    ["properties", "patternProperties", "dependentRequired", "dependentSchemas", "dependencies"]
+)
 _OLD_DRAFTS = ("Draft3Validator", "Draft4Validator", "Draft6Validator", "Draft7Validator")
 # Keywords whose values are data, not schemas: no anchor or $id inside them counts.
 _DATA = frozenset(["const", "enum", "default", "examples"])
@@ -457,6 +461,21 @@ class _Compiler(ValueCompiler):
 
     def check_keywords(self, schema: dict[str, Any], path: str) -> None:
         for key in schema:
+            # A schema given as a Python dict may have keys JSON cannot: named, not a TypeError
+            # from inside.
+            if not isinstance(key, str):
+                raise GrammarError(
+                    f"the JSON Schema at {path} has the key {key!r:.80}, a "
+                    f"{type(key).__name__}: its keys are strings"
+                )
+            value = schema[key]
+            if key in _BY_PROPERTY_NAME and isinstance(value, dict):
+                for name in value:
+                    if not isinstance(name, str):
+                        raise GrammarError(
+                            f"{key} at {path} has the key {name!r:.80}, a "
+                            f"{type(name).__name__}: property names are strings"
+                        )
             if key in spec.UNSUPPORTED:
                 raise GrammarError(f"unsupported JSON Schema keyword {key!r} at {path}")
             self.check_number(key, schema[key], path)

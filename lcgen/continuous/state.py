@@ -35,6 +35,14 @@ from lcgen.decoding.options import shown
 from lcgen.errors import BatchMismatchError, IncompleteOutputError, SampleMismatchError
 from lcgen.runtime.tokens import ModelLike
 
+#: The most samples one call makes: ``num_samples`` times the batch elements (where
+#: ``num_samples`` > 1). Each sample is an element of its own (its prompt's tokens copied) and a
+#: generation of its own through the model's slots, at most 256 at once (llama.cpp's most
+#: sequences, 32 by default): 4,096 are 16 rounds of the most slots a model can have, enough
+#: to estimate a distribution; a million held 1.2 GB before the first decode. The server's
+#: ``n`` is at most 16: its clients share one model. More samples: make them in several calls.
+MAX_SAMPLES = 4096
+
 __all__ = ["Continuous", "SequenceState", "continuous"]
 
 Index = int | slice
@@ -73,11 +81,12 @@ class SequenceState:
 
         Raises:
             TypeError: ``prompt`` is none of those.
-            ValueError: a list is empty or the lists differ in length, or ``num_samples`` < 1.
+            ValueError: a list is empty or the lists differ in length, or ``num_samples`` < 1
+                or over :data:`MAX_SAMPLES` (with the batch).
         """
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
+        _check_num_samples(num_samples)
         grid = _text_grid(prompt, num_samples)
+        _check_num_samples(num_samples, len(grid))
 
         def element(text: str) -> Element:
             tokens = model.vocab.tokenize(text)
@@ -229,6 +238,19 @@ class SequenceState:
         self.close()
 
 
+def _check_num_samples(num_samples: object, n_batch: int = 1) -> None:
+    """Refuse a ``num_samples`` that is not an int in [1, MAX_SAMPLES], or that makes more than
+    :data:`MAX_SAMPLES` samples of ``n_batch`` batch elements (a batch alone is not bounded)."""
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
+    if num_samples > 1 and num_samples * n_batch > MAX_SAMPLES:
+        of = f" of {n_batch} batch elements" if n_batch > 1 else ""
+        raise ValueError(
+            f"num_samples={num_samples}{of} makes {num_samples * n_batch:,} samples, over the "
+            f"{MAX_SAMPLES:,} one call makes: make them in several calls"
+        )
+
+
 def _text_grid(prompt: object, num_samples: int) -> list[list[str]]:
     if isinstance(prompt, str):
         return [[prompt] * num_samples]
@@ -338,12 +360,13 @@ class Continuous:
                 as generated) is on the error's ``state``.
             SampleMismatchError: samples (or beams) were asked of a state that has several per
                 batch element already.
-            ValueError: ``num_samples`` < 1, or a state of another model.
+            ValueError: ``num_samples`` < 1 or over :data:`MAX_SAMPLES` (with the batch), or
+                a state of another model.
         """
         model, spec = self.spec.model, self.spec
+        _check_num_samples(num_samples)  # before the prompts are tokenized
         state = self._as_state(prompt)
-        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
-            raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
+        _check_num_samples(num_samples, state.shape[0])
         if spec.beams is not None and num_samples != 1:
             raise ValueError(
                 f"with beams the sample axis holds the beams; num_samples={num_samples}"

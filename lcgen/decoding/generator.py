@@ -135,9 +135,15 @@ class Generator:
         """Raise what :meth:`restore` would raise for ``state``, changing nothing.
 
         Raises:
+            TypeError: ``state`` is not a :class:`GeneratorState`.
             ValueError: the state was taken from another generator, or lies beyond the tokens
                 generated so far.
         """
+        if not isinstance(state, GeneratorState):
+            raise TypeError(
+                "restore takes a GeneratorState (from generator.state), got "
+                f"{type(state).__name__} {state!r:.80}"
+            )
         if state.generator != self._id:
             raise ValueError("the state was taken from another generator: restore it there")
         if state.n_tokens > len(self.tokens):

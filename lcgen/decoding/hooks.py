@@ -17,7 +17,7 @@ from typing import Union
 import numpy as np
 
 from lcgen.decoding.sampling import log_normalizer, top_ids
-from lcgen.decoding.text import check_prefix_cost
+from lcgen.decoding.text import check_no_surrogate, check_prefix_cost
 from lcgen.vocab import Vocab
 
 __all__ = ["BannedPhrases", "Hook", "Override", "Resample", "Rewind", "Step", "Validator"]
@@ -48,16 +48,43 @@ class Resample:
         exclude: tokens the redraw must not produce (they stay excluded for the rest of the
             retries at this position); the rejected candidate is not excluded unless listed.
         temperature: the temperature for the redraw (None: the generation's own).
+
+    Raises:
+        TypeError: ``exclude`` is not a list of token ids (a lone id: give ``[5]``), or
+            ``temperature`` is not a number.
+        ValueError: ``temperature`` is below 0 (or NaN).
     """
 
     exclude: tuple[int, ...] = ()
     temperature: float | None = None
 
     def __init__(self, exclude: Iterable[int] = (), temperature: float | None = None) -> None:
-        if temperature is not None and temperature < 0:
-            raise ValueError(f"Resample temperature must be >= 0, got {temperature!r}")
-        object.__setattr__(self, "exclude", tuple(int(t) for t in exclude))
+        if temperature is not None:
+            if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+                raise TypeError(f"Resample temperature must be a number, got {temperature!r}")
+            if not temperature >= 0:  # NaN too
+                raise ValueError(f"Resample temperature must be >= 0, got {temperature!r}")
+        object.__setattr__(self, "exclude", _token_ids(exclude))
         object.__setattr__(self, "temperature", temperature)
+
+
+def _token_ids(exclude: object) -> tuple[int, ...]:
+    """Resample's ``exclude``: token ids (ints, numpy's too), not bools, strings or floats."""
+    if isinstance(exclude, int | np.integer) and not isinstance(exclude, bool):
+        raise TypeError(
+            f"Resample exclude takes a list of token ids, got {exclude!r}: use "
+            f"exclude=[{exclude!r}]"
+        )
+    if isinstance(exclude, str | bytes | bytearray) or not isinstance(exclude, Iterable):
+        raise TypeError(f"Resample exclude takes a list of token ids, got {exclude!r:.80}")
+    ids = []
+    for token in exclude:
+        if isinstance(token, bool | np.bool_) or not isinstance(token, int | np.integer):
+            raise TypeError(
+                f"Resample exclude takes a list of token ids (int), got {token!r:.80} in it"
+            )
+        ids.append(int(token))
+    return tuple(ids)
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +100,10 @@ class Rewind:
             same span cannot simply come back.
         chars: characters to drop from the end of the text, >= 1; the rewind goes to the token
             where the first of them starts.
+
+    Raises:
+        TypeError: ``n`` or ``chars`` is not an int (True is not 1), ``ban`` not a bool.
+        ValueError: ``n`` or ``chars`` is below 1, or both are given.
     """
 
     n: int | None = None
@@ -85,8 +116,14 @@ class Rewind:
                 f"give Rewind n or chars, not both (n={self.n!r}, chars={self.chars!r})"
             )
         for name, value in (("n", self.n), ("chars", self.chars)):
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):  # True was Rewind(1)
+                raise TypeError(f"Rewind takes {name} as an int, got {value!r}")
+            if value < 1:
                 raise ValueError(f"Rewind needs {name} >= 1, got {value!r}")
+        if not isinstance(self.ban, bool):
+            raise TypeError(f"Rewind takes ban as True or False, got {self.ban!r}")
 
 
 class Step:
@@ -168,8 +205,9 @@ class BannedPhrases:
         ignore_case: match the literal strings regardless of case.
 
     Raises:
-        ValueError: a phrase is empty, a pattern can match the empty string, or a pattern can
-            match text of unbounded length (bound its repeats: ``\\w{0,20}`` instead of ``\\w*``).
+        ValueError: a phrase is empty or holds a lone surrogate (no generated text does), a
+            pattern can match the empty string, or a pattern can match text of unbounded length
+            (bound its repeats: ``\\w{0,20}`` instead of ``\\w*``).
         TypeError: a phrase is neither a ``str`` nor a compiled pattern.
     """
 
@@ -180,6 +218,7 @@ class BannedPhrases:
             if isinstance(phrase, str):
                 if not phrase:
                     raise ValueError("a banned phrase is empty")
+                check_no_surrogate(phrase, "banned phrase")
                 literals.append(phrase)
             elif isinstance(phrase, re.Pattern):
                 self.patterns.append((phrase, _max_width(phrase)))

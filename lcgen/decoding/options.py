@@ -208,11 +208,11 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
         sampler=sampler,
         stops=Stops(
             (stop,) if isinstance(stop, str) else tuple(stop or ()),
-            bool(options.get("include_stop", False)),
+            _bool("include_stop", options.get("include_stop", False)),
         ),
         stop_tokens=_token_ids("stop_tokens", options.get("stop_tokens")),
         logprobs=logprobs,
-        token_healing=bool(options.get("token_healing", False)),
+        token_healing=_bool("token_healing", options.get("token_healing", False)),
         constraint=_constraint(options, schema),
         schema=schema,
         backtracking=_backtracking(options),
@@ -325,7 +325,8 @@ def _backtracking(options: GenerateOptions) -> Backtracking | None:
     max_retries = _int("max_retries", options.get("max_retries", DEFAULT_MAX_RETRIES), low=0)
     lookback = _int("lookback", options.get("lookback", DEFAULT_LOOKBACK), low=1)
     banned = BannedPhrases(
-        _sequence_of(options, "banned", "phrases"), options.get("banned_ignore_case", False)
+        _sequence_of(options, "banned", "phrases"),
+        _bool("banned_ignore_case", options.get("banned_ignore_case", False)),
     )
     hooks = _sequence_of(options, "hooks", "callables")
     validators = _sequence_of(options, "validators", "callables")

@@ -89,6 +89,25 @@ def check_prefix_cost(strings: Iterable[str], what: str) -> None:
         )
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_no_surrogate(text: str, what: str) -> None:
+    """Check that a string to find in generated text holds no lone surrogate: generated text
+    is decoded UTF-8, which never holds one, so such a string could never match.
+
+    Raises:
+        ValueError: it does (the string and the code point named), as a constraint's literal
+            with one is refused.
+    """
+    bad = _SURROGATE.search(text)
+    if bad:
+        raise ValueError(
+            f"{what} {text!r} contains the lone surrogate U+{ord(bad[0]):04X}, which no "
+            "generated text holds"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class Stops:
     """Stop strings and how a hit is emitted; immutable, precomputes its lookup tables.
@@ -100,7 +119,7 @@ class Stops:
 
     Raises:
         TypeError: ``strings`` is a single ``str`` or holds a non-``str``.
-        ValueError: a stop string is empty.
+        ValueError: a stop string is empty or holds a lone surrogate (it could never match).
     """
 
     strings: tuple[str, ...] = ()
@@ -115,7 +134,7 @@ class Stops:
 
         Raises:
             TypeError: ``strings`` is a single ``str`` or holds a non-``str``.
-            ValueError: a stop string is empty.
+            ValueError: a stop string is empty or holds a lone surrogate.
         """
         if isinstance(self.strings, str):
             raise TypeError(f"stop strings must be a tuple of str, not the str {self.strings!r}")
@@ -125,6 +144,7 @@ class Stops:
                 raise TypeError(f"stop string {stop!r} is a {type(stop).__name__}, not a str")
             if not stop:
                 raise ValueError(f"stop string {stop!r} is empty; stops are {strings!r}")
+            check_no_surrogate(stop, "stop string")
         check_prefix_cost(strings, "stop strings")
         prefixes = {stop[:k] for stop in strings for k in range(1, len(stop))}
         # Anchored at the end, searched left to right: the first match is the longest suffix.

@@ -18,7 +18,7 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -432,6 +432,13 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
 
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    """A client that went away while it sent its request: nobody reads a reply (the server
+    drops what is sent to a closed connection); without this handler, Starlette's 500 came
+    with a traceback in the log."""
+    return Response(status_code=400)
+
+
 async def _server_error(request: Request, exc: Exception) -> Response:
     error = APIError(500, f"{type(exc).__name__}: {exc}", type="server_error")
     return JSONResponse(error.body(), status_code=500)
@@ -480,6 +487,7 @@ def create_app(
     handlers: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         APIError: _api_error,
         HTTPException: _http_error,
+        ClientDisconnect: _client_gone,
         Exception: _server_error,
     }
     app = Starlette(

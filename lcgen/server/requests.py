@@ -61,7 +61,9 @@ class APIError(Exception):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="forbid")
+    # No NaN or infinity (pydantic's JSON reader takes them): a bound such as temperature <= 2
+    # said a NaN was over it; "a finite number" says what is wrong.
+    model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
 
 
 class TextPart(_Strict):
@@ -387,13 +389,15 @@ def _logit_bias(bias: dict[str, float] | None, n_vocab: int) -> dict[int, float]
         return None
     out = {}
     for key, value in bias.items():
-        if not (key.isascii() and key.isdigit()) or int(key) >= n_vocab:
+        # Leading zeros dropped before int(): it refuses a string of over 4,300 digits.
+        digits = key.lstrip("0") or "0"
+        if not (key.isascii() and key.isdigit()) or len(digits) > 12 or int(digits) >= n_vocab:
             raise APIError(
                 400,
                 f"logit_bias: {key!r} is not a token id of this model (0 to {n_vocab - 1})",
                 param="logit_bias",
             )
-        out[int(key)] = value
+        out[int(digits)] = value
     return out
 
 
