@@ -88,6 +88,17 @@ def test_choice_and_regex(model: lcgen.Model, seed: int) -> None:
     assert re.fullmatch(pattern, phone)
 
 
+def test_a_choice_or_enum_of_20000_options_generates_one(model: lcgen.Model) -> None:
+    # A prefix tree: each token is checked against the few options still alive (a flat
+    # alternation walked all 20,000 at each step: seconds a token). One option comes back,
+    # the rest of it forced once the digits tell it apart.
+    options = [f"v{i}" for i in range(20_000)]
+    got = model.generate("JSON:", choice=options, max_tokens=10, temperature=1.0, seed=3)
+    assert got in options and got.stats.steps <= got.stats.tokens <= 6
+    value = model.generate("JSON:", schema={"enum": options}, max_tokens=10, seed=3)
+    assert value in options
+
+
 @pytest.mark.parametrize("name", ["json", "json_array", "iso_date", "yes_no", "arithmetic"])
 def test_bundled_grammars_generate_accepted_text(model: lcgen.Model, name: str) -> None:
     grammar = lcgen.Grammar.from_file(name)

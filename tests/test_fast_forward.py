@@ -68,6 +68,22 @@ def test_forced_text_follows_the_only_characters_allowed(model: lcgen.Model) -> 
         assert state.is_complete and state.forced_text(64) == ""
 
 
+def test_forced_text_follows_a_prefix_tree(model: lcgen.Model) -> None:
+    # A choice or an enum is a prefix tree: the shared prefix is forced, then after the first
+    # character that tells the options apart the rest of the option.
+    choice = lcgen.Grammar.choice(["category-alpha", "category-beta", "category-b"])
+    enum = lcgen.Grammar.from_json_schema({"enum": ["category-alpha", "category-beta"]})
+    with choice.state(model) as state, enum.state(model) as in_json:
+        assert state.forced_text(64) == "category-"
+        assert in_json.forced_text(64) == '"category-'
+        state.accept_tokens(model.tokenize("category-a", add_bos=False))
+        in_json.accept_tokens(model.tokenize('"category-a', add_bos=False))
+        assert state.forced_text(64) == "lpha" and in_json.forced_text(64) == 'lpha"'
+    with choice.state(model) as state:
+        state.accept_tokens(model.tokenize("category-b", add_bos=False))
+        assert state.forced_text(64) == ""  # it can end here
+
+
 def test_forced_tokens_are_the_tokenizers(model: lcgen.Model) -> None:
     gen = Generator(model, grammar=COMPACT)
     forced = gen.forced_tokens(b"\n", 16)

@@ -30,7 +30,9 @@ from hypothesis import strategies as st
 
 import lcgen
 from lcgen._resources import resource_path
-from lcgen.constrain import Grammar, GrammarState
+from lcgen.constrain import Grammar, GrammarState, lark
+from lcgen.constrain import gbnf as _gbnf
+from lcgen.constrain.grammar import _max_depth
 
 HYPOTHESIS = settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -291,11 +293,41 @@ def test_bundled_grammars_by_name_only(tmp_path: Path, monkeypatch: pytest.Monke
         ("  \n", "root", "empty"),
         ('root ::= "a\x00"', "root", "NUL"),
         ('root ::= "a"', "my root", "not a rule name"),
+        # llama.cpp keeps a rule's last definition, llguidance's translation would merge them
+        ('root ::= "a"\nroot ::= "b"', "root", "rule 'root' is defined twice (lines 1 and 2)"),
+        ('root ::= x\nx ::= "a"\n\nx ::= "b"', "root", "'x' is defined twice (lines 2 and 4)"),
+        ('root ::= x\nx ::= "a"\nx ::= "a"', "root", "write its alternatives in one definition"),
+        # escapes that are no character: llama.cpp takes them, no text can hold them
+        ('root ::= "\\U00110000"', "root", "the escape \\U00110000 in a literal on line 1"),
+        ('root ::= "a"\nb ::= "\\UFFFFFFFF"', "root", "\\UFFFFFFFF in a literal on line 2"),
+        ("root ::= [\\U00110000-\\U00120000]", "root", "\\U00110000 in a character class"),
+        ("root ::= [a-\\U00110000]", "root", "is beyond Unicode"),
+        ('root ::= "\\uD800"', "root", "the escape \\uD800 in a literal on line 1 is a lone"),
+        ('root ::= "x\\U0000DFFF"', "root", "lone surrogate (U+DFFF)"),
+        ('root ::= "a"\n"\ud800"', "root", "the lone surrogate U+D800 on line 2"),  # raw
     ],
 )
 def test_bad_grammar_raises_with_the_reason(gbnf: str, root: str, reason: str) -> None:
     with pytest.raises(lcgen.GrammarError, match=re.escape(reason)):
         Grammar(gbnf, root)
+
+
+@pytest.mark.parametrize(
+    "gbnf",
+    [
+        'root ::= "x ::= y" [:] "::=" x\nx ::= "a" # x ::= b\n# x ::= c\n',  # not heads
+        'root ::= ("a"\n  | "b") x\nx ::= [x] "\\\\U00110000"',  # an escaped backslash
+        'root ::= "\\U0010FFFF" [\\u0000-\\uDFFF] [\\uD800-\\U0010FFFF] [^\\uDC00]',
+    ],
+)
+def test_what_only_looks_like_a_redefinition_or_a_bad_escape_is_taken(gbnf: str) -> None:
+    assert Grammar(gbnf).gbnf == gbnf
+
+
+def test_a_class_may_span_the_surrogates(model: lcgen.Model) -> None:
+    grammar = Grammar("root ::= [\\u00E0-\\uDFFF]+")  # a class may span them (re does too)
+    assert grammar.accepts(model, "é\ud7ff")
+    assert not grammar.accepts(model, "\ue000")
 
 
 def test_a_minimum_above_the_maximum_never_reaches_llama_cpp() -> None:
@@ -572,6 +604,69 @@ def test_choice_rejects_anything_else(model: lcgen.Model, text: str) -> None:
 def test_choice_rejects_bad_options(options: object, error: type[Exception]) -> None:
     with pytest.raises(error):
         Grammar.choice(options)  # type: ignore[arg-type]
+
+
+def test_choice_is_a_prefix_tree() -> None:
+    # llama.cpp walks every alternative alive each token: options share their prefixes.
+    assert Grammar.choice(["v10", "v11", "v2"]).gbnf == 'root ::= "v" ("1" ("0" | "1") | "2")\n'
+    assert Grammar.choice(["ab", "a", "ab"]).gbnf == 'root ::= "a" ("b" | "")\n'
+    assert Grammar.choice(['"q', '"\\', "é\n"]).gbnf == 'root ::= ("\\"" ("q" | "\\\\") | "é\\n")\n'
+
+
+def test_a_choice_of_options_that_each_extend_the_last_nests_in_rules(
+    model: lcgen.Model,
+) -> None:
+    options = ["a" * n for n in range(1, 200)]
+    grammar = Grammar.choice(options)
+    depths = [_max_depth(line, "(", ")") for line in grammar.gbnf.splitlines()]
+    assert len(depths) > 10 and max(depths) <= _gbnf.MAX_TRIE_NESTING
+    for text in ("a", "a" * 17, "a" * 199):
+        assert grammar.accepts(model, text)
+    assert not grammar.accepts(model, "a" * 200)
+    assert not grammar.accepts(model, "")
+
+
+def test_a_large_choice_keeps_few_alternatives_alive() -> None:
+    # 20,000 options: no group holds more alternatives than the characters that can come next
+    # (a flat alternation held 20,000, which llama.cpp walked at every token).
+    options = [f"v{i}" for i in range(20_000)]
+    assert widest_alternation(Grammar.choice(options).gbnf) == 11  # ten digits, or the end
+
+
+def widest_alternation(gbnf: str) -> int:
+    """The most alternatives of any one rule or group of ``gbnf``."""
+
+    def widest(node: lark.Node) -> int:
+        if isinstance(node, lark.Alt):
+            return max(len(node.options), *map(widest, node.options))
+        if isinstance(node, lark.Seq):
+            return max(map(widest, node.items), default=1)
+        return widest(node.item) if isinstance(node, lark.Rep) else 1
+
+    return max(widest(body) for body in lark.parse(gbnf).values())
+
+
+_TRICKY = st.text(st.sampled_from(["a", "b", '"', "\\", "\n", "é", "日", "🙂", "\x7f"]), max_size=5)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(
+    options=st.lists(_TRICKY.filter(bool), min_size=1, max_size=12),
+    others=st.lists(_TRICKY, max_size=6),
+)
+def test_a_choice_accepts_exactly_its_options(
+    model: lcgen.Model, options: list[str], others: list[str]
+) -> None:
+    # The prefix tree against the set itself and against the flat alternation it replaced:
+    # each option, its prefixes (other options among them), its extensions, other texts.
+    grammar = Grammar.choice(options)
+    flat = Grammar(f"root ::= {' | '.join(_gbnf.literal(o) for o in options)}\n")
+    probes = {o[:n] for o in options for n in range(len(o) + 1)} | set(others)
+    probes |= {o + x for o in options for x in ("a", '"', "é")}
+    for text in sorted(probes):
+        assert grammar.accepts(model, text) == (text in options) == flat.accepts(model, text)
 
 
 # regex -------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from llguidance import LLMatcher
 import lcgen
 from bench.schema_compile import SUITE, suite_groups
 from lcgen.constrain import Grammar, GrammarState, llg
-from lcgen.constrain.lark import parse, to_lark
+from lcgen.constrain.lark import Cls, Seq, parse, to_lark
 from lcgen.errors import GrammarError
 from tests.test_grammar import BUNDLED
 
@@ -100,6 +100,27 @@ def test_random_json_and_its_cuts_read_the_same(
         assert ours == theirs, each
 
 
+def test_prefix_trees_read_the_same(model: lcgen.Model, tokenizer: Any) -> None:
+    # A choice or an enum is a prefix tree (shared prefixes, options that are prefixes of
+    # others, deep nodes in rules of their own): the same verdicts, prefixes included.
+    options = ["a" * n for n in range(1, 40)] + ["ab", 'a"b', "a\\", "é", "v1", "v10", "v2"]
+    values: list[Any] = [*options, 1, 10, 1.5, None, [1], {"a": "é"}]
+    for grammar, texts in (
+        (Grammar.choice(options), options),
+        (Grammar.from_json_schema({"enum": values}), [json.dumps(v) for v in values]),
+    ):
+        probes = [t[:n] for t in texts for n in range(len(t) + 1)] + [t + "0" for t in texts]
+        for each, ours, theirs in _verdicts(grammar, model, tokenizer, probes):
+            assert ours == theirs, each
+
+
+def test_an_enum_of_strings_is_one_lexeme() -> None:
+    # The prefix tree of JSON strings reads as one JSON string: one span, no one-character
+    # lexemes (inside a string a mask is the lexer's work alone).
+    lark = to_lark(Grammar.from_json_schema({"enum": [f"v{i}" for i in range(300)]}).gbnf)
+    assert "\nT0: " in lark and "T1" not in lark
+
+
 def test_strings_become_one_lexeme_only_where_no_lone_quote_can_match() -> None:
     schema = Grammar.from_json_schema({"type": "object", "properties": {"a": {"type": "string"}}})
     assert "\nT0: " in to_lark(schema.gbnf)
@@ -121,6 +142,11 @@ def test_strings_become_one_lexeme_only_where_no_lone_quote_can_match() -> None:
         ("root ::= [abc", "unterminated character class"),
         ('root ::= ("a"', "expected ')'"),
         ('root ::= "a"{2,x}', "bad repetition"),
+        ('root ::= "a"\nroot ::= "b"', "rule 'root' is defined twice (lines 1 and 2)"),
+        ('root ::= "\\U00110000"', "the escape \\U00110000 in a literal on line 1"),
+        ("root ::= [a-\\U00110000]", "\\U00110000 in a character class on line 1"),
+        ('root ::= "\\uDBFF"', "lone surrogate (U+DBFF)"),
+        ('root ::= "\udbff"', "lone surrogate U+DBFF"),
     ],
 )
 def test_what_it_does_not_take_is_a_grammar_error(gbnf: str, message: str) -> None:
@@ -129,6 +155,26 @@ def test_what_it_does_not_take_is_a_grammar_error(gbnf: str, message: str) -> No
 
 
 def test_parse_follows_llama_cpp_layout() -> None:
-    rules = parse('root ::= a |\n  "b"  # a comment\na ::= ("x"\n  "y")+ [^\\n]{2,} .\na ::= "z"')
+    rules = parse('root ::= a |\n  "b"  # a comment\na ::= ("x"\n  "y")+ [^\\n]{2,} . | "z"')
     assert set(rules) == {"root", "a"}
     assert "Alt" in type(rules["a"]).__name__
+
+
+def test_surrogates_leave_classes() -> None:
+    """No UTF-8 text holds a surrogate (llama.cpp's would match one, lcgen keeps text valid
+    UTF-8); llguidance's regular expressions take no surrogate as a character."""
+    rules = parse("root ::= [\\uD800-\\uDFFF] [a\\uD7F0-\\uE00F] [^\\uDC00z]")
+    assert rules["root"] == Seq(
+        (
+            Cls(False, ()),
+            Cls(False, ((0x61, 0x61), (0xD7F0, 0xD7FF), (0xE000, 0xE00F))),
+            Cls(True, ((0x7A, 0x7A),)),
+        )
+    )
+
+
+def test_a_class_over_surrogates_reads_the_same(model: lcgen.Model, tokenizer: Any) -> None:
+    grammar = Grammar("root ::= [\\u00E0-\\uDFFF]+ [^\\uD800-\\uDFFF]?")
+    texts = ["é", "éa", "\ud7ff\ue000", "\ue000", "日本語", "a"]
+    for text, ours, theirs in _verdicts(grammar, model, tokenizer, texts):
+        assert ours == theirs, text

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 import lcgen
 from lcgen.constrain import Grammar, GrammarState
+from tests.test_grammar import widest_alternation
 
 HYPOTHESIS = settings(
     max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
@@ -1134,6 +1135,70 @@ def test_a_long_enum_keeps_the_values_its_other_keywords_allow(model: lcgen.Mode
         assert grammar.accepts(model, text)
     for text in ("7", '"toolongvalue"', '"v5000"'):
         assert not grammar.accepts(model, text)
+
+
+def test_an_enum_is_a_prefix_tree() -> None:
+    # llama.cpp walks every alternative alive each token: values share their prefixes, a
+    # number keeps its optional zeros, an object stays whole.
+    gbnf = Grammar.from_json_schema({"enum": ["v10", "v1", "v2", 1, 1.5, {"a": 1}]}).gbnf
+    assert gbnf.startswith(
+        'root ::= ("\\"v" ("1" ("0\\"" | "\\"") | "2\\"") | "1" (("." "0"+)? | ".5" "0"*) | "{" ws'
+    )
+
+
+def test_a_large_enum_keeps_few_alternatives_alive(model: lcgen.Model) -> None:
+    # 20,000 values: the widest group is the ten digits or the closing quote (a flat
+    # alternation held 20,000, which llama.cpp walked at every token).
+    values = [f"v{i}" for i in range(20_000)]
+    grammar = Grammar.from_json_schema({"enum": values})
+    assert widest_alternation(grammar.gbnf) == 11
+    for text in ('"v0"', '"v19999"', '"v123"'):
+        assert grammar.accepts(model, text)
+    for text in ('"v"', '"v20000"', '"v01"', "v1"):
+        assert not grammar.accepts(model, text)
+
+
+_ENUM_STRINGS = st.text(st.sampled_from(["a", "b", '"', "\\", "\n", "é", "🙂", "/"]), max_size=4)
+_ENUM_VALUES = st.one_of(
+    _ENUM_STRINGS, st.integers(-12, 12), st.sampled_from([1.5, 10.25, True, False, None])
+)
+
+
+@settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(values=st.lists(_ENUM_VALUES, min_size=1, max_size=10), others=st.lists(_ENUM_VALUES))
+def test_an_enum_accepts_exactly_its_values(
+    model: lcgen.Model, values: list[Any], others: list[Any]
+) -> None:
+    # Every JSON text of each value (raw or escaped non-ASCII, 1 as 1.0) and nothing else:
+    # not the prefixes of a value's text (other values among them) or other values.
+    grammar = Grammar.from_json_schema({"enum": values})
+    for value in values:
+        for text in {json.dumps(value), json.dumps(value, ensure_ascii=False)}:
+            assert grammar.accepts(model, text)
+            for n in range(len(text)):
+                prefix_ok = any(_equal(json.loads(text[:n]), v) for v in values if _loads(text[:n]))
+                assert grammar.accepts(model, text[:n]) == prefix_ok
+        if isinstance(value, int) and not isinstance(value, bool):
+            assert grammar.accepts(model, f"{value}.00")
+    for other in others:
+        member = any(_equal(other, v) for v in values)
+        assert grammar.accepts(model, json.dumps(other)) == member
+
+
+def _loads(text: str) -> bool:
+    try:
+        json.loads(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """JSON Schema's equality: numbers by value, booleans apart from numbers."""
+    numbers = all(isinstance(x, int | float) and not isinstance(x, bool) for x in (a, b))
+    return (numbers or type(a) is type(b)) and a == b
 
 
 def test_unknown_keywords_are_ignored_and_misspellings_warn() -> None:

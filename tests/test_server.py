@@ -7,6 +7,7 @@ session's model (one subprocess test starts ``python -m lcgen.server`` itself).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import http.client
 import json
@@ -943,8 +944,13 @@ BAD = [
     (_body(logit_bias={"99999999": 1}), "logit_bias"),
     (_body(logit_bias={"\u00b2": 1}), "logit_bias"),  # a digit to str.isdigit, not to int()
     (_body(logit_bias={"\u0663": 1}), "logit_bias"),  # an Arabic-Indic 3: not token 3
+    (_body(logit_bias={"1" * 5000: 1}), "logit_bias"),  # over int()'s 4,300 digits
+    (_body(temperature=float("nan")), "temperature"),  # json.dumps writes NaN
+    (_body(logit_bias={"1": float("-inf")}), "logit_bias.1"),
     (_body(grammar="root ::= (("), "grammar"),
     (_body(grammar="../../etc/passwd"), "grammar"),  # neither GBNF nor a bundled name
+    (_body(grammar='root ::= "\\U00110000"'), "grammar"),  # beyond Unicode
+    (_body(grammar='root ::= "a"\nroot ::= "b"'), "grammar"),  # a rule defined twice
     (_body(regex="(?<=a)b"), "regex"),
     (_body(choice=[]), "choice"),
     (_body(regex="a", choice=["b"]), "choice"),
@@ -1027,6 +1033,48 @@ def test_error_messages_explain_the_input(url: str) -> None:
     assert choice["message"] == "tool_choice is only allowed when tools are specified", choice
     status, reply = request(url, "/v1/chat/completions", _body(tool_choice="none", max_tokens=2))
     assert status == 200, reply  # "none" without tools: fine, as OpenAI's
+    huge = error(_body(logit_bias={"1" * 5000: 1}))  # was Python's "Exceeds the limit (4300..."
+    assert huge["message"].endswith("is not a token id of this model (0 to 49151)"), huge
+    assert huge["param"] == "logit_bias"
+    padded = _body(logit_bias={"0" * 5000 + "1": 0}, max_tokens=1)  # token 1, zeros before it
+    assert request(url, "/v1/chat/completions", padded)[0] == 200
+    nan = error(_body(temperature=float("nan")))  # was "Input should be less than or equal to 2"
+    assert nan["message"] == "temperature: Input should be a finite number", nan
+
+
+def test_a_client_gone_while_sending_its_body_is_not_a_server_error(model: lcgen.Model) -> None:
+    # Starlette's ClientDisconnect went out of the application: uvicorn logged its traceback
+    app = create_app(model, model_name=NAME)
+    received = iter(
+        [
+            {"type": "http.request", "body": b'{"model": "', "more_body": True},
+            {"type": "http.disconnect"},
+        ]
+    )
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return next(received)
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/v1/chat/completions",
+        "raw_path": b"/v1/chat/completions",
+        "query_string": b"",
+        "root_path": "",
+        "headers": [(b"content-type", b"application/json"), (b"content-length", b"100")],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 8000),
+    }
+    asyncio.run(app(scope, receive, send))  # raised ClientDisconnect
+    assert sent[0]["type"] == "http.response.start" and sent[0]["status"] != 500
 
 
 def test_deeply_nested_call_arguments_are_read_as_text(url: str) -> None:

@@ -22,6 +22,7 @@ from lcgen._native.grammar import GrammarSampler, check_gbnf
 from lcgen._resources import resource_path
 from lcgen.constrain import gbnf as _gbnf
 from lcgen.constrain import regex as _regex
+from lcgen.constrain.lark import bad_escape, redefined
 from lcgen.constrain.llg import Matcher
 from lcgen.constrain.pydantic_schema import pydantic_schema
 from lcgen.constrain.tables import LITERALS_AND_COMMENTS, tables, traits, utf8_tail
@@ -41,8 +42,10 @@ class Grammar:
 
     Raises:
         GrammarError: the text does not parse (the message gives llama.cpp's reason and the
-            line and column), has no rule named ``root``, is left-recursive, or uses a
-            repetition bound that llama.cpp would silently drop (above 2000).
+            line and column), has no rule named ``root``, is left-recursive, uses a
+            repetition bound that llama.cpp would silently drop (above 2000), defines a rule
+            twice (llama.cpp would keep the last definition silently), or escapes a value
+            that is no character (above ``\\U0010FFFF``, or a lone surrogate in a literal).
         TypeError: ``gbnf`` or ``root`` is not a str.
     """
 
@@ -59,9 +62,16 @@ class Grammar:
             raise GrammarError(f"root {self.root!r} is not a rule name (letters, digits, '-')")
         if "\x00" in self.gbnf:
             raise GrammarError("the grammar contains a NUL character (write it as \\x00)")
+        if (surrogate := _SURROGATE.search(self.gbnf)) is not None:
+            line = self.gbnf.count("\n", 0, surrogate.start()) + 1
+            raise GrammarError(
+                f"the grammar contains the lone surrogate U+{ord(surrogate.group()):04X} on "
+                f"line {line}, which has no UTF-8 form"
+            )
         _check_repetition_bounds(self.gbnf)
         _check_nesting(self.gbnf)
         check_gbnf(self.gbnf, self.root)
+        _check_rules_and_escapes(self.gbnf)
 
     @classmethod
     def from_file(cls, name_or_path: str | Path, root: str = "root") -> Grammar:
@@ -179,7 +189,10 @@ class Grammar:
                 raise TypeError(f"choice options must be str, got {option!r}")
             if not option:
                 raise ValueError("a choice option is empty (it could never be generated)")
-        return cls(f"root ::= {' | '.join(_gbnf.literal(o) for o in dict.fromkeys(options))}\n")
+        # A prefix tree, not a flat alternation: llama.cpp's work per token grows with the
+        # alternatives alive (see :func:`lcgen.constrain.gbnf.trie`).
+        rules = _gbnf.RuleSet()
+        return cls(rules.text(_gbnf.trie(options, rules)))
 
     @classmethod
     def regex(cls, pattern: str) -> Grammar:
@@ -266,6 +279,47 @@ def _check_repetition_bounds(gbnf: str) -> None:
                 f"repetition {match.group(0)}: its minimum {int(low)} is above its maximum "
                 f"{int(high)}"
             )
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# What llama.cpp's parser skips over whole (literals, classes, comments, token names), or a
+# rule's head (group 3); groups 1 and 2 hold a literal's and a class's body.
+_HEADS_AND_BODIES = re.compile(
+    r'"((?:[^"\\]|\\.)*)"|\[((?:[^\]\\]|\\.)*)\]|#[^\r\n]*|!?<[^>]*>'
+    r"|(?<![a-zA-Z0-9-])([a-zA-Z0-9-]+)[ \t]*::=",
+    re.DOTALL,
+)
+_HEX_ESCAPE = re.compile(r"\\(?:u([0-9a-fA-F]{4})|U([0-9a-fA-F]{8})|.)", re.DOTALL)
+
+
+def _check_rules_and_escapes(gbnf: str) -> None:
+    """Refuse what llama.cpp's parser takes but reads in a way no one means, and other engines
+    (llguidance, through :mod:`lcgen.constrain.lark`) read otherwise: a rule defined twice
+    (llama.cpp keeps the last definition), an escape beyond U+10FFFF (a code point no text
+    has) and a lone surrogate escaped in a literal (ditto). Run after llama.cpp's parse, which
+    makes every ``name ::=`` outside literals, classes, comments and tokens a rule's head."""
+    heads: dict[str, int] = {}
+    for match in _HEADS_AND_BODIES.finditer(gbnf):
+        literal, cls, name = match.groups()
+        if name is not None:
+            if name in heads:
+                line = gbnf.count("\n", 0, heads[name]) + 1
+                raise redefined(name, line, gbnf.count("\n", 0, match.start()) + 1)
+            heads[name] = match.start()
+            continue
+        body = literal if literal is not None else cls
+        if not body or "\\" not in body:
+            continue
+        start = match.start(1 if literal is not None else 2)
+        for escape in _HEX_ESCAPE.finditer(body):
+            digits = escape.group(1) or escape.group(2)
+            if digits is None:
+                continue
+            error = bad_escape(
+                gbnf, start + escape.start(), escape.group(), int(digits, 16), literal is not None
+            )
+            if error is not None:
+                raise error
 
 
 # A token named in GBNF (``<[id]>``, ``<text>``; group 1 is "!" where negated), found outside

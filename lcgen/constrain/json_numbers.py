@@ -91,7 +91,8 @@ class NumberRules:
             if first > last:
                 raise Unsatisfiable(f"no multiple of {step} lies within the bounds at {path}")
             if (last - first) // step < MAX_LISTED:
-                return g.alternatives(g.literal(str(v)) for v in range(first, last + 1, step))
+                texts = [str(v) for v in range(first, last + 1, step)]
+                return g.trie(texts, self.rules, "multiple")  # a prefix tree: see g.trie
         if hi is None and (lo is None or lo <= 0):  # no bound a multiple could pass
             return self.divisible(step, 0, signed=lo is None, path=path)
         options = []
@@ -184,7 +185,7 @@ class NumberRules:
                 inside = [t for t in texts if spec.within(Decimal(t), lo, hi)]
                 if not inside:
                     raise Unsatisfiable(f"no multiple of {step} lies within the bounds at {path}")
-                return g.alternatives(map(g.literal, inside))
+                return g.trie(inside, self.rules, "multiple")  # a prefix tree: see g.trie
         if hi is None and (lo is None or lo[0] < 0 or lo == (Decimal(0), False)):
             return self.divisible(unit, scale, signed=lo is None, path=path)
         # Bounded on both sides with too many multiples to list: the integer ones (fewer).

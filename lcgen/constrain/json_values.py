@@ -183,7 +183,22 @@ class ValueCompiler:
             raise Unsatisfiable(f"enum at {path} is empty: no value satisfies it")
         if not kept:
             raise Unsatisfiable(f"no value of enum/const at {path} satisfies the other keywords")
-        return g.alternatives(self.const(v, path) for v in kept)
+        return g.trie((self.const_pieces(v, path) for v in kept), self.rules, "enum")
+
+    def const_pieces(self, value: Any, path: str) -> list[g.Piece]:
+        """:meth:`const` as pieces for :func:`~lcgen.constrain.gbnf.trie`, so that a long enum
+        is a prefix tree rather than an alternation llama.cpp walks whole every token: the
+        characters of the JSON text (a non-ASCII one in a string with its escapes, a number
+        with its optional zeros); an object or array is one piece."""
+        if isinstance(value, dict | list):
+            return [g.Expr(self.const(value, path))]
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            text, zeros = self.number_const(value, path)
+            return [*text, g.Expr(zeros)]
+        text = json.dumps(value, ensure_ascii=False)
+        if isinstance(value, str) and not value.isascii():
+            return [c if c.isascii() else g.Expr(json_string_literal(c)) for c in text]
+        return list(text)
 
     def const(self, value: Any, path: str) -> str:
         if isinstance(value, dict):
@@ -202,17 +217,23 @@ class ValueCompiler:
             self.prim("ws")
             items = [f"{self.const(v, path)} ws" for v in value]
             return '"[" ws ' + ' "," ws '.join(items) + ' "]"' if items else '"[" ws "]"'
-        if isinstance(value, float) and not math.isfinite(value):
-            raise GrammarError(f"the constant {value!r} at {path} is not JSON")
         if isinstance(value, int | float) and not isinstance(value, bool):
-            # Equal numbers are equal values: 1, 1.0 and 1.00 all match the constant 1.
-            number = Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
-            whole = number == number.to_integral_value()
-            text = str(int(number)) if whole else format(number.normalize(), "f")
-            return f'{g.literal(text)} ("." "0"+)?' if whole else f'{g.literal(text)} "0"*'
+            text, zeros = self.number_const(value, path)
+            return f"{g.literal(text)} {zeros}"
         if isinstance(value, str) and not value.isascii():
             return f'"\\"" {json_string_literal(value)} "\\""'
         return g.literal(json.dumps(value, ensure_ascii=False))
+
+    @staticmethod
+    def number_const(value: float, path: str) -> tuple[str, str]:
+        """A constant number: its shortest text and the GBNF of the zeros that may follow it
+        (equal numbers are equal values: 1, 1.0 and 1.00 all match the constant 1)."""
+        if isinstance(value, float) and not math.isfinite(value):
+            raise GrammarError(f"the constant {value!r} at {path} is not JSON")
+        number = Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
+        whole = number == number.to_integral_value()
+        text = str(int(number)) if whole else format(number.normalize(), "f")
+        return (text, '("." "0"+)?') if whole else (text, '"0"*')
 
     def string(self, conj: Conj, path: str) -> str:
         for member in conj:

@@ -25,6 +25,8 @@ _NAME = re.compile(r"[a-zA-Z0-9_-]+")
 _ESCAPES = {"n": 10, "r": 13, "t": 9, "\\": 92, '"': 34, "[": 91, "]": 93, "-": 45}
 _HEX_DIGITS = {"x": 2, "u": 4, "U": 8}
 _QUOTE, _BACKSLASH = 0x22, 0x5C
+_MAX_CODEPOINT = 0x10FFFF
+_SURROGATES = (0xD800, 0xDFFF)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,13 +70,57 @@ Node = Lit | Cls | Ref | Seq | Alt | Rep
 
 def parse(gbnf: str) -> dict[str, Node]:
     """The rules of a GBNF text, by name (llama.cpp's syntax: a newline ends a rule outside
-    parentheses; a rule defined twice takes both bodies as alternatives).
+    parentheses). Surrogates in a character class are left out: no UTF-8 text holds one.
 
     Raises:
         GrammarError: a construct this translation does not take (``<token>`` references,
-            unknown escapes) or a syntax error, with its position.
+            unknown escapes), a syntax error, with its position; a rule defined twice, or an
+            escape that is no character (see :func:`redefined`, :func:`bad_escape`).
     """
     return _Parser(gbnf).rules()
+
+
+def redefined(name: str, first_line: int, second_line: int) -> GrammarError:
+    """The error for a rule defined twice. llama.cpp keeps the last definition silently (and
+    other engines merge both), so a grammar that does it is refused rather than guessed at."""
+    return GrammarError(
+        f"rule {name!r} is defined twice (lines {first_line} and {second_line}): write its "
+        f"alternatives in one definition ({name} ::= a | b)"
+    )
+
+
+def bad_escape(
+    text: str, pos: int, escape: str, value: int, in_literal: bool
+) -> GrammarError | None:
+    """The error for the escape at offset ``pos`` of ``text``, in a literal (``in_literal``) or
+    a character class, where it is no character, or None: a value beyond U+10FFFF anywhere; a
+    surrogate (U+D800-U+DFFF) in a literal, which no UTF-8 text holds (in a class it simply
+    matches nothing)."""
+    if value > _MAX_CODEPOINT:
+        problem = "is beyond Unicode (the last code point is U+10FFFF, \\U0010FFFF)"
+    elif in_literal and _SURROGATES[0] <= value <= _SURROGATES[1]:
+        problem = (
+            f"is a lone surrogate (U+{value:04X}), which no UTF-8 text holds: write a "
+            "character above U+FFFF as one \\U escape, not as a surrogate pair"
+        )
+    else:
+        return None
+    line = text.count("\n", 0, pos) + 1
+    where = "a literal" if in_literal else "a character class"
+    return GrammarError(f"the escape {escape} in {where} on line {line} {problem}")
+
+
+def _without_surrogates(ranges: list[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        if lo > hi or hi < _SURROGATES[0] or lo > _SURROGATES[1]:
+            out.append((lo, hi))
+            continue
+        if lo < _SURROGATES[0]:
+            out.append((lo, _SURROGATES[0] - 1))
+        if hi > _SURROGATES[1]:
+            out.append((_SURROGATES[1] + 1, hi))
+    return tuple(out)
 
 
 class _Parser:
@@ -84,20 +130,27 @@ class _Parser:
     def fail(self, what: str) -> GrammarError:
         return GrammarError(f"cannot translate the grammar to Lark: {what} at offset {self.pos}")
 
+    def line(self, pos: int) -> int:
+        return self.text.count("\n", 0, pos) + 1
+
     def rules(self) -> dict[str, Node]:
         rules: dict[str, Node] = {}
+        starts: dict[str, int] = {}
         while True:
             self.space(newlines=True)
             if self.pos >= len(self.text):
                 return rules
+            start = self.pos
             name = self.name()
+            if name in starts:
+                raise redefined(name, self.line(starts[name]), self.line(start))
+            starts[name] = start
             self.space(newlines=False)
             if not self.text.startswith("::=", self.pos):
                 raise self.fail("expected '::='")
             self.pos += 3
             self.space(newlines=True)
-            body = self.alternatives(nested=False)
-            rules[name] = Alt((rules[name], body)) if name in rules else body
+            rules[name] = self.alternatives(nested=False)
 
     def space(self, newlines: bool) -> None:
         text = self.text
@@ -118,12 +171,14 @@ class _Parser:
         self.pos = m.end()
         return m.group(0)
 
-    def char(self) -> int:
+    def char(self, in_literal: bool) -> int:
         text = self.text
         if self.pos >= len(text):
             raise self.fail("unexpected end")
         c = text[self.pos]
         if c != "\\":
+            if in_literal and _SURROGATES[0] <= ord(c) <= _SURROGATES[1]:
+                raise self.fail(f"a lone surrogate U+{ord(c):04X} in a literal")
             self.pos += 1
             return ord(c)
         e = text[self.pos + 1 : self.pos + 2]
@@ -132,8 +187,12 @@ class _Parser:
             digits = text[self.pos + 2 : self.pos + 2 + n]
             if len(digits) != n or not all(d in "0123456789abcdefABCDEF" for d in digits):
                 raise self.fail(f"a bad \\{e} escape")
+            value = int(digits, 16)
+            error = bad_escape(text, self.pos, f"\\{e}{digits}", value, in_literal)
+            if error is not None:
+                raise error
             self.pos += 2 + n
-            return int(digits, 16)
+            return value
         if e not in _ESCAPES:
             raise self.fail(f"an unknown escape \\{e}")
         self.pos += 2
@@ -161,7 +220,7 @@ class _Parser:
             self.pos += 1
             chars = []
             while self.pos < len(text) and text[self.pos] != '"':
-                chars.append(chr(self.char()))
+                chars.append(chr(self.char(in_literal=True)))
             if self.pos >= len(text):
                 raise self.fail("an unterminated string")
             self.pos += 1
@@ -172,15 +231,15 @@ class _Parser:
             self.pos += negated
             ranges = []
             while self.pos < len(text) and text[self.pos] != "]":
-                lo = hi = self.char()
+                lo = hi = self.char(in_literal=False)
                 if text.startswith("-", self.pos) and not text.startswith("-]", self.pos):
                     self.pos += 1
-                    hi = self.char()
+                    hi = self.char(in_literal=False)
                 ranges.append((lo, hi))
             if self.pos >= len(text):
                 raise self.fail("an unterminated character class")
             self.pos += 1
-            return Cls(negated, tuple(ranges))
+            return Cls(negated, _without_surrogates(ranges))
         if c == "(":
             self.pos += 1
             self.space(newlines=True)
