@@ -255,6 +255,19 @@ def test_from_file_takes_a_path(model: lcgen.Model, tmp_path: Path) -> None:
     assert Grammar.from_file(str(path)) == grammar
 
 
+def test_from_file_reads_with_a_bound(tmp_path: Path) -> None:
+    # /dev/zero was read until memory ran out
+    from lcgen.constrain.grammar import MAX_FILE_BYTES
+
+    big = tmp_path / "big.gbnf"
+    with big.open("wb") as file:
+        file.truncate(MAX_FILE_BYTES + 1)  # sparse: no disk written
+    zero = Path("/dev/zero")
+    for path in [big, zero] if zero.exists() else [big]:
+        with pytest.raises(lcgen.GrammarError, match="is over 16 MiB: not a grammar file"):
+            Grammar.from_file(path)
+
+
 def test_from_file_unknown_name_lists_the_bundled_ones() -> None:
     with pytest.raises(FileNotFoundError, match=r"bundled: .*json"):
         Grammar.from_file("no_such_grammar")

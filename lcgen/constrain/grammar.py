@@ -32,6 +32,10 @@ from lcgen.vocab import HasVocab, Vocab, vocab_of
 _RULE_NAME = re.compile(r"[a-zA-Z0-9-]+")
 
 
+# The most bytes Grammar.from_file reads: grammars are kilobytes.
+MAX_FILE_BYTES = 16 * 2**20
+
+
 @dataclass(frozen=True, slots=True)
 class Grammar:
     """A GBNF grammar and the name of its root rule, validated by llama.cpp's parser.
@@ -80,7 +84,8 @@ class Grammar:
         Raises:
             FileNotFoundError: no such file, and no bundled grammar of that name (the
                 message lists the bundled ones).
-            GrammarError: the file does not parse.
+            GrammarError: the file does not parse, or is over :data:`MAX_FILE_BYTES` (a device
+                such as ``/dev/zero`` would be read until memory ran out).
         """
         path = Path(name_or_path)
         if not path.is_file() and path.suffix == "" and path.name == str(name_or_path):
@@ -88,7 +93,11 @@ class Grammar:
                 return cls.bundled(path.name, root)
             except ValueError as exc:
                 raise FileNotFoundError(f"no grammar file {path.name!r}, and {exc}") from None
-        return cls(path.read_text(encoding="utf-8"), root)
+        with path.open("rb") as file:
+            data = file.read(MAX_FILE_BYTES + 1)
+        if len(data) > MAX_FILE_BYTES:
+            raise GrammarError(f"{path} is over {MAX_FILE_BYTES // 2**20} MiB: not a grammar file")
+        return cls(data.decode("utf-8"), root)
 
     @staticmethod
     def bundled_names() -> tuple[str, ...]:
