@@ -289,6 +289,23 @@ def test_save_is_atomic(
     assert [p.name for p in tmp_path.iterdir()] == ["story.lcs"]
 
 
+def test_save_replaces_only_regular_files_and_follows_links(
+    model: lcgen.Model, tmp_path: Path
+) -> None:
+    # The atomic rename replaced whatever the path named: as root, /dev/full became a file.
+    pipe = tmp_path / "pipe"
+    os.mkfifo(pipe)
+    real = tmp_path / "real.lcs"
+    link = tmp_path / "link.lcs"
+    link.symlink_to(real.name)
+    with model.sequence(PROMPT) as seq:
+        with pytest.raises(lcgen.StateFileError, match=r"pipe.*it is not a regular file"):
+            seq.save(pipe)
+        seq.save(link)  # the file the link names is written; the link stays a link
+        assert link.is_symlink() and real.read_bytes() == seq.to_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.lcs", "pipe", "real.lcs"]
+
+
 def test_generator_restore_needs_a_checkpoint_taken_with_it(model: lcgen.Model) -> None:
     with model.sequence(PROMPT) as seq:
         gen = seq.run(max_tokens=4).generator

@@ -140,13 +140,24 @@ def write_atomic(
     random part), is synced, renamed over ``path``, and the folder is synced. Temporary files
     that writers which died left beside ``path`` are removed.
 
+    A link is followed: the file it names is replaced, not the link.
+
     Raises:
-        StateFileError: ``path`` cannot be written (a directory, a missing folder, no
-            permission, a full disk...); no temporary file is left behind.
+        StateFileError: ``path`` cannot be written (a directory, a device or another file that
+            is not a regular one, a missing folder, no permission, a full disk...); no
+            temporary file is left behind.
     """
     target = Path(path)
+    if target.is_symlink():
+        target = target.resolve()
     if target.is_dir():
         raise StateFileError(f"cannot write {kind[1]} file {str(path)!r}: it is a directory")
+    if target.exists() and not target.is_file():
+        # The rename would replace it: a device node (/dev/null as root), a pipe, a socket.
+        raise StateFileError(
+            f"cannot write {kind[1]} file {str(path)!r}: it is not a regular file (a device, "
+            "a pipe or a socket)"
+        )
     _remove_orphans(target)
     tmp = target.with_name(
         f".{target.name}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}.tmp"
