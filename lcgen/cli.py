@@ -312,15 +312,15 @@ def _reason(exc: BaseException) -> str:
 
 
 def _grammar(text: str) -> lcgen.Grammar:
-    """--grammar: inline GBNF (text with a ``::=`` rule), else a bundled name or a file (read
-    with :func:`read_file`'s bound; a bundled name as :meth:`lcgen.Grammar.from_file` takes it:
-    a bare name that is no file here)."""
+    """--grammar: inline GBNF (text with a ``::=`` rule), else a file that is there (read with
+    :func:`read_file`'s bound and checks), else :meth:`lcgen.Grammar.from_file` (a bundled
+    name, or the error that says what is missing)."""
     if "::=" in text:
         return lcgen.Grammar(text)
     path = Path(text)
-    if not path.is_file() and path.suffix == "" and path.name == text:
-        return lcgen.Grammar.from_file(text)  # a bundled grammar (or the names of those)
-    return lcgen.Grammar(read_file(path))
+    if path.exists() and not path.is_dir():
+        return lcgen.Grammar(read_file(path))
+    return lcgen.Grammar.from_file(text)
 
 
 def _prompt(args: argparse.Namespace) -> str:

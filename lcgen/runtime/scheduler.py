@@ -64,7 +64,6 @@ class Scheduler:
         self._tickets = itertools.count()
         self._waiting: deque[tuple[int, Start, int, Callable[[], int] | None]] = deque()
         self._running: list[tuple[int, Run, int]] = []
-        self.n_paused = 0  # generations paused for cells (see _make_room)
 
     def submit(
         self, start: Start, *, n_slots: int = 1, n_cells: Callable[[], int] | None = None
@@ -110,33 +109,31 @@ class Scheduler:
         only parked entries hold), in order of admission: the first always (alone it fits, or
         its error says why not); the rest from the first that does not fit wait a step, so a
         burst of long prompts queues for cells instead of failing the batch."""
-        free = self._make_room(self.cache.free_cells())
+        free = self.cache.free_cells()
         stepped: list[tuple[int, Run, int]] = []
         for job in self._running:
             need = sum(seq.n_pending for seq in job[1].sequences())
+            if not stepped and need > free:
+                free = self._make_room(need, free)
             if stepped and need > free:
                 break
             stepped.append(job)
             free -= need
         return stepped
 
-    def _make_room(self, free: int) -> int:
-        """Where the first running generation's next step does not fit the ``free`` cells,
+    def _make_room(self, need: int, free: int) -> int:
+        """Where the first running generation's next step needs more than the ``free`` cells,
         pause the youngest others, one sequence each, by dropping their cells (their tokens
         stay; they decode them again once cells are free), until it fits: elements that fit
         the context alone but not together all the way to ``max_tokens`` then finish one after
         another instead of failing the batch when every one needs a cell. Returns the free
         cells now."""
-        if not self._running:
-            return free
-        need = sum(seq.n_pending for seq in self._running[0][1].sequences())
         for _, run, _ in reversed(self._running[1:]):
             if need <= free:
                 break
             seqs = run.sequences()
             # (not a beam: its forks would lose the cells they share)
             if len(seqs) == 1 and seqs[0].drop_cells():
-                self.n_paused += 1
                 free = self.cache.free_cells()
         return free
 
