@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import io
 import json
 import os
 import re
-import stat
 import sys
 import time
 from collections.abc import Callable, Generator, Iterable, Iterator
@@ -18,22 +16,20 @@ from typing import Any, cast
 
 import lcgen
 from lcgen import server
+from lcgen._files import read_bounded
 from lcgen.decoding import Chunk, Text
 from lcgen.decoding.options import DEFAULT_MAX_RETRIES
 from lcgen.decoding.results import check_complete
 from lcgen.errors import ContextFullError, IncompleteOutputError, LcgenError
+from lcgen.runtime.statefile import write_atomic
 
 Message = dict[str, str]
 
 #: The exit status after stdout was closed early (``lcgen generate ... | head``): 128 + SIGPIPE,
 #: what a shell reports for a Unix tool stopped by that signal.
 EXIT_BROKEN_PIPE = 141
+CHAT_FILE = (b"", "chat")  # /save's messages file: JSON text, no magic (for write_atomic)
 CHAT_MAX_TOKENS = 512  # a chat reply's default most tokens (at most half the context)
-#: The largest file an option or a chat command names (--json-schema, --grammar FILE, /load):
-#: a schema, a grammar or a saved chat is kilobytes, and a chat holds no more than its context
-#: (a million tokens are some 4 MiB of text). Without a bound, a device (/dev/zero) or a huge
-#: file named by mistake was read whole into memory until the process was killed.
-MAX_FILE_BYTES = 16 * 2**20
 
 
 class UsageError(ValueError):
@@ -257,28 +253,15 @@ def _constraint(args: argparse.Namespace) -> tuple[str, lcgen.Grammar] | None:
 
 
 def read_file(path: Path) -> str:
-    """The UTF-8 text of a file an option names, read with a bound (:data:`MAX_FILE_BYTES`).
-
-    A pipe (``--json-schema <(...)``) is read too, up to the bound; a device or a socket is not.
+    """The UTF-8 text of a file an option or a chat command names (see
+    :func:`lcgen._files.read_bounded`: a pipe is read too, a device or a socket is not).
 
     Raises:
         OSError: the file cannot be read (a directory: ``IsADirectoryError``).
         ValueError: it is a device or a socket, or over the bound (the bound named);
             ``UnicodeDecodeError``: it is not UTF-8 text.
     """
-    mode = path.stat().st_mode
-    if stat.S_ISDIR(mode):
-        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
-    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
-        raise ValueError("not a regular file (a device or a socket): give a file's path")
-    with path.open("rb") as file:
-        data = file.read(MAX_FILE_BYTES + 1)  # a file that grows, or a pipe: bounded too
-    if len(data) > MAX_FILE_BYTES:
-        raise ValueError(
-            f"the file is over {MAX_FILE_BYTES // 2**20} MiB, the most lcgen reads of a file "
-            "an option names"
-        )
-    return data.decode("utf-8")
+    return read_bounded(path).decode("utf-8")
 
 
 def _schema(path: Path) -> dict[str, Any] | bool:
@@ -287,7 +270,7 @@ def _schema(path: Path) -> dict[str, Any] | bool:
     Raises:
         OSError: the file cannot be read.
         ValueError: it is not JSON, or the JSON is not a schema (an object, true or false), or
-            the file is not a file or over :data:`MAX_FILE_BYTES` (see :func:`read_file`).
+            the file is not a file or too large (see :func:`read_file`).
     """
     try:
         schema = json.loads(read_file(path))
@@ -680,11 +663,11 @@ class ChatSession:
         if not path:
             raise ValueError("/save needs a file name")
         data = {"lcgen_chat": 1, "model": self.model.path.name, "messages": self.messages}
-        try:
-            Path(path).write_text(json.dumps(data, ensure_ascii=False, indent=1), encoding="utf-8")
-            self.model.cache.save(path + ".kv")
-        except OSError as exc:  # a missing folder, no permission: the file named
-            raise ValueError(f"/save {exc.filename or path}: {_reason(exc)}") from None
+        text = json.dumps(data, ensure_ascii=False, indent=1)
+        # Both written atomically: a crash or a full disk leaves the earlier save whole. A
+        # missing folder or no permission is a StateFileError naming the file.
+        write_atomic(path, text.encode("utf-8"), CHAT_FILE)
+        self.model.cache.save(path + ".kv")
         print(f"lcgen: saved {len(self.messages)} messages to {path}", file=sys.stderr)
 
     def load(self, path: str) -> None:
@@ -741,7 +724,7 @@ def load_messages(path: Path) -> list[Message]:
     Raises:
         OSError: the file cannot be read.
         ValueError: the file is not a saved conversation (what is wrong is named), or it is
-            not a file or over :data:`MAX_FILE_BYTES` (see :func:`read_file`).
+            not a file or too large (see :func:`read_file`).
     """
     try:
         data = json.loads(read_file(path))

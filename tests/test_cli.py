@@ -23,6 +23,7 @@ import pytest
 
 import lcgen
 from lcgen import cli
+from lcgen._files import MAX_FILE_BYTES
 
 ARGS = ["--max-tokens", "12"]
 
@@ -384,7 +385,7 @@ def test_chat_file_errors_name_the_file(tmp_path: Path, capsys: pytest.CaptureFi
     assert capsys.readouterr().err.splitlines() == [
         f"lcgen: error: {tmp_path / 'latin1.json'} is not a saved lcgen chat: not UTF-8 text "
         "(invalid continuation byte at byte 15)",
-        f"lcgen: error: /save {missing}: No such file or directory",
+        f"lcgen: error: cannot write chat file {str(missing)!r}: No such file or directory",
         f"lcgen: error: /load {missing}: No such file or directory",
     ]
     assert chat.messages == []
@@ -563,11 +564,10 @@ def test_a_file_option_is_read_with_a_bound(
     # /dev/zero was read without end until the process was killed (out of memory).
     big = tmp_path / "big.json"
     with big.open("wb") as file:
-        file.truncate(cli.MAX_FILE_BYTES + 1)  # sparse: no disk taken
+        file.truncate(MAX_FILE_BYTES + 1)  # sparse: no disk taken
     assert cli.main(["generate", "no-such-model", "hi", flag, str(big)]) == 2
     assert capsys.readouterr().err == (
-        f"lcgen: error: {flag} {big}: the file is over 16 MiB, the most lcgen reads of a file "
-        "an option names\n"
+        f"lcgen: error: {flag} {big}: the file is over 16 MiB, the most lcgen reads\n"
     )
     if os.path.exists("/dev/zero"):
         assert cli.main(["generate", "no-such-model", "hi", flag, "/dev/zero"]) == 2

@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from lcgen._files import read_bounded
 from lcgen._native.grammar import GrammarSampler, check_gbnf
 from lcgen._resources import resource_path
 from lcgen.constrain import gbnf as _gbnf
@@ -30,10 +31,6 @@ from lcgen.errors import GrammarError
 from lcgen.vocab import HasVocab, Vocab, vocab_of
 
 _RULE_NAME = re.compile(r"[a-zA-Z0-9-]+")
-
-
-# The most bytes Grammar.from_file reads: grammars are kilobytes.
-MAX_FILE_BYTES = 16 * 2**20
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,8 +81,9 @@ class Grammar:
         Raises:
             FileNotFoundError: no such file, and no bundled grammar of that name (the
                 message lists the bundled ones).
-            GrammarError: the file does not parse, or is over :data:`MAX_FILE_BYTES` (a device
-                such as ``/dev/zero`` would be read until memory ran out).
+            GrammarError: the file does not parse, or is not a regular file or a pipe (a
+                device such as ``/dev/zero`` would be read until memory ran out), or is over
+                :data:`lcgen._files.MAX_FILE_BYTES`.
         """
         path = Path(name_or_path)
         if not path.is_file() and path.suffix == "" and path.name == str(name_or_path):
@@ -93,10 +91,10 @@ class Grammar:
                 return cls.bundled(path.name, root)
             except ValueError as exc:
                 raise FileNotFoundError(f"no grammar file {path.name!r}, and {exc}") from None
-        with path.open("rb") as file:
-            data = file.read(MAX_FILE_BYTES + 1)
-        if len(data) > MAX_FILE_BYTES:
-            raise GrammarError(f"{path} is over {MAX_FILE_BYTES // 2**20} MiB: not a grammar file")
+        try:
+            data = read_bounded(path)
+        except ValueError as exc:  # a device, or too large
+            raise GrammarError(f"{path} is not a grammar file: {exc}") from None
         return cls(data.decode("utf-8"), root)
 
     @staticmethod
