@@ -9,10 +9,11 @@ an identical prompt repeats its first run bit for bit (the store kept the logits
 from __future__ import annotations
 
 import contextlib
+import gc
 import math
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -511,6 +512,97 @@ def test_a_thread_that_holds_slots_is_not_left_waiting_for_anothers(model_path: 
         assert not any(t.is_alive() for t in threads)
         assert sorted(outs) == [0, 1, 2] and all(len(o) == 5 for o in outs.values())
         assert small.cache.stats.live == 0
+
+
+def test_threads_that_each_hold_a_slot_and_wait_for_another_do_not_wait_forever(
+    model_path: Path,
+) -> None:
+    """Two sessions, one per thread, each ask for a second slot where only two exist: the
+    second to wait finds the first waiting too and gets an error; closing its session lets
+    the first one go on (it waited forever before)."""
+    with lcgen.Model(model_path, n_ctx=512, n_seq_max=2) as small:
+        both = threading.Barrier(2)
+        results: dict[str, str] = {}
+
+        def user(name: str) -> None:
+            try:
+                with small.sequence(name) as session:
+                    session.generate(max_tokens=1)
+                    both.wait(30)
+                    results[name] = str(small.generate("Hello", max_tokens=2))
+            except lcgen.SlotsExhaustedError as exc:
+                results[name] = f"error: {exc}"
+
+        threads = [threading.Thread(target=user, args=(n,)) for n in ("A:", "B:")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not any(t.is_alive() for t in threads)
+        errors = [r for r in results.values() if r.startswith("error")]
+        assert len(results) == 2 and len(errors) == 1, results
+        assert "is waiting for one too" in errors[0]
+        assert small.cache.stats.live == 0 and small.cache.stats.waiting == 0
+
+
+def test_a_slot_held_by_garbage_in_a_cycle_is_collected_for_a_waiting_thread(
+    model_path: Path,
+) -> None:
+    """A stream dropped inside a reference cycle holds its slot until the cyclic garbage
+    collector runs, which a waiting thread never started: it waited forever."""
+    with lcgen.Model(model_path, n_ctx=512, n_seq_max=1) as small:
+        gc.disable()  # as if the collector's thresholds were not reached
+        try:
+
+            def leak() -> None:
+                chunks = small.stream("Once upon a time", max_tokens=8)
+                next(chunks)  # its sequence is live
+                cycle: list[Any] = [chunks]
+                cycle.append(cycle)
+
+            leaker = threading.Thread(target=leak)
+            leaker.start()
+            leaker.join()
+            assert small.cache.stats.live == 1
+            out: list[lcgen.Text] = []
+            waiter = threading.Thread(target=lambda: out.append(small.generate("Hi", max_tokens=2)))
+            waiter.start()
+            waiter.join(60)
+            assert not waiter.is_alive() and out[0].stats.tokens == 2
+        finally:
+            gc.enable()
+
+
+def test_a_step_keeps_its_logits_while_other_threads_decode(cold_model: lcgen.Model) -> None:
+    """A hook that waits on work in another thread (which decodes, here a prompt scored with
+    more logit rows than llama.cpp's buffer held, so the buffer is reallocated), then asks
+    for a redraw: the redraw reads the step's own logits. They were views into llama.cpp's
+    buffer: the redraw read the other thread's logits (or freed memory, and the process
+    died)."""
+    prompt, text = "The capital of France is", "The quick brown fox jumps over the dog. " * 12
+
+    def hook_with(work: Callable[[], object] | None) -> Callable[[lcgen.Step], Any]:
+        done: list[int] = []
+
+        def hook(step: lcgen.Step) -> lcgen.Resample | None:
+            if step.index != 2 or done:
+                return None
+            done.append(step.token)
+            if work is not None:
+                other = threading.Thread(target=work)
+                other.start()
+                other.join(60)
+            return lcgen.Resample(exclude=[step.token])
+
+        return hook
+
+    alone = cold_model.generate(prompt, max_tokens=8, hooks=[hook_with(None)])
+    for work in (
+        lambda: cold_model.generate("def fibonacci(n):", max_tokens=4),
+        lambda: cold_model.prompt_logprobs(text),
+    ):
+        beside = cold_model.generate(prompt, max_tokens=8, hooks=[hook_with(work)])
+        assert beside.tokens == alone.tokens
 
 
 def test_more_prompts_than_slots_in_one_call_queue(model_path: Path) -> None:

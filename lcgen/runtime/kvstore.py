@@ -14,7 +14,9 @@ resource: a thread that needs one while other threads hold all of them waits for
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
+import math
 import os
 import struct
 import threading
@@ -33,6 +35,8 @@ from lcgen.vocab import Vocab
 
 EntryState = Literal["live", "parked", "pinned", "dropped"]
 _BLOB_LEN = struct.Struct("<Q")
+# A thread waiting for a slot runs the garbage collector this often (seconds; see _wait).
+COLLECT_EVERY = 5.0
 
 
 @dataclass(eq=False, slots=True)
@@ -174,7 +178,9 @@ class KVStore:
         self._entries: dict[int, Entry] = {}
         self._clock = itertools.count(1)
         self._cond = threading.Condition(context.lock)
-        self._hits = self._misses = self._reused = self._evictions = self._waiting = 0
+        self._hits = self._misses = self._reused = self._evictions = 0
+        self._waiters: set[int] = set()  # threads waiting for a slot
+        self._collected_at = -math.inf  # when a waiting thread last ran the garbage collector
         # Beam searches take turns: each holds slots while it forks more, and two in different
         # threads could each wait for the other's slots forever.
         self._beam_turn = threading.Lock()
@@ -363,23 +369,46 @@ class KVStore:
         return None if self.slot_timeout is None else time.monotonic() + self.slot_timeout
 
     def _wait(self, deadline: float | None) -> None:
-        """Wait for another thread to give a slot back (the caller then chooses again)."""
+        """Wait for another thread to give a slot back (the caller then chooses again).
+
+        Raises:
+            SlotsExhaustedError: no other thread holds a live sequence, or every thread that
+                holds one waits for a slot too (each would wait for the others forever), or
+                ``slot_timeout`` passed.
+            SlotBusyError: within :meth:`without_waiting`.
+        """
         me = threading.get_ident()
-        if not any(e.state == "live" and e.owner != me for e in self._entries.values()):
+        holders = {e.owner for e in self._entries.values() if e.state == "live"} - {me}
+        if not holders:
             raise SlotsExhaustedError(self._exhausted_message())
         if getattr(self._local, "no_wait", False):
             raise SlotBusyError(self._exhausted_message())
-        left = None if deadline is None else deadline - time.monotonic()
+        if holders <= self._waiters:
+            raise SlotsExhaustedError(
+                f"every other thread that holds a sequence slot ({len(holders)}) is waiting "
+                "for one too, so none would come free: " + self._exhausted_message()
+            )
+        now = time.monotonic()
+        left = None if deadline is None else deadline - now
         if left is not None and left <= 0:
             raise SlotsExhaustedError(
                 f"no sequence slot came free within slot_timeout={self.slot_timeout} s: "
                 + self._exhausted_message()
             )
-        self._waiting += 1
+        if now - self._collected_at >= COLLECT_EVERY:
+            # A sequence dropped inside a reference cycle keeps its slot until the cyclic
+            # garbage collector runs, which a waiting thread (allocating nothing) never
+            # starts: collect (its finalizer parks the slot; the lock is reentrant).
+            self._collected_at = now
+            if gc.collect():
+                return
+        collect_in = self._collected_at + COLLECT_EVERY - now  # then wake to collect again
+        left = collect_in if left is None else min(left, collect_in)
+        self._waiters.add(me)
         try:
             self._cond.wait(left)
         finally:
-            self._waiting -= 1
+            self._waiters.discard(me)
 
     def _exhausted_message(self) -> str:
         live = sum(e.state == "live" for e in self._entries.values())
@@ -524,7 +553,7 @@ class KVStore:
                 pinned=states.count("pinned"),
                 live=states.count("live"),
                 free_slots=len(self._free),
-                waiting=self._waiting,
+                waiting=len(self._waiters),
             )
 
     def clear(self, *, pinned: bool = False) -> None:

@@ -39,7 +39,7 @@ class Run(Protocol):
 
     def advance(self, rows: Seq[np.ndarray]) -> Chunk | None:
         """Take the logits after each sequence's last token (one row per sequence, in order,
-        valid until the next decode; for a sequence that drafted, one row per draft token
+        the step's own copy; for a sequence that drafted, one row per draft token
         more) and move on; the text that became final, if any."""
         ...
 
@@ -50,8 +50,8 @@ def decode(seqs: Seq[TokenSequence]) -> list[np.ndarray]:
     asked to keep its logits (a generation's first step: its prompt's end) has them kept.
 
     Returns:
-        The logits after each sequence's last token (views into llama.cpp's buffer when the
-        batch fits in one decode: valid until the next one).
+        The logits after each sequence's last token (copies: another thread's decode cannot
+        change them).
     """
     if not seqs:
         return []
@@ -98,7 +98,7 @@ def step(runs: Seq[Run]) -> list[Chunk | None]:
     if not seqs:
         return [run.advance([]) for run in runs]
     chunks: list[Chunk | None] = []
-    with seqs[0].model.context.in_use():  # the logits are views: the model stays open
+    with seqs[0].model.context.in_use():  # the model stays open while the runs advance
         rows = decode(seqs)
         at = 0
         try:
