@@ -605,6 +605,25 @@ def test_a_step_keeps_its_logits_while_other_threads_decode(cold_model: lcgen.Mo
         assert beside.tokens == alone.tokens
 
 
+def test_a_sequence_closed_inside_the_stores_own_work_is_parked_after_it(
+    model_path: Path,
+) -> None:
+    """The garbage collector can close a dropped stream's sequence inside any allocation,
+    the store's loops over its entries included (same thread, its lock held): parking there
+    changed the dict being walked (RuntimeError out of model.generate). Such a close now
+    waits until the lock is let go."""
+    with lcgen.Model(model_path, n_ctx=512, n_seq_max=2) as small:
+        seq = small.sequence("Once upon a time")
+        seq.generate(max_tokens=1)  # cells to park
+        entries = dict(small.cache._entries)  # what a loop inside the store would be walking
+        with small.context.lock:  # as inside the store's own work
+            seq.close()
+            assert seq.is_closed and small.cache._entries == entries
+            assert all(e.state == "live" for e in entries.values())
+        assert small.cache.stats.live == 0 and small.cache.stats.entries == 1
+        assert small.generate("Once upon a time", max_tokens=2).stats.tokens == 2
+
+
 def test_more_prompts_than_slots_in_one_call_queue(model_path: Path) -> None:
     with lcgen.Model(model_path, n_ctx=1024, n_seq_max=2) as small:
         outs = small.generate([f"Number {i} is" for i in range(7)], max_tokens=3)

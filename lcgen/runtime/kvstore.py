@@ -13,6 +13,7 @@ resource: a thread that needs one while other threads hold all of them waits for
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import gc
 import itertools
@@ -180,6 +181,7 @@ class KVStore:
         self._cond = threading.Condition(context.lock)
         self._hits = self._misses = self._reused = self._evictions = 0
         self._waiters: set[int] = set()  # threads waiting for a slot
+        self._dropped: collections.deque[Entry] = collections.deque()  # see dropped
         self._collected_at = -math.inf  # when a waiting thread last ran the garbage collector
         # Beam searches take turns: each holds slots while it forks more, and two in different
         # threads could each wait for the other's slots forever.
@@ -241,6 +243,7 @@ class KVStore:
         with self._cond:
             deadline = self._deadline()
             while True:  # the best source is chosen again after every wait: it may have changed
+                self._park_dropped()
                 src, n_reused = self._best(tokens, limit, whole)
                 if src is not None and self._takes_over(src, n_reused):
                     entry = src
@@ -285,7 +288,23 @@ class KVStore:
 
     def park(self, entry: Entry) -> None:
         """A sequence closed: keep its cells under its tokens (or wipe them with the cache
-        off). Idempotent."""
+        off). Idempotent.
+
+        A sequence may be closed by the garbage collector (a stream dropped half-way: its
+        generator's cleanup, or the sequence's finalizer), which runs inside any allocation,
+        the store's and the context's own loops included. Where this thread holds their lock,
+        the entry waits for the next call that takes it (or a waiting thread's next look:
+        see :meth:`_wait`): parking there would change what those loops walk."""
+        self._dropped.append(entry)
+        if not self._ctx.lock._is_owned():  # type: ignore[attr-defined]  # as Condition uses it
+            with self._cond:
+                self._park_dropped()
+
+    def _park_dropped(self) -> None:
+        while self._dropped:
+            self._park(self._dropped.popleft())
+
+    def _park(self, entry: Entry) -> None:
         with self._cond:
             if entry.state != "live" or self._entries.get(entry.slot) is not entry:
                 return
@@ -361,9 +380,11 @@ class KVStore:
     def _take_slot(self, keep: Entry | None) -> int:
         """A slot as :meth:`_try_slot` finds one, waiting for other threads when none is."""
         deadline = self._deadline()
-        while (slot := self._try_slot(keep)) is None:
+        while True:
+            self._park_dropped()
+            if (slot := self._try_slot(keep)) is not None:
+                return slot
             self._wait(deadline)
-        return slot
 
     def _deadline(self) -> float | None:
         return None if self.slot_timeout is None else time.monotonic() + self.slot_timeout
@@ -539,6 +560,9 @@ class KVStore:
     @property
     def stats(self) -> CacheStats:
         """What the store did and holds now (a value)."""
+        if not self._ctx.lock._is_owned():  # type: ignore[attr-defined]
+            with self._cond:
+                self._park_dropped()  # see park
         with self._cond:
             states = [e.state for e in self._entries.values()]
             return CacheStats(
