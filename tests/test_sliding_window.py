@@ -136,3 +136,19 @@ def test_a_restored_window_serves_its_end(gemma_path: Path, tmp_path: Path) -> N
             before = m.context.n_decoded
             seq.generate(max_tokens=1)
             assert m.context.n_decoded - before == n_prompt
+
+
+def test_pausing_a_fork_counts_each_token_that_lost_its_cells_once(gemma_path: Path) -> None:
+    """drop_cells (how the scheduler pauses a generation) on a fork whose window lost the
+    shared prefix: the trim falls back, and its shared prefix was counted twice."""
+    with lcgen.Model(gemma_path, n_ctx=4096, n_seq_max=2, n_batch=64, swa_full=False) as m:
+        parent = m.sequence("A short shared prompt about the sea and the sky. " * 8)
+        parent.prefill()
+        fork = parent.fork()
+        fork.append("Then a long text about mountains and rivers. " * 160)
+        fork.generate(max_tokens=2)
+        decoded, counted = fork.n_decoded, fork.stats.tokens_redecoded
+        lost = fork.drop_cells()
+        assert fork.stats.fallbacks == 1  # the window no longer held the shared prefix
+        assert lost == decoded - fork.n_decoded
+        assert fork.stats.tokens_redecoded - counted == lost

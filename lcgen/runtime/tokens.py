@@ -430,9 +430,11 @@ class TokenSequence:
         tokens: its next step decodes them again (how a scheduler short of cells pauses a
         generation). Returns how many tokens lost their cells."""
         self._check_open()
-        n = self._n_decoded
+        n, counted = self._n_decoded, self.stats.tokens_redecoded
         self._trim_kv(min(n, self._ctx.ledger.shared_prefix(self._slot)))
-        self.stats.tokens_redecoded += n - self._n_decoded
+        # Every token that lost its cells, once (a fallback in the trim counted the shared
+        # prefix it could not keep already).
+        self.stats.tokens_redecoded = counted + n - self._n_decoded
         return n - self._n_decoded
 
     def resync(self) -> None:
