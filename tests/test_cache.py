@@ -545,6 +545,36 @@ def test_threads_that_each_hold_a_slot_and_wait_for_another_do_not_wait_forever(
         assert small.cache.stats.live == 0 and small.cache.stats.waiting == 0
 
 
+def test_a_beam_search_waiting_for_the_slot_of_a_thread_waiting_for_its_turn_gives_up(
+    model_path: Path,
+) -> None:
+    """X holds a sequence and asks for the beam turn; Y holds the turn and waits for X's slot
+    to fork its beams: both waited forever. Waiting for the turn now counts as waiting."""
+    with lcgen.Model(model_path, n_ctx=512, n_seq_max=2) as small:
+        x_session = small.sequence("The capital of France is")
+        has_turn = threading.Event()
+        errors: list[Exception] = []
+
+        def search() -> None:
+            try:
+                with small.cache.beam_turn():
+                    has_turn.set()
+                    with small.sequence("one"), small.sequence("two"):  # the second waits
+                        pass
+            except lcgen.SlotsExhaustedError as exc:
+                errors.append(exc)
+
+        y = threading.Thread(target=search)
+        y.start()
+        assert has_turn.wait(30)
+        with small.cache.beam_turn():  # X: waits until Y gives up
+            pass
+        y.join(30)
+        x_session.close()
+        assert not y.is_alive() and len(errors) == 1
+        assert "is waiting for one too" in str(errors[0])
+
+
 def test_a_slot_held_by_garbage_in_a_cycle_is_collected_for_a_waiting_thread(
     model_path: Path,
 ) -> None:

@@ -209,7 +209,20 @@ class KVStore:
             SlotsExhaustedError: another thread's search kept the turn past ``slot_timeout``.
         """
         timeout = -1 if self.slot_timeout is None else self.slot_timeout
-        if not self._beam_turn.acquire(timeout=timeout):
+        got = self._beam_turn.acquire(blocking=False)
+        if not got:
+            # Waiting for the turn counts as waiting for a slot: a search that holds the turn
+            # and waits for this thread's slots then sees that none will come (see _wait).
+            me = threading.get_ident()
+            with self._cond:
+                self._waiters.add(me)
+                self._cond.notify_all()
+            try:
+                got = self._beam_turn.acquire(timeout=timeout)
+            finally:
+                with self._cond:
+                    self._waiters.discard(me)
+        if not got:
             raise SlotsExhaustedError(
                 f"another thread's beam search held the slots past slot_timeout="
                 f"{self.slot_timeout} s"
