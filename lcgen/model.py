@@ -800,6 +800,7 @@ class Model:
         with self.context.lock:  # no decode is running; a later one raises ClosedError
             self.context.close()
             self._handle.close()
+            self.cache.wake()  # threads waiting for a slot raise ClosedError
 
     def __enter__(self) -> Model:
         return self

@@ -599,8 +599,33 @@ def test_a_slot_held_by_garbage_in_a_cycle_is_collected_for_a_waiting_thread(
             waiter.start()
             waiter.join(60)
             assert not waiter.is_alive() and out[0].stats.tokens == 2
+            # The same in one thread: it holds the only slot (garbage), so it would not wait;
+            # it collected nothing and raised SlotsExhaustedError.
+            leak()
+            assert small.cache.stats.live == 1
+            assert small.generate("Hi", max_tokens=2).stats.tokens == 2
         finally:
             gc.enable()
+
+
+def test_closing_the_model_wakes_a_thread_waiting_for_a_slot(model_path: Path) -> None:
+    small = lcgen.Model(model_path, n_ctx=512, n_seq_max=1)
+    errors: list[Exception] = []
+
+    def wait_for_a_slot() -> None:
+        try:
+            small.generate("Hello", max_tokens=2)
+        except lcgen.ClosedError as exc:
+            errors.append(exc)
+
+    with held_by_another_thread(small):
+        waiter = threading.Thread(target=wait_for_a_slot)
+        waiter.start()
+        while not small.cache.stats.waiting:
+            time.sleep(0.01)
+        small.close()
+        waiter.join(10)  # it waited until another thread happened to close a sequence
+        assert not waiter.is_alive() and len(errors) == 1
 
 
 def test_a_step_keeps_its_logits_while_other_threads_decode(cold_model: lcgen.Model) -> None:

@@ -411,31 +411,31 @@ class KVStore:
                 ``slot_timeout`` passed.
             SlotBusyError: within :meth:`without_waiting`.
         """
+        self._ctx.check_open()  # closed while this thread waited: ClosedError
         me = threading.get_ident()
         holders = {e.owner for e in self._entries.values() if e.state == "live"} - {me}
+        stuck = not holders or holders <= self._waiters
+        now = time.monotonic()
+        # A sequence dropped inside a reference cycle keeps its slot until the cyclic garbage
+        # collector runs, which a waiting thread (allocating nothing) never starts: collect
+        # now and then, and before giving up.
+        if (stuck or now - self._collected_at >= COLLECT_EVERY) and self._collect(now):
+            return
         if not holders:
             raise SlotsExhaustedError(self._exhausted_message())
         if getattr(self._local, "no_wait", False):
             raise SlotBusyError(self._exhausted_message())
-        if holders <= self._waiters:
+        if stuck:
             raise SlotsExhaustedError(
                 f"every other thread that holds a sequence slot ({len(holders)}) is waiting "
                 "for one too, so none would come free: " + self._exhausted_message()
             )
-        now = time.monotonic()
         left = None if deadline is None else deadline - now
         if left is not None and left <= 0:
             raise SlotsExhaustedError(
                 f"no sequence slot came free within slot_timeout={self.slot_timeout} s: "
                 + self._exhausted_message()
             )
-        if now - self._collected_at >= COLLECT_EVERY:
-            # A sequence dropped inside a reference cycle keeps its slot until the cyclic
-            # garbage collector runs, which a waiting thread (allocating nothing) never
-            # starts: collect (its finalizer parks the slot; the lock is reentrant).
-            self._collected_at = now
-            if gc.collect():
-                return
         collect_in = self._collected_at + COLLECT_EVERY - now  # then wake to collect again
         left = collect_in if left is None else min(left, collect_in)
         self._waiters.add(me)
@@ -443,6 +443,20 @@ class KVStore:
             self._cond.wait(left)
         finally:
             self._waiters.discard(me)
+
+    def _collect(self, now: float) -> bool:
+        """Run the garbage collector (the finalizers of dropped sequences park them, once
+        this thread's loop lets them: see :meth:`park`); whether a slot came free."""
+        self._collected_at = now
+        gc.collect()
+        self._park_dropped()
+        return bool(self._free) or any(e.state == "parked" for e in self._entries.values())
+
+    def wake(self) -> None:
+        """Wake the threads waiting for a slot (the model was closed: they raise
+        :class:`~lcgen.ClosedError`)."""
+        with self._cond:
+            self._cond.notify_all()
 
     def _exhausted_message(self) -> str:
         live = sum(e.state == "live" for e in self._entries.values())
