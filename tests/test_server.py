@@ -236,6 +236,67 @@ def test_logprobs_end_with_the_text_a_stop_string_cut(client: openai.OpenAI) -> 
         model=NAME, prompt="The sky is", max_tokens=8, temperature=0, logprobs=1, stop=[stop]
     ).choices[0]
     assert all(offset < len(text.text) for offset in text.logprobs.text_offset)
+    # Streamed: the same entries. Those of tokens whose text was held back for the stop string
+    # were sent, then the stop string cut their text.
+    _, chunks = streamed_texts(chat(client, max_tokens=24, logprobs=True, stop=[stop], stream=True))
+    streamed = [
+        e.token for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content
+    ]
+    assert streamed == entries
+
+
+def test_completion_logprobs_hold_the_sampled_token(client: openai.OpenAI) -> None:
+    """OpenAI's API "will always return the logprob of the sampled token": a token sampled
+    outside the top ones is among its top_logprobs too."""
+    text = client.completions.create(
+        model=NAME, prompt="Once upon a time", max_tokens=12, temperature=1.5, seed=3, logprobs=1
+    ).choices[0]
+    lp = text.logprobs
+    pairs = zip(lp.tokens, lp.top_logprobs, strict=True)
+    assert all(tok in top and 1 <= len(top) <= 2 for tok, top in pairs)
+    assert any(len(top) == 2 for top in lp.top_logprobs)  # some sampled token was not the top
+
+
+def test_null_means_the_default_where_openai_allows_it(url: str) -> None:
+    """Clients and proxies send unset options as null: n, stream, logprobs and echo are
+    nullable in OpenAI's API."""
+    chat_body = {"model": NAME, "messages": USER, "max_tokens": 2, "temperature": 0}
+    for field in ("n", "stream", "logprobs"):
+        status, reply = request(
+            url, "/v1/chat/completions", json.dumps({**chat_body, field: None}).encode()
+        )
+        assert status == 200 and len(reply["choices"]) == 1, reply
+    text_body = {"model": NAME, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
+    for field in ("n", "stream", "echo"):
+        status, reply = request(
+            url, "/v1/completions", json.dumps({**text_body, field: None}).encode()
+        )
+        assert status == 200 and len(reply["choices"]) == 1, reply
+
+
+def test_a_message_from_the_clients_parse_helpers_goes_back(
+    client: openai.OpenAI,
+) -> None:
+    """The client's parse and stream helpers add ``parsed``, a call's ``index`` and its
+    ``function.parsed_arguments`` to the message they return; an agent appends it to the
+    next request as it is (400 before: extra inputs)."""
+    call = {
+        "id": "call_1",
+        "type": "function",
+        "index": 0,
+        "function": {
+            "name": "set_unit",
+            "arguments": '{"unit": "celsius"}',
+            "parsed_arguments": {"unit": "celsius"},
+        },
+    }
+    messages = [
+        {"role": "user", "content": "Switch to celsius."},
+        {"role": "assistant", "content": None, "parsed": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "done"},
+    ]
+    reply = chat(client, messages=messages, tools=[SET_UNIT], max_tokens=4)
+    assert reply.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
 def test_json_schema_response_format_validates(client: openai.OpenAI) -> None:
@@ -386,10 +447,13 @@ def test_tool_calls_required_named_and_streamed(client: openai.OpenAI) -> None:
         client, messages=ASK, tools=tools, tool_choice="required", max_tokens=60, stream=True
     )
     texts, chunks = streamed_texts(stream)
-    assert texts == {0: ""}  # the call comes whole in its last chunk, not as content
-    last = chunks[-1].choices[0]
-    assert last.finish_reason == "tool_calls"
-    streamed = last.delta.tool_calls[0]
+    assert texts == {0: ""}  # the call comes whole at the end, not as content
+    # The call, then the finish reason alone, as OpenAI sends them (the client's stream helper
+    # reports a call's end only from a later chunk).
+    calls, last = chunks[-2].choices[0], chunks[-1].choices[0]
+    assert calls.finish_reason is None and last.finish_reason == "tool_calls"
+    assert not last.delta.tool_calls
+    streamed = calls.delta.tool_calls[0]
     assert streamed.index == 0
     _check_call(streamed, tools)
 
@@ -417,11 +481,10 @@ def test_parallel_tool_calls(client: openai.OpenAI, model: lcgen.Model) -> None:
     assert len({call.id for call in calls}) == len(calls)
     texts, chunks = streamed_texts(chat(client, stream=True, **options))
     assert texts == {0: ""}
-    last = chunks[-1].choices[0]
-    assert last.finish_reason == "tool_calls"
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
     # (the calls themselves may differ from the reply above: its prompt came from the prefix
     # cache, and where "," and "]" are close the greedy path may part; see the exactness)
-    streamed = last.delta.tool_calls
+    streamed = chunks[-2].choices[0].delta.tool_calls
     assert len(streamed) >= 2 and [c.index for c in streamed] == list(range(len(streamed)))
     for call in streamed:
         _check_call(call, tools)
@@ -737,7 +800,10 @@ def test_completion_echo_scores_the_prompt(client: openai.OpenAI, model: lcgen.M
     assert scored.usage.completion_tokens == 0
     lp = choice.logprobs
     assert len(lp.tokens) == len(tokens) and lp.token_logprobs[0] is None
-    assert lp.top_logprobs[0] is None and len(lp.top_logprobs[1]) == 1
+    assert lp.top_logprobs[0] is None
+    # the top token, and the prompt's own where it is not the top one (as OpenAI's API)
+    assert all(1 <= len(top) <= 2 for top in lp.top_logprobs[1:])
+    assert all(tok in top for tok, top in zip(lp.tokens[1:], lp.top_logprobs[1:], strict=True))
     reference = [e.logprob for e in model.prompt_logprobs(tokens)]
     assert max(abs(a - b) for a, b in zip(lp.token_logprobs[1:], reference, strict=True)) < 0.35
     assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0

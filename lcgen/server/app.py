@@ -337,7 +337,8 @@ class _Server:
         """A streamed reply of echoed prompts only (max_tokens 0)."""
         for out in outputs:
             yield json.dumps(reply.echo_chunk(out))
-            yield json.dumps(reply.end_chunk(out))
+            for event in reply.end_chunks(out):
+                yield json.dumps(event)
         if req.include_usage:
             yield json.dumps(reply.usage_chunk(count.usage(outputs)))
         yield "[DONE]"
@@ -362,7 +363,8 @@ class _Server:
                         yield json.dumps(event)
                 elif isinstance(item, Finished):
                     outputs[item.index].cached_tokens = item.cached_tokens
-                    yield json.dumps(reply.end_chunk(outputs[item.index]))
+                    for event in reply.end_chunks(outputs[item.index]):
+                        yield json.dumps(event)
                 else:
                     yield json.dumps(_failure(item).body())
             if include_usage:

@@ -90,6 +90,7 @@ class Message(_Strict):
     annotations: Annotated[list[Any], Field(max_length=0)] | None = None
     audio: None = None
     function_call: None = None
+    parsed: Any = Field(None, exclude=True)  # the client's parse helpers add it; ignored
 
     @model_validator(mode="after")
     def _check(self) -> Message:
@@ -136,8 +137,20 @@ class StreamOptions(_Strict):
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
 
 
+# Fields OpenAI's API declares nullable with a default: null means the default (clients and
+# proxies send unset options as null).
+_NULL_IS_DEFAULT = frozenset({"n", "stream", "logprobs", "echo"})
+
+
 class _Common(_Strict):
     """The fields both endpoints take."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if not (v is None and k in _NULL_IS_DEFAULT)}
+        return data
 
     model: str
     n: Annotated[int, Field(ge=1, le=MAX_N)] = 1

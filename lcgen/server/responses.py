@@ -46,6 +46,9 @@ class Output:
     _calls: list[dict[str, Any]] | None = None
     start: int = 0  # where the generated text starts (after an echoed prompt)
     token_chars: int = 0  # the characters of the tokens so far (a stop string may cut them)
+    # Entries of tokens whose text is still held back (a possible stop string): sent once
+    # the text reaches them, dropped if a stop string cuts it first.
+    held: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def text(self) -> str:
@@ -101,19 +104,20 @@ class Reply:
     def take(self, out: Output, chunk: Chunk) -> list[dict[str, Any]]:
         """Add a chunk to a choice; returns its log-probability entries (empty without).
 
-        A stop string cuts the text, not the tokens: entries of tokens that start past the
-        returned text are dropped (they describe text the reply does not have). A constrained
+        A stop string cuts the text, not the tokens: an entry is returned once the text
+        reaches its token, and entries of tokens that start past the returned text are
+        dropped (they describe text the reply does not have). A constrained
         choice that a stop string or token cut before it matched ends with ``"length"``, the
         reason OpenAI's clients read as cut short (``"stop"`` would pass it off as complete).
         """
-        entries = self._logprobs(chunk, out.token_chars) if self.with_logprobs else []
+        held = out.held + (self._logprobs(chunk, out.token_chars) if self.with_logprobs else [])
         out.token_chars += sum(len(each.text) for each in chunk.logprobs)
         out.parts.append(chunk.text)
         out.n_chars += len(chunk.text)
         out.n_tokens += len(chunk.tokens)
+        entries = [e for e in held if e["text_offset"] < out.n_chars]
+        out.held = [] if chunk.finish_reason else held[len(entries) :]
         if chunk.finish_reason is not None:
-            entries = [e for e in entries if e["text_offset"] < out.n_chars]
-            out.logprobs = [e for e in out.logprobs if e["text_offset"] < out.n_chars]
             out.finish_reason = FINISH_REASONS[chunk.finish_reason]
             if chunk.finish_reason == "stop" and self._cut_short(out, chunk):
                 out.finish_reason = "length"
@@ -184,10 +188,15 @@ class Reply:
         return {
             "tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
+            # "The API will always return the logprob of the sampled token" (OpenAI's API
+            # reference): a token sampled outside the top ones is added.
             "top_logprobs": [
                 None
                 if e["top_logprobs"] is None
-                else {top["token"]: top["logprob"] for top in e["top_logprobs"]}
+                else {
+                    **{top["token"]: top["logprob"] for top in e["top_logprobs"]},
+                    e["token"]: e["logprob"],
+                }
                 for e in entries
             ],
             "text_offset": [e["text_offset"] for e in entries],
@@ -233,18 +242,25 @@ class Reply:
         """A text stream's first chunk of a choice with an echoed prompt."""
         return self._object([self._choice(out.index, out.text, list(out.logprobs), None)], True)
 
-    def end_chunk(self, out: Output) -> dict[str, Any]:
-        """A stream chunk that ends a choice (its finish reason; tool calls whole)."""
+    def end_chunks(self, out: Output) -> list[dict[str, Any]]:
+        """The stream chunks that end a choice: what it held back (its tool calls whole, or a
+        tool call cut short as the text it is), then its finish reason alone, as OpenAI sends
+        it (the client's stream helper reports a call's end only from a later chunk)."""
+        chunks = []
         calls = self._calls(out)
         if calls is not None:
-            choice = self._choice(out.index, "", [], "tool_calls")
+            choice = self._choice(out.index, "", [], None)
             choice["delta"] = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
-            return self._object([choice], True)
-        choice = self._choice(out.index, "", [], out.finish_reason or "stop")
+            chunks.append(self._object([choice], True))
+        elif self.kind == "chat" and self._holds_call(out):
+            choice = self._choice(out.index, "", [], None)
+            choice["delta"] = {"content": out.text}
+            chunks.append(self._object([choice], True))
+        reason = "tool_calls" if calls else out.finish_reason or "stop"
+        choice = self._choice(out.index, "", [], reason)
         if self.kind == "chat":
-            # Tool calls cut short are sent as the text they are.
-            choice["delta"] = {"content": out.text} if self._holds_call(out) else {}
-        return self._object([choice], True)
+            choice["delta"] = {}
+        return [*chunks, self._object([choice], True)]
 
     def usage_chunk(self, usage: dict[str, Any]) -> dict[str, Any]:
         """The stream's last chunk with ``stream_options.include_usage``: no choices."""

@@ -50,12 +50,15 @@ ToolChoice = Literal["none", "auto", "required"] | NamedChoice
 class CalledFunction(_Strict):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
+    # The client's parse helpers add the arguments parsed; ignored (as OpenAI ignores them).
+    parsed_arguments: Any = Field(None, exclude=True)
 
 
 class ToolCall(_Strict):
     id: str
     type: Literal["function"]
     function: CalledFunction
+    index: int | None = Field(None, exclude=True)  # a streamed call's, as the client keeps it
 
 
 def listed(tools: list[Tool] | None) -> list[lcgen.Tool]:
