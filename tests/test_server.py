@@ -123,6 +123,14 @@ def test_chat_stream_joins_to_the_whole_reply(client: openai.OpenAI, model: lcge
     assert whole.usage.prompt_tokens == len(model.chat_tokens(USER))
     # the second call found the prompt cached, with the logits after it
     assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens
+    # the chunks before the usage chunk say "usage": null, as OpenAI's
+    assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])
+    options = {"include_usage": False, "include_obfuscation": False}  # accepted, nothing padded
+    assert (
+        streamed_texts(chat(client, max_tokens=24, stream=True, stream_options=options))[0] == texts
+    )
+    with pytest.raises(openai.BadRequestError, match="only allowed with stream: true"):
+        chat(client, max_tokens=2, stream_options={"include_usage": True})
 
 
 def test_completion_n3_seeded_stream_equals_whole(

@@ -348,7 +348,7 @@ class KVStore:
     def available_slots(self) -> int:
         """Slots a new sequence could have now: free ones and those of parked entries."""
         with self._cond:
-            return len(self._free) + sum(e.state == "parked" for e in self._entries.values())
+            return self._n_available()
 
     # choosing ------------------------------------------------------------------------------
     def _best(self, tokens: Seq[int], limit: int, whole: bool) -> tuple[Entry | None, int]:
@@ -446,11 +446,16 @@ class KVStore:
 
     def _collect(self, now: float) -> bool:
         """Run the garbage collector (the finalizers of dropped sequences park them, once
-        this thread's loop lets them: see :meth:`park`); whether a slot came free."""
+        this thread's loop lets them: see :meth:`park`); whether that made a slot free or
+        parked one (else the caller would only look again at what it saw)."""
         self._collected_at = now
+        before = self._n_available()
         gc.collect()
         self._park_dropped()
-        return bool(self._free) or any(e.state == "parked" for e in self._entries.values())
+        return self._n_available() > before
+
+    def _n_available(self) -> int:
+        return len(self._free) + sum(e.state == "parked" for e in self._entries.values())
 
     def wake(self) -> None:
         """Wake the threads waiting for a slot (the model was closed: they raise

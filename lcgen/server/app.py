@@ -292,7 +292,14 @@ class _Server:
         job = await run_in_threadpool(self._job, req, prompts, kind, loop)
         plans = job.plans if job is not None else None
         reply = Reply(
-            kind, req.model, self.model, n_logprobs(req) is not None, tools, parallel, plans
+            kind,
+            req.model,
+            self.model,
+            n_logprobs(req) is not None,
+            tools,
+            parallel,
+            plans,
+            include_usage=req.include_usage,
         )
         count = _Count(prompts, req.n)
         outputs = [Output(i) for i in range(len(prompts) * req.n)]

@@ -132,6 +132,7 @@ class ResponseFormat(_Strict):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+    include_obfuscation: bool | None = None  # accepted; a local server pads nothing
 
 
 Probability = Annotated[float, Field(ge=0.0, le=1.0)]
@@ -179,6 +180,12 @@ class _Common(_Strict):
     speculate: Literal["ngram", "draft"] | None = None
     num_draft: Annotated[int, Field(ge=1, le=64)] | None = None
     fast_forward: bool = True
+
+    @model_validator(mode="after")
+    def _stream_options(self) -> _Common:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true (as OpenAI's API)")
+        return self
 
     @property
     def include_usage(self) -> bool:

@@ -77,6 +77,9 @@ class Reply:
             one ``tool_calls`` delta when the reply ends; a reply that starts so but is not
             calls, JSON of a ``response_format``, is streamed whole at its end).
         parallel: whether a reply may be several calls (a JSON array: it starts with ``[``).
+        plans: the choices' generation plans (to tell a constrained reply cut short).
+        include_usage: a stream ends with a usage chunk (``stream_options.include_usage``):
+            the chunks before it carry ``"usage": null``, as OpenAI's.
     """
 
     def __init__(
@@ -88,6 +91,7 @@ class Reply:
         tools: Collection[str] = (),
         parallel: bool = False,
         plans: list[lcgen.Plan] | None = None,
+        include_usage: bool = False,
     ) -> None:
         self.kind, self.model_name, self.model, self.with_logprobs = (
             kind,
@@ -97,6 +101,7 @@ class Reply:
         )
         self.tools, self.tool_names, self.parallel = bool(tools), frozenset(tools), parallel
         self.plans = plans or []
+        self.include_usage = include_usage
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
@@ -172,13 +177,16 @@ class Reply:
             kind = "chat.completion.chunk" if chunk else "chat.completion"
         else:
             kind = "text_completion"
-        return {
+        out = {
             "id": self.id,
             "object": kind,
             "created": self.created,
             "model": self.model_name,
             "choices": choices,
         }
+        if chunk and self.include_usage:
+            out["usage"] = None
+        return out
 
     def _logprobs_object(self, entries: list[dict[str, Any]]) -> dict[str, Any] | None:
         if not self.with_logprobs:
