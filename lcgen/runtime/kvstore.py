@@ -309,6 +309,11 @@ class KVStore:
         the entry waits for the next call that takes it (or a waiting thread's next look:
         see :meth:`_wait`): parking there would change what those loops walk."""
         self._dropped.append(entry)
+        self._park_dropped_outside()
+
+    def _park_dropped_outside(self) -> None:
+        """Park the dropped entries now, unless this thread is inside the store's or the
+        context's work (see :meth:`park`)."""
         if not self._ctx.lock._is_owned():  # type: ignore[attr-defined]  # as Condition uses it
             with self._cond:
                 self._park_dropped()
@@ -592,9 +597,7 @@ class KVStore:
     @property
     def stats(self) -> CacheStats:
         """What the store did and holds now (a value)."""
-        if not self._ctx.lock._is_owned():  # type: ignore[attr-defined]
-            with self._cond:
-                self._park_dropped()  # see park
+        self._park_dropped_outside()
         with self._cond:
             states = [e.state for e in self._entries.values()]
             return CacheStats(

@@ -120,9 +120,10 @@ class Reply:
         out.parts.append(chunk.text)
         out.n_chars += len(chunk.text)
         out.n_tokens += len(chunk.tokens)
-        entries = [e for e in held if e["text_offset"] < out.n_chars]
-        out.held = [] if chunk.finish_reason else held[len(entries) :]
+        entries = [e for e in held if e["text_offset"] < out.n_chars]  # offsets only grow
+        out.held = held[len(entries) :]
         if chunk.finish_reason is not None:
+            out.held = []  # their text was cut
             out.finish_reason = FINISH_REASONS[chunk.finish_reason]
             if chunk.finish_reason == "stop" and self._cut_short(out, chunk):
                 out.finish_reason = "length"
@@ -264,7 +265,7 @@ class Reply:
             choice = self._choice(out.index, "", [], None)
             choice["delta"] = {"content": out.text}
             chunks.append(self._object([choice], True))
-        reason = "tool_calls" if calls else out.finish_reason or "stop"
+        reason = "tool_calls" if calls is not None else out.finish_reason or "stop"
         choice = self._choice(out.index, "", [], reason)
         if self.kind == "chat":
             choice["delta"] = {}
