@@ -1,7 +1,9 @@
 """The prefix-cache rows: calls that share a prefix, a chat loop, two prefixes alternating, the
 time to the first token with a cached prefix, and the cells the cache holds.
 
-lcgen runs with its KV cache on (a model of its own; the other rows time cold work);
+lcgen runs with its KV cache on (a model of its own; the other rows time cold work) and its
+threads as the bench's lcgen has them (by default adapting to the machine: on an idle one the
+count the others use, and short batches are padded by its measured decode times);
 llama-cpp-python's ``Llama`` keeps the KV of its last prompt and reuses the common prefix, and
 with a ``LlamaRAMCache`` it also restores whole saved states. Every round starts from empty
 caches on all sides; greedy, end-of-generation banned, so all make the same number of tokens.
@@ -66,7 +68,10 @@ def _loader() -> Lazy[_Sides]:
     def make(bench: Bench) -> _Sides:
         cfg: ContextConfig = bench.llama_cpp_python.cfg
         path = bench.lcgen.model.path
-        model = load_lcgen(path, cfg)  # its KV cache on
+        # Its KV cache on; its threads as the bench's lcgen has them (by default adapting to
+        # the machine: on an idle one, the same count as the others).
+        threads = None if bench.lcgen.model.adaptive_threads else cfg.n_threads
+        model = load_lcgen(path, cfg, n_threads=threads)
         plain, ram = LlamaCppPython(path, cfg), LlamaCppPython(path, cfg)
         return _Sides(model, plain, ram, dict(bench.work.bias))
 

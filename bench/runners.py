@@ -230,16 +230,16 @@ def extra_cpu_buffers(enabled: bool) -> Iterator[None]:
 
 
 def load_lcgen(path: Path, cfg: ContextConfig, **options: Any) -> lcgen.Model:
-    """lcgen's model of ``path`` with the benchmark's context settings (``options`` added)."""
-    return lcgen.load(
-        path,
-        n_threads=cfg.n_threads,
-        n_gpu_layers=cfg.n_gpu_layers,
-        n_ctx=cfg.n_ctx,
-        n_batch=cfg.n_batch,
-        flash_attn=cfg.flash_attn,
-        **options,
-    )
+    """lcgen's model of ``path`` with the benchmark's context settings (``options`` added or
+    put in their place)."""
+    settings: dict[str, Any] = {
+        "n_threads": cfg.n_threads,
+        "n_gpu_layers": cfg.n_gpu_layers,
+        "n_ctx": cfg.n_ctx,
+        "n_batch": cfg.n_batch,
+        "flash_attn": cfg.flash_attn,
+    }
+    return lcgen.load(path, **{**settings, **options})
 
 
 class LlamaCppPython:

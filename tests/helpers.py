@@ -16,6 +16,15 @@ import numpy as np
 
 import lcgen
 from bench.runners import extra_cpu_buffers
+from lcgen.runtime.costs import DecodeCosts
+
+
+class PriorCosts(DecodeCosts):
+    """A cost model that learns nothing: the prior shape's predictions, whatever the machine
+    (tests of what padding does, not of whether this machine should pad)."""
+
+    def observe(self, n: int, cells: int, seconds: float) -> None:
+        pass
 
 
 def first_logits(model: lcgen.Model, prompt: str | list[int]) -> np.ndarray:

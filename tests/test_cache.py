@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from helpers import PriorCosts
 
 import lcgen
 from lcgen.registry import resolve
@@ -746,13 +747,15 @@ QUESTION = " ".join(f"item {i}," for i in range(6)) + " Q: What is 2 plus 2?\nA:
 
 
 def test_a_long_suffix_after_a_cached_prefix_is_padded_and_changes_only_speed(
-    model: lcgen.Model, model_path: Path
+    model: lcgen.Model, model_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A batch of a few dozen tokens after a long cached prefix is padded to 64 tokens of a
-    spare sequence (llama.cpp's CPU flash attention then works in tiles of rows): the padding
-    is decoded and removed, no counter or cell ledger sees it, and the tokens are the unpadded
-    run's wherever the top-2 margin is clear."""
+    spare sequence (llama.cpp's CPU flash attention then works in tiles of rows) where that is
+    predicted cheaper (the prior's prediction here): the padding is decoded and removed, no
+    counter or cell ledger sees it, and the tokens are the unpadded run's wherever the top-2
+    margin is clear."""
     assert model.context.pad_batches  # the CPU, flash attention as llama.cpp chooses
+    monkeypatch.setattr(model.context, "costs", PriorCosts())
     prefix = FEW_SHOT * 12  # about 900 tokens
     model.generate(prefix, max_tokens=1)
     tokens = model.tokenize(prefix + QUESTION)
@@ -775,6 +778,7 @@ def test_padding_needs_a_spare_sequence_id_and_room(model_path: Path) -> None:
     with lcgen.Model(model_path, n_batch=64, n_seq_max=64) as full:
         assert not full.context.pad_batches  # every id is a slot
     with lcgen.Model(model_path, n_ctx=1024, n_seq_max=2) as small:
+        small.context.costs = PriorCosts()  # padding predicted cheaper where there is room
         prefix = ""
         while len(small.tokenize(prefix + "Q: 1?\nA: 1.\n\n" + QUESTION)) <= 1024 - 12:
             prefix += "Q: 1?\nA: 1.\n\n"

@@ -22,9 +22,11 @@ from lcgen._native.context import ContextHandle
 from lcgen._native.model import ModelHandle
 from lcgen.errors import ClosedError, ContextFullError
 from lcgen.runtime.cells import CellLedger
+from lcgen.runtime.costs import TILE, DecodeCosts
 from lcgen.runtime.threads import ThreadTuner
 
-PAD_TO = 64  # llama.cpp's CPU flash attention works in tiles of rows from this many tokens
+PAD_TO = TILE  # llama.cpp's CPU flash attention works in tiles of rows from this many tokens
+PAD_MARGIN = 1.15  # a batch is padded when its rows are predicted this much slower than tiles
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +121,10 @@ class Context:
         # Called when the memory has no room for a batch; frees some (True) or cannot (False).
         self.on_full: Callable[[], bool] | None = None
         self.n_decoded = 0  # tokens decoded over the context's life, for cost accounting
+        # What decodes take here, learned where the thread count adapts (which already makes
+        # batch shapes depend on timing); a fixed count keeps the prior: reproducible runs.
+        self.costs = DecodeCosts()
+        self._costs_threads = n_threads
 
     @property
     def n_ctx(self) -> int:
@@ -320,24 +326,25 @@ class Context:
         llama.cpp's CPU flash attention takes a batch of fewer than 64 tokens row by row, each
         row walking the whole cache on its own; from 64 rows it works in tiles of rows. So
         from a few dozen tokens on (fewer the longer the cache), a batch padded to 64 with
-        tokens of a spare sequence (decoded, then removed) takes less time: 50 tokens after
-        1,500 cached ones 935 -> 310 ms, after 300 cached ones 299 -> 195 ms; 12 after 1,500
-        232 -> 253 ms (not padded). The rule below is fitted to those measurements (ms a row,
-        by the cache's length, for each path) with a margin; padding moves logits in their
-        last bits as any other batch shape does.
+        tokens of a spare sequence (decoded, then removed) can take less time: on a 2-core
+        laptop CPU, 50 tokens after 1,500 cached ones 935 -> 310 ms; but on a 2-core AVX-512
+        machine 50 rows after 300 took 0.85 of 64 tiled. The times are predicted by
+        :mod:`lcgen.runtime.costs`, from this context's own decodes where the thread count
+        adapts (a fixed count keeps its prior, the laptop's shape: batch shapes, and so
+        logits, stay reproducible), with a margin. Padding moves logits in their last bits
+        as any other batch shape does.
         """
         if not self.pad_batches:
             return 0
         n = sum(len(r.tokens) for r in requests)
         if not 2 <= n < PAD_TO:
             return 0
-        span = max(r.pos + len(r.tokens) for r in requests)
-        row_by_row = n * (2.8 + 0.0106 * span)
-        tiled = PAD_TO * (2.65 + 0.0009 * span)
-        if row_by_row < 1.15 * tiled:
-            return 0
         k = PAD_TO - n
-        return k if self.ledger.n_cells() + n + k <= self.n_cells else 0
+        cells = self.ledger.n_cells() + n
+        if cells + k > self.n_cells:
+            return 0
+        rows, tiles = self.costs.seconds(np.array([n, PAD_TO]), cells)
+        return k if rows > PAD_MARGIN * tiles else 0
 
     def _decode_one(self, req: DecodeRequest) -> np.ndarray | None:
         """:meth:`decode` of one request that fits one batch, without the flat arrays."""
@@ -354,22 +361,34 @@ class Context:
         return rows[0] if req.n_outputs == 1 else rows
 
     def _decode_chunk(self, decode: Callable[[], np.ndarray], n: int) -> np.ndarray:
-        """``decode()`` of ``n`` tokens (timed for the thread tuner), retried while
-        :attr:`on_full` frees cells."""
+        """``decode()`` of ``n`` tokens, retried while :attr:`on_full` frees cells; timed for
+        the thread tuner and the cost model."""
         threads = self.threads
         while True:
             try:
-                if threads is None:
-                    return decode()
-                threads.before(n)
+                if threads is not None:
+                    threads.before(n)
                 wall, cpu = time.perf_counter(), time.process_time()
                 logits = decode()
                 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
-                threads.after(n, wall, cpu)
+                if threads is not None:
+                    threads.after(n, wall, cpu)
+                self._observe(n, wall)
                 return logits
             except ContextFullError:
                 if self.on_full is None or not self.on_full():
                     raise
+
+    def _observe(self, n: int, wall: float) -> None:
+        """Enter a decode's time in the cost model where the thread count adapts; a new count
+        starts it afresh, and a probe (a few decodes at another count) is left out."""
+        threads = self.threads
+        if threads is None or threads.probing:
+            return
+        if threads.n != self._costs_threads:
+            self._costs_threads = threads.n
+            self.costs.reset()
+        self.costs.observe(n, self.ledger.n_cells() + n, wall)
 
     def _record(
         self, requests: Sequence[DecodeRequest], begins: list[int], start: int, end: int

@@ -77,6 +77,11 @@ class ThreadTuner:
         self.probes = 0
         self.changes = 0
 
+    @property
+    def probing(self) -> bool:
+        """Whether decodes now try another thread count than :attr:`n`."""
+        return self._target is not None
+
     def before(self, n_tokens: int) -> None:
         """Apply the thread count the next decode (of ``n_tokens`` tokens) uses."""
         if (
