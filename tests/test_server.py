@@ -1197,7 +1197,10 @@ def test_request_errors_have_their_status(url: str, model: lcgen.Model) -> None:
     assert too_big.status == 413 and json.load(too_big)["error"]["code"] == "body_too_large"
     conn.close()
     status, reply = request(url, "/v1/nothing")
-    assert status == 404 and "error" in reply
+    assert status == 404 and reply["error"]["code"] is None
+    assert reply["error"]["message"] == "Invalid URL (GET /v1/nothing)"
+    status, reply = request(url, "/v1/models", b"{}")  # a route that takes GET only
+    assert status == 405 and reply["error"]["message"] == "Invalid URL (POST /v1/models)"
     status, reply = request(url, "/v1/models")
     assert status == 200 and [m["id"] for m in reply["data"]] == [NAME]
     status, reply = request(url, f"/v1/models/{NAME}")

@@ -436,8 +436,13 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (no such route, a method a route does not take) in OpenAI's
+    shape: what its API says for them, with no code."""
     assert isinstance(exc, HTTPException)
-    error = APIError(exc.status_code, exc.detail, code=str(exc.status_code))
+    message = exc.detail
+    if exc.status_code in (404, 405):
+        message = f"Invalid URL ({request.method} {request.url.path})"
+    error = APIError(exc.status_code, message)
     return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
 
 
