@@ -1292,6 +1292,57 @@ def test_add_parser_and_missing_extra(monkeypatch: pytest.MonkeyPatch) -> None:
         lcgen.server.serve(NAME)
 
 
+def _with_origin(
+    url: str, path: str, origin: str, method: str = "GET", key: str | None = KEY
+) -> Any:
+    """A raw request from a browser page of ``origin`` (an OPTIONS: the preflight of a
+    POST with a key); the response, read."""
+    headers = {"Origin": origin}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    if method == "OPTIONS":
+        headers = {
+            "Origin": origin,
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization,content-type",
+        }
+    req = urllib.request.Request(url + path, headers=headers, method=method)
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            resp.read()
+            return resp
+    except urllib.error.HTTPError as exc:
+        exc.read()
+        return exc
+
+
+def test_browser_pages_of_the_given_origins_only_may_call_the_api(
+    model: lcgen.Model, url: str
+) -> None:
+    """CORS: none by default (a page of another site the user visits cannot read replies);
+    with --cors-origin, pages of that origin pass the preflight and read replies."""
+    page = "http://localhost:3000"
+    assert _with_origin(url, "/v1/models", page).headers["access-control-allow-origin"] is None
+    app = create_app(model, model_name=NAME, api_key=KEY, cors_origins=[page])
+    with running(app) as base:
+        pre = _with_origin(base, "/v1/chat/completions", page, "OPTIONS")
+        assert pre.status == 200 and pre.headers["access-control-allow-origin"] == page
+        assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+        got = _with_origin(base, "/v1/models", page)
+        assert got.status == 200 and got.headers["access-control-allow-origin"] == page
+        other = _with_origin(base, "/v1/chat/completions", "http://evil.example", "OPTIONS")
+        assert other.status == 400 and other.headers["access-control-allow-origin"] is None
+        keyless = _with_origin(base, "/v1/models", page, key=None)  # the key is still needed
+        assert keyless.status == 401
+    for bad in ("localhost:3000", "http://localhost:3000/", "https://a.example/path", ""):
+        with pytest.raises(ValueError, match="is not '\\*' or a web origin"):
+            create_app(model, cors_origins=[bad])
+    parser = argparse.ArgumentParser()
+    lcgen.server.add_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["serve", NAME, "--cors-origin", page, "--cors-origin", "*"])
+    assert args.cors_origin == [page, "*"]
+
+
 def test_a_blank_api_key_is_refused(model: lcgen.Model) -> None:
     for blank in ("", "  "):
         with pytest.raises(ValueError, match="is blank"):

@@ -26,12 +26,12 @@ import os
 import socket
 import sys
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn, TextIO
 
 import lcgen
-from lcgen.server.requests import check_api_key
+from lcgen.server.requests import check_api_key, check_cors_origins
 
 if TYPE_CHECKING:
     import uvicorn
@@ -73,6 +73,7 @@ def serve(
     type_k: str = "f16",
     type_v: str = "auto",
     verbose: bool = False,
+    cors_origins: Sequence[str] = (),
 ) -> None:
     """Load a model and serve it until interrupted (Ctrl-C, SIGTERM); requests still running
     then end at once (503 ``shutting_down``; a stream: an error event and ``[DONE]``).
@@ -94,11 +95,13 @@ def serve(
         type_k, type_v: the KV cache's element types (see :class:`lcgen.Model`); ``"auto"``
             values: bf16 on the CPU, where it decodes the server's batches faster.
         verbose: show llama.cpp's log and every request.
+        cors_origins: web origins whose pages may call the API from a browser (``*``: any;
+            see :func:`lcgen.server.app.create_app`).
 
     Raises:
         ServerExtraMissingError: the server's dependencies are not installed.
-        ValueError: ``api_key`` is blank, ``port`` is not in 0-65535 or ``max_queue`` is
-            below 1 (before anything is bound or loaded).
+        ValueError: ``api_key`` is blank, ``port`` is not in 0-65535, ``max_queue`` is
+            below 1 or a CORS origin is not one (before anything is bound or loaded).
         ServerAddressError: ``host:port`` cannot be bound (in use, or not this machine's).
         ModelNotFoundError, ModelLoadError: the model cannot be found or loaded.
     """
@@ -108,6 +111,7 @@ def serve(
     from lcgen.server.app import DEFAULT_MAX_QUEUE, create_app
 
     check_api_key(api_key)
+    cors_origins = check_cors_origins(cors_origins)
     _check_port(port)
     if max_queue is not None:
         _check_max_queue(max_queue)
@@ -133,6 +137,7 @@ def serve(
             api_key=api_key,
             max_queue=DEFAULT_MAX_QUEUE if max_queue is None else max_queue,
             draft_model=draft_model,
+            cors_origins=cors_origins,
         )
         config = uvicorn.Config(
             app, host=host, port=port, log_level="info" if verbose else "warning"
@@ -319,6 +324,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="a draft model of the same vocabulary, for requests with speculate: 'draft'",
     )
+    p.add_argument(
+        "--cors-origin",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="let web pages of ORIGIN (https://host:port; '*': any) call the API from a "
+        "browser; repeatable (default: none)",
+    )
     p.add_argument("--verbose", action="store_true", help="show llama.cpp's log and requests")
 
 
@@ -403,6 +416,7 @@ def command(args: argparse.Namespace) -> int:
                 type_k=args.cache_type_k,
                 type_v=args.cache_type_v,
                 verbose=args.verbose,
+                cors_origins=args.cors_origin,
             )
     except (lcgen.LcgenError, ValueError, TypeError, OSError) as exc:
         print(f"lcgen serve: error: {exc}", file=sys.stderr)

@@ -9,7 +9,7 @@ import dataclasses
 import hmac
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
@@ -18,6 +18,8 @@ from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -30,6 +32,7 @@ from lcgen.server.requests import (
     ChatRequest,
     CompletionRequest,
     check_api_key,
+    check_cors_origins,
     field_named,
     max_tokens,
     n_logprobs,
@@ -466,6 +469,7 @@ def create_app(
     max_queue: int = DEFAULT_MAX_QUEUE,
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     draft_model: lcgen.Model | None = None,
+    cors_origins: Sequence[str] = (),
 ) -> Starlette:
     """The ASGI application serving ``model`` (run it with uvicorn; see :func:`serve`).
 
@@ -477,12 +481,16 @@ def create_app(
         max_body_bytes: the largest request body; larger ones get 413.
         draft_model: a model of the same vocabulary that drafts for requests asking for
             ``speculate: "draft"`` (the caller closes it too).
+        cors_origins: web origins (``https://host:port``, or ``*`` for any) whose pages may
+            call the API from a browser (CORS); none by default: a page on another site the
+            user visits cannot read the replies.
 
     Raises:
         ValueError: the draft model cannot draft for ``model`` (another vocabulary, or
             ``model`` itself); ``api_key`` is empty.
     """
     check_api_key(api_key)
+    cors_origins = check_cors_origins(cors_origins)
     if draft_model is not None:
         lcgen.check_draft_model(model, draft_model)
     engine = Engine(model, max_queue=max_queue)
@@ -514,6 +522,16 @@ def create_app(
         ],
         exception_handlers=handlers,
         lifespan=lifespan,
+        middleware=[
+            Middleware(
+                CORSMiddleware,
+                allow_origins=list(cors_origins),
+                allow_methods=["GET", "POST"],
+                allow_headers=["Authorization", "Content-Type"],
+            )
+        ]
+        if cors_origins
+        else [],
     )
     app.state.engine = engine  # lcgen.server.serve stops its requests as the server stops
     return app

@@ -537,3 +537,23 @@ def check_api_key(api_key: str | None) -> str | None:
             "for a server without authentication"
         )
     return api_key
+
+
+_ORIGIN = re.compile(r"https?://[^/\s?#]+")
+
+
+def check_cors_origins(origins: Iterable[str]) -> list[str]:
+    """``origins`` as a list, each ``*`` or a web origin: ``http(s)://host[:port]``, nothing
+    after it (a browser sends exactly that; anything else would never match).
+
+    Raises:
+        ValueError: naming the first that is not.
+    """
+    out = list(origins)
+    for origin in out:
+        if not isinstance(origin, str) or not (origin == "*" or _ORIGIN.fullmatch(origin)):
+            raise ValueError(
+                f"CORS origin {origin!r} is not '*' or a web origin such as "
+                "'https://example.com' or 'http://localhost:3000' (no path, no trailing /)"
+            )
+    return out
