@@ -456,6 +456,9 @@ def test_tool_calls_required_named_and_streamed(client: openai.OpenAI) -> None:
     )
     texts, chunks = streamed_texts(stream)
     assert texts == {0: ""}  # the call comes whole at the end, not as content
+    # its role comes with the call, content null, as OpenAI sends it (not a first "" content)
+    first = chunks[0].choices[0].delta
+    assert first.role == "assistant" and first.content is None and first.tool_calls
     # The call, then the finish reason alone, as OpenAI sends them (the client's stream helper
     # reports a call's end only from a later chunk).
     calls, last = chunks[-2].choices[0], chunks[-1].choices[0]
@@ -464,6 +467,32 @@ def test_tool_calls_required_named_and_streamed(client: openai.OpenAI) -> None:
     streamed = calls.delta.tool_calls[0]
     assert streamed.index == 0
     _check_call(streamed, tools)
+
+
+def test_a_stream_with_tools_opens_a_text_reply_with_its_role(model: lcgen.Model) -> None:
+    """With tools, a choice's role waits for its first chunk: text gets the usual role chunk
+    (content "") before it, a call carries the role itself, and an empty reply opens with the
+    role before its finish reason."""
+    from lcgen.server.responses import Reply
+
+    reply = Reply("chat", NAME, model, False, tools=["get_weather"])
+    assert not reply.role_first and Reply("chat", NAME, model, False).role_first
+    text = reply._object([{"index": 1, "delta": {"content": "Hi"}}], True)
+    role, same = reply.opening(text)
+    assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert role["choices"][0]["index"] == 1 and same is text
+    call = reply._object([{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}], True)
+    (merged,) = reply.opening(call)
+    assert merged["choices"][0]["delta"] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"index": 0}],
+    }
+    end = reply._object([{"index": 2, "delta": {}, "finish_reason": "stop"}], True)
+    assert [c["choices"][0]["delta"] for c in reply.opening(end)] == [
+        {"role": "assistant", "content": ""},
+        {},
+    ]
 
 
 def test_parallel_tool_calls(client: openai.OpenAI, model: lcgen.Model) -> None:

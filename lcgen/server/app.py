@@ -358,8 +358,17 @@ class _Server:
     ) -> AsyncIterator[str]:
         """The server-sent events of a streamed reply, ``[DONE]`` last; leaving early (the
         client went away) cancels the job."""
+        waiting = set() if reply.kind != "chat" or reply.role_first else set(range(job.n))
+
+        def opened(events: list[dict[str, Any]], index: int) -> list[dict[str, Any]]:
+            """``events`` of a choice, opened by its role where that waited for them."""
+            if not events or index not in waiting:
+                return events
+            waiting.discard(index)
+            return [*reply.opening(events[0]), *events[1:]]
+
         try:
-            if reply.kind == "chat":
+            if reply.role_first:
                 for i in range(job.n):
                     yield json.dumps(reply.role_chunk(i))
             for out in outputs:
@@ -369,11 +378,11 @@ class _Server:
                 if isinstance(item, Piece):
                     entries = reply.take(outputs[item.index], item.chunk)
                     event = reply.piece_chunk(outputs[item.index], item.chunk, entries)
-                    if event is not None:
-                        yield json.dumps(event)
+                    for each in opened([] if event is None else [event], item.index):
+                        yield json.dumps(each)
                 elif isinstance(item, Finished):
                     outputs[item.index].cached_tokens = item.cached_tokens
-                    for event in reply.end_chunks(outputs[item.index]):
+                    for event in opened(reply.end_chunks(outputs[item.index]), item.index):
                         yield json.dumps(event)
                 else:
                     yield json.dumps(_failure(item).body())

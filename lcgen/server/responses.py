@@ -227,6 +227,23 @@ class Reply:
         choice["delta"] = {"role": "assistant", "content": ""}
         return self._object([choice], True)
 
+    @property
+    def role_first(self) -> bool:
+        """Whether a chat stream opens each choice with :meth:`role_chunk` at once; with tools
+        it waits for the choice's first chunk (:meth:`opening`): a tool call's role comes with
+        the call, ``content: null``, as OpenAI sends it."""
+        return self.kind == "chat" and not self.tools
+
+    def opening(self, chunk: dict[str, Any]) -> list[dict[str, Any]]:
+        """The chunks that open a choice whose role waited (see :attr:`role_first`), its first
+        ``chunk`` among them."""
+        (choice,) = chunk["choices"]
+        delta = choice["delta"]
+        if "tool_calls" in delta:
+            choice["delta"] = {"role": "assistant", "content": None, **delta}
+            return [chunk]
+        return [self.role_chunk(choice["index"]), chunk]
+
     def piece_chunk(
         self, out: Output, chunk: Chunk, entries: list[dict[str, Any]]
     ) -> dict[str, Any] | None:
