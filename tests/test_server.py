@@ -477,18 +477,18 @@ def test_a_stream_with_tools_opens_a_text_reply_with_its_role(model: lcgen.Model
 
     reply = Reply("chat", NAME, model, False, tools=["get_weather"])
     assert not reply.role_first and Reply("chat", NAME, model, False).role_first
-    text = reply._object([{"index": 1, "delta": {"content": "Hi"}}], True)
+    text = {"choices": [{"index": 1, "delta": {"content": "Hi"}}]}
     role, same = reply.opening(text)
     assert role["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert role["choices"][0]["index"] == 1 and same is text
-    call = reply._object([{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}], True)
+    call = {"choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0}]}}]}
     (merged,) = reply.opening(call)
     assert merged["choices"][0]["delta"] == {
         "role": "assistant",
         "content": None,
         "tool_calls": [{"index": 0}],
     }
-    end = reply._object([{"index": 2, "delta": {}, "finish_reason": "stop"}], True)
+    end = {"choices": [{"index": 2, "delta": {}, "finish_reason": "stop"}]}
     assert [c["choices"][0]["delta"] for c in reply.opening(end)] == [
         {"role": "assistant", "content": ""},
         {},
