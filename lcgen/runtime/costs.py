@@ -51,7 +51,6 @@ class DecodeCosts:
         self._seen: dict[bool, dict[int, deque[tuple[int, int, float]]]] = {False: {}, True: {}}
         self._fits: dict[bool, np.ndarray] = {}
         self._new = {False: 0, True: 0}  # decodes since each path's last fit
-        self.version = 0  # counts the fits: a prediction made at the same version still holds
 
     def observe(self, n: int, cells: int, seconds: float) -> None:
         """Record that a decode of ``n`` tokens, ``cells`` cells in use after it, took
@@ -76,7 +75,6 @@ class DecodeCosts:
         for path in self._seen.values():
             path.clear()
         self._fits.clear()
-        self.version += 1
 
     def seconds(self, n: np.ndarray | int, cells: np.ndarray | int) -> np.ndarray:
         """The predicted seconds of a decode of each of ``n`` tokens (at least 1), ``cells``
@@ -114,7 +112,6 @@ class DecodeCosts:
         if cached is not None and self._new[tiled] < REFIT:
             return cached
         self._new[tiled] = 0
-        self.version += 1
         prior = _prior(tiled) * self._scale()
         if not self._seen[not tiled]:
             self._fits.pop(not tiled, None)  # a prior alone follows the scale
