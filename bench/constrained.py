@@ -35,7 +35,7 @@ from bench.harness import (
     at_least,
     interleaved,
 )
-from bench.runners import Lcgen, LlamaCppPython, Sample, Workload, load_lcgen
+from bench.runners import Lcgen, LlamaCppPython, Sample, Workload, check_json, load_lcgen
 from lcgen.registry import resolve
 
 CONSTRAINED_MIN_FREE_RATIO = 0.9  # lcgen constrained / lcgen unconstrained
@@ -207,13 +207,7 @@ class JsonWork:
             grammar=case.compact if compact else case.grammar,
             fast_forward=fast_forward,
         )
-        if finish == "stop":  # the grammar is complete: the text must be the schema's JSON
-            try:
-                json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise RuntimeError(
-                    f"lcgen's output for the {case.name!r} schema is not JSON ({exc}): {text!r}"
-                ) from None
+        check_json(text, finish, f"lcgen's output for the {case.name!r} schema")
         return sample
 
     def run(self, measure: Callable[[JsonCase], Sample], *, same_tokens: bool = True) -> Sample:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -334,6 +335,18 @@ class LlamaCppPython:
 
     def close(self) -> None:
         self.llm.close()
+
+
+def check_json(text: str, finish: str | None, what: str) -> None:
+    """A constrained run that ended because its grammar was complete (``finish`` "stop") must
+    have made JSON: a ``RuntimeError`` naming ``what`` and showing the text otherwise (a run cut
+    at its token limit is timed as it is)."""
+    if finish != "stop":
+        return
+    try:
+        json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise RuntimeError(f"{what} is not JSON ({exc}): {text!r}") from None
 
 
 class Lcgen:

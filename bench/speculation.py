@@ -27,7 +27,7 @@ from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
 import lcgen
 from bench.harness import Bench, Check, Lazy, Row, RowFactory, at_least, interleaved
-from bench.runners import LlamaCppPython, Sample, Workload, load_lcgen
+from bench.runners import LlamaCppPython, Sample, Workload, check_json, load_lcgen
 
 COPY_MIN_RATIO = 2.0
 FREE_MIN_RATIO = 0.97
@@ -99,10 +99,12 @@ def lcgen_after_first(
     **options: Any,
 ) -> Sample:
     """The bench's lcgen run of the prompt (see :meth:`bench.runners.Lcgen.after_first`); a
-    constrained run must have made its complete JSON."""
-    sample, text, _ = bench.lcgen.after_first(prompt_of(bench.lcgen.model), max_tokens, **options)
+    constrained run that ended with its grammar complete must have made JSON."""
+    sample, text, finish = bench.lcgen.after_first(
+        prompt_of(bench.lcgen.model), max_tokens, **options
+    )
     if options.get("grammar") is not None:
-        json.loads(text)
+        check_json(text, finish, "lcgen's constrained extraction")
     return sample
 
 
