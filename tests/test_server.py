@@ -926,7 +926,9 @@ TOPICS = ["the sea", "a fox", "winter", "a robot", "bread", "the moon", "a city"
 MAX_TIE_MARGIN = 0.5
 
 
-def test_concurrent_clients_equal_serial_runs(client: openai.OpenAI, url: str) -> None:
+def test_concurrent_clients_equal_serial_runs(
+    client: openai.OpenAI, url: str, model: lcgen.Model
+) -> None:
     """8 clients x 2 requests at once: every greedy reply equals the same request run alone,
     up to the first token where the two best candidates are within MAX_TIE_MARGIN (swapped
     by the numerical noise of batching); none is lost or mixed up with another."""
@@ -956,8 +958,19 @@ def test_concurrent_clients_equal_serial_runs(client: openai.OpenAI, url: str) -
     state = health(url)
     assert state["queue"] == {"waiting": 0, "running": 0, "max": 64}
     assert state["slots"]["live"] == 0
-    threads = state["threads"]
-    assert threads["adaptive"] and 1 <= threads["now"] <= threads["max"]
+    threads = state["threads"]  # the suite's model has a fixed count (see conftest)
+    assert threads == {
+        "adaptive": model.adaptive_threads,
+        "now": model.threads_now,
+        "max": model.n_threads,
+    }
+
+
+def test_health_shows_an_adapting_thread_count(model_path: Path) -> None:
+    adapting = lcgen.load(model_path, n_ctx=256, n_gpu_layers=0)
+    with adapting, running(create_app(adapting, model_name=NAME)) as base:
+        threads = health(base)["threads"]
+    assert threads["adaptive"] and 1 <= threads["now"] <= threads["max"] == adapting.n_threads
 
 
 def endless(model: lcgen.Model) -> dict[str, float]:

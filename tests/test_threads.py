@@ -163,11 +163,10 @@ def test_size_classes_group_batches_within_a_factor_two() -> None:
     assert [size_class(n) for n in (1, 2, 3, 4, 7, 8, 512)] == [1, 2, 2, 3, 3, 4, 10]
 
 
-def test_the_default_is_adaptive_and_an_explicit_count_is_fixed(
-    model: lcgen.Model, model_path: Path
-) -> None:
+def test_the_default_is_adaptive_and_an_explicit_count_is_fixed(model_path: Path) -> None:
     # The count adapts on the CPU only: a model offloaded to a GPU (a GPU build) keeps it fixed.
-    assert model.adaptive_threads == (model.n_gpu_layers == 0)
+    with lcgen.load(model_path, n_ctx=256) as default:
+        assert default.adaptive_threads == (default.n_gpu_layers == 0)
     with lcgen.load(model_path, n_ctx=256, n_gpu_layers=0) as cpu:
         assert cpu.adaptive_threads and cpu.context.threads is not None
         assert cpu.context.threads.n_max == cpu.n_threads
