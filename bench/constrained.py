@@ -155,6 +155,7 @@ class JsonCase:
     grammar: lcgen.Grammar
     llama_grammar: LlamaGrammar
     compact: lcgen.Grammar  # no whitespace between JSON tokens: the most text forced
+    llama_compact: LlamaGrammar
 
 
 def json_case(model: lcgen.Model, index: int) -> JsonCase:
@@ -169,7 +170,8 @@ def json_case(model: lcgen.Model, index: int) -> JsonCase:
         prompt = model.tokenize(f"{content}\n\nJSON:\n")
     llama_grammar = LlamaGrammar.from_string(grammar.gbnf, verbose=False)
     compact = lcgen.Grammar.from_json_schema(schema, whitespace="compact")
-    return JsonCase(name, tuple(prompt), grammar, llama_grammar, compact)
+    llama_compact = LlamaGrammar.from_string(compact.gbnf, verbose=False)
+    return JsonCase(name, tuple(prompt), grammar, llama_grammar, compact, llama_compact)
 
 
 class JsonWork:
@@ -234,13 +236,12 @@ class JsonWork:
 
         return self.run(measure, same_tokens=False)
 
-    def llama_cpp_python_constrained(self) -> Sample:
+    def llama_cpp_python_constrained(self, *, compact: bool = False) -> Sample:
         def measure(case: JsonCase) -> Sample:
-            return self.llama_cpp_python.after_first(
-                case.prompt, JSON_MAX_TOKENS, grammar=case.llama_grammar
-            )
+            grammar = case.llama_compact if compact else case.llama_grammar
+            return self.llama_cpp_python.after_first(case.prompt, JSON_MAX_TOKENS, grammar=grammar)
 
-        return self.run(measure)
+        return self.run(measure, same_tokens=not compact)
 
     def llama_cpp_python_free(self) -> Sample:
         def measure(case: JsonCase) -> Sample:
@@ -256,6 +257,7 @@ CONSTRAINED_SERIES = (
     "lcgen, compact JSON",
     "lcgen, no grammar",
     "llama-cpp-python",
+    "llama-cpp-python, compact JSON",
     "llama-cpp-python, no grammar",
 )
 
@@ -281,7 +283,7 @@ def _constrained_row(
         "create_completion of 1 token. 'no grammar': the same prompts, as many tokens as "
         "lcgen's constrained JSON, end-of-generation banned. lcgen fast-forwards forced text by "
         "default; 'fast-forward off' samples every token; 'compact JSON': whitespace='compact' "
-        "(the most text forced; its own JSON tokens)"
+        "(the most text forced; its own JSON tokens), for llama-cpp-python that grammar's GBNF"
     )
     units = dict.fromkeys(CONSTRAINED_SERIES, "tokens/s")
     run = interleaved(
@@ -291,6 +293,9 @@ def _constrained_row(
             "lcgen, compact JSON": lambda b: get(b).lcgen_compact(),
             "lcgen, no grammar": lambda b: get(b).lcgen_free(),
             "llama-cpp-python": lambda b: get(b).llama_cpp_python_constrained(),
+            "llama-cpp-python, compact JSON": lambda b: get(b).llama_cpp_python_constrained(
+                compact=True
+            ),
             "llama-cpp-python, no grammar": lambda b: get(b).llama_cpp_python_free(),
         }
     )
@@ -299,6 +304,11 @@ def _constrained_row(
         Check("lcgen", "lcgen, fast-forward off"),
         Check("lcgen, compact JSON", "lcgen, no grammar", at_least(CONSTRAINED_FAST_RATIO)),
         Check("lcgen", "llama-cpp-python", at_least(vs_llama_cpp_python)),
+        Check(
+            "lcgen, compact JSON",
+            "llama-cpp-python, compact JSON",
+            at_least(vs_llama_cpp_python),
+        ),
         Check("llama-cpp-python", "llama-cpp-python, no grammar"),
     )
     return Row(name, how, units, run, checks, close=close)
