@@ -37,9 +37,9 @@ class UsageError(ValueError):
     that cannot be used), found before generating: status 2, as argparse's own usage errors."""
 
 
-def _add_model_args(p: argparse.ArgumentParser, values: str = "f16") -> None:
-    """The model and how to load it; ``values``: the default of ``--cache-type-v``."""
-    server.add_model_arguments(p, values)
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model and how to load it."""
+    server.add_model_arguments(p)
     p.add_argument(
         "--gpu-layers",
         type=int,
@@ -900,8 +900,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         p.set_defaults(func=func)
         if name in {"generate", "chat", "info"}:
-            # A chat decodes each turn in short batches, where bf16 values are faster.
-            _add_model_args(p, "auto" if name == "chat" else "f16")
+            _add_model_args(p)
         if name in {"generate", "chat"}:
             _add_sampling_args(p, 256 if name == "generate" else None)
         if name == "generate":

@@ -201,13 +201,12 @@ class Model:
             ``"bf16"``, ``"f32"``, or quantized ``"q8_0"``, ``"q5_1"``, ``"q5_0"``, ``"q4_1"``,
             ``"q4_0"``, ``"iq4_nl"`` (less memory, slightly different logits).
         type_v: the same for values (a quantized one needs flash attention), or ``"auto"``:
-            bf16 where every layer runs on the CPU with flash attention, f16 elsewhere (what
-            ``lcgen serve`` uses). On the CPU, ``"bf16"`` makes decoding of one or a few
-            tokens per sequence much faster (SmolLM2 on the test machine: 1.5x at 500 tokens
-            of context, 1.6x at 2,000) and long prompts slower to prefill (a 2,047-token
-            prompt at half the speed; ``make bench``, row kv-bf16): llama.cpp's CPU flash
-            attention accumulates an f16 cache's values in f16 row by row, and tiles rows
-            only with an f16 cache. Its logits are as close to an f32 reference as f16's.
+            bf16 where every layer runs on the CPU with flash attention, f16 elsewhere. On the
+            CPU, ``"bf16"`` prefills long prompts slower (about half the speed) and decodes
+            faster on some CPUs, slower on others (SmolLM2 after 2,000 tokens: 1.6x on an
+            Intel server CPU, 0.68x on an AMD Zen 4; ``make bench``, row kv-bf16): llama.cpp's
+            CPU flash attention accumulates an f16 cache's values in f16 row by row, and tiles
+            rows only with an f16 cache. Its logits are as close to an f32 reference as f16's.
         swa_full: keep the full sliding-window cache (sliding-window models such as Gemma 3);
             False saves memory, but then rewinding far back re-decodes the kept tokens.
         cache: keep the KV cells of closed sequences and start every sequence from the

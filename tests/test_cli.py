@@ -88,9 +88,7 @@ def test_generate_with_speculation(model: lcgen.Model) -> None:
 
 
 def test_chat_reads_turns_from_stdin(model: lcgen.Model) -> None:
-    # f16 values, as the model compared with (lcgen chat's default is bf16 on a CPU)
-    flags = [*ARGS, "--cache-type-v", "f16"]
-    out = run("chat", "smollm2-135m", *flags, stdin="Name three colors.\n/exit\n")
+    out = run("chat", "smollm2-135m", *ARGS, stdin="Name three colors.\n/exit\n")
     assert out.returncode == 0, out.stderr
     expected = model.chat([{"role": "user", "content": "Name three colors."}], max_tokens=12)
     assert out.stdout == expected + "\n"

@@ -1322,6 +1322,7 @@ def test_add_parser_and_missing_extra(monkeypatch: pytest.MonkeyPatch) -> None:
     assert args.func is lcgen.server.command
     assert (args.host, args.port, args.api_key, args.n_seq_max) == ("127.0.0.1", 9, "k", 4)
     assert args.draft is None
+    assert (args.cache_type_k, args.cache_type_v) == ("f16", "f16")  # llama.cpp's default
     assert parser.parse_args(["serve", NAME, "--draft", "small.gguf"]).draft == "small.gguf"
     # the key from the environment; set but empty is no key (a blank key would let anyone in)
     monkeypatch.setenv("LCGEN_API_KEY", "from-env")

@@ -71,7 +71,7 @@ def serve(
     max_queue: int | None = None,
     draft: str | os.PathLike[str] | None = None,
     type_k: str = "f16",
-    type_v: str = "auto",
+    type_v: str = "f16",
     verbose: bool = False,
     cors_origins: Sequence[str] = (),
 ) -> None:
@@ -92,8 +92,8 @@ def serve(
         max_queue: the most choices waiting for a slot before requests get 429, at least 1
             (None: 64).
         draft: a draft model (same vocabulary) for requests with ``speculate: "draft"``.
-        type_k, type_v: the KV cache's element types (see :class:`lcgen.Model`); ``"auto"``
-            values: bf16 on the CPU, where it decodes the server's batches faster.
+        type_k, type_v: the KV cache's element types (see :class:`lcgen.Model`; ``"auto"``
+            values: bf16 on a CPU, faster on some CPUs and slower on others).
         verbose: show llama.cpp's log and every request.
         cors_origins: web origins whose pages may call the API from a browser (``*``: any;
             see :func:`lcgen.server.app.create_app`).
@@ -251,10 +251,9 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-def add_model_arguments(p: argparse.ArgumentParser, values: str) -> None:
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The model and how it loads, as every ``lcgen`` command that loads one takes them: its
-    reference, ``--n-ctx``, ``--threads`` and the KV cache's element types (``values``: the
-    default of ``--cache-type-v``)."""
+    reference, ``--n-ctx``, ``--threads`` and the KV cache's element types."""
     p.add_argument(
         "model", help="registry name (see `lcgen models`), .gguf path or hf:org/repo/file"
     )
@@ -274,9 +273,10 @@ def add_model_arguments(p: argparse.ArgumentParser, values: str) -> None:
     p.add_argument(
         "--cache-type-v",
         choices=("auto", *lcgen.KV_CACHE_TYPES),
-        default=values,
-        help=f"the KV cache's element type for values (default {values}; auto: bf16 on a CPU, "
-        "where it decodes faster and prefills long prompts slower, f16 on a GPU)",
+        default="f16",
+        help="the KV cache's element type for values (default f16; auto: bf16 on a CPU, "
+        "which decodes faster on some CPUs and slower on others and prefills slower, f16 on a "
+        "GPU)",
     )
 
 
@@ -292,8 +292,7 @@ def add_threads_argument(p: argparse.ArgumentParser) -> None:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The server's options on a parser (``lcgen serve`` and ``python -m lcgen.server``)."""
-    # A server's work is short batches, which bf16 values decode faster on a CPU.
-    add_model_arguments(p, "auto")
+    add_model_arguments(p)
     p.add_argument("--host", default=DEFAULT_HOST, help=f"address to bind (default {DEFAULT_HOST})")
     p.add_argument(
         "--port",
