@@ -521,10 +521,50 @@ def test_draft_length_restarts_short_after_a_miss_and_doubles_back() -> None:
     assert policy.next_length(room=0) == 0
 
 
+def test_drafts_are_as_long_as_their_acceptance_makes_them_worth() -> None:
+    from lcgen.decoding.speculation import TOKEN_COST, AdaptiveLength, NgramDrafter
+
+    policy = AdaptiveLength(64)
+    assert [policy.worth(k) for k in (0, 1)] == [0, 1]
+    assert policy.worth(64) == 2  # before any feedback: a guess at 0.8 a token, 2 tokens
+    grown = []
+    for _ in range(5):  # drafts taken whole: each next one is worth more
+        k = policy.worth(64)
+        policy.feedback(k, k)
+        grown.append(policy.worth(64))
+    assert grown == sorted(grown) and grown[0] > 2 and grown[-1] > 32
+    shrunk = []
+    for _ in range(5):  # drafts of which nothing was taken
+        policy.feedback(8, 0)
+        shrunk.append(policy.worth(64))
+    assert shrunk == sorted(shrunk, reverse=True) and shrunk[-1] < grown[-1]
+    # where a draft token is taken less often than it costs, one token is drafted at most
+    # (a draft of 1 is how a drafter learns that drafts are taken again)
+    rare = AdaptiveLength(64)
+    for i in range(10):
+        rare.feedback(4, i % 2)
+    assert rare.acceptance < TOKEN_COST and rare.worth(64) == 1
+    # prompt lookup cuts what it found: a whole copy is there, two tokens are worth a try
+    assert NgramDrafter(64).propose([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3], room=64) == [4, 5]
+
+
+@given(st.lists(st.tuples(st.integers(1, 64), st.integers(0, 64)), max_size=30))
+def test_a_draft_worth_is_within_its_bounds(feedback: list[tuple[int, int]]) -> None:
+    from lcgen.decoding.speculation import AdaptiveLength
+
+    policy = AdaptiveLength(64)
+    for drafted, accepted in feedback:
+        policy.feedback(drafted, min(drafted, accepted))
+        assert 0 < policy.acceptance < 1
+        assert all(1 <= policy.worth(k) <= k for k in (1, 2, 7, 64))
+
+
 def test_a_short_match_with_several_continuations_drafts_nothing() -> None:
     from lcgen.decoding.speculation import NgramDrafter
 
     drafter = NgramDrafter(8)
+    for _ in range(4):
+        drafter.feedback(8, 8)  # its drafts were taken whole: none is cut for their worth
     # `5 6` was followed by 7 once and by 9 once: a guess between the two, no draft
     assert drafter.propose([5, 6, 7, 1, 5, 6, 9, 2, 5, 6], room=8) == []
     # one continuation seen: drafted, the latest occurrence's tokens
