@@ -27,19 +27,19 @@ MODEL_DRAFT = 8
 # text has most likely left what it was copying (measured: a 43-token draft right after such a
 # miss had nothing accepted; restarting at 4 took the copy-heavy bench from 1.55x to 1.8x).
 RESTART = 4
-# What a draft is worth (see AdaptiveLength.worth). Each draft token is taken to add
-# TOKEN_COST of a lone decode to the step that verifies it: measured 0.48 on a 2-core AMD Zen 4
-# (9.0 ms for one token, then 4.3 ms for each more up to 64) and about 0.3 on a 2-core laptop
-# CPU (prefill against decode). A fixed figure, not a timed one: draft lengths, so batch shapes
-# and logits, stay the same from run to run. The chance that a draft token is accepted is
-# estimated from the drafts' feedback, each draft's counts weighing DECAY times the next one's,
-# and PRIOR_ACCEPTANCE, weighing PRIOR_WEIGHT draft tokens, before any. Chosen by replaying the
-# greedy generations of eight chat prompts (a story, a copy, code, a list, a summary, answers
-# about a passage, a recipe, an explanation) with each machine's batch costs: tokens per second
-# with prompt lookup against without, geometric mean 1.035 -> 1.148 with the Zen 4's costs,
-# 1.291 -> 1.385 with 0.32 per draft token and 1.611 -> 1.622 with 0.15 (the copy alone 1.42 ->
-# 1.45, 1.87 -> 1.88 and 2.61 -> 2.56); within 0.01 of that for decays 0.7-0.9 and priors
-# 0.7-0.9, a prior weighing 2 tokens ramps a copy's drafts up more slowly (1.35 on the Zen 4).
+# What a draft is worth (see AdaptiveLength.worth). Each draft token is taken to add TOKEN_COST of a
+# lone decode to the step that verifies it: measured 0.48 on a 2-core AMD Zen 4 (9.0 ms for one
+# token, 15.5 for two, then 4.3 ms for each more up to 64) and about 0.3 on a 2-core laptop CPU
+# (prefill against decode). A fixed figure, not a timed one: draft lengths, so batch shapes and
+# logits, stay the same from run to run. The chance that a draft token is accepted is estimated from
+# the drafts' feedback, each draft's counts weighing DECAY times the next one's, and
+# PRIOR_ACCEPTANCE, weighing PRIOR_WEIGHT draft tokens, before any. Chosen by replaying the greedy
+# generations of eight chat prompts (a story, a copy, code, a list, a summary, answers about a
+# passage, a recipe, an explanation) with each machine's batch costs: tokens per second with prompt
+# lookup against without, geometric mean 1.035 -> 1.148 with the Zen 4's costs, 1.291 -> 1.385 with
+# 0.32 per draft token and 1.611 -> 1.622 with 0.15 (the copy alone 1.42 -> 1.45, 1.87 -> 1.88 and
+# 2.61 -> 2.56); within 0.01 of that for decays 0.7-0.9 and priors 0.7-0.9, a prior weighing 2
+# tokens ramps a copy's drafts up more slowly (1.35 on the Zen 4).
 TOKEN_COST = 0.5
 PRIOR_ACCEPTANCE = 0.8
 PRIOR_WEIGHT = 0.5
