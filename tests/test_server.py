@@ -1023,6 +1023,7 @@ def test_full_queue_answers_429(model_path: Path) -> None:
         with pytest.raises(openai.RateLimitError) as info:
             tiny.chat.completions.create(messages=USER, model=NAME, max_tokens=2)
         assert info.value.status_code == 429 and info.value.code == "queue_full"
+        assert info.value.response.headers["retry-after"] == "1"  # clients wait, then retry
         for stream in streams:
             stream.close()
         wait_for(base, lambda q: q["running"] == q["waiting"] == 0)
@@ -1488,6 +1489,28 @@ def test_choices_that_fill_the_context_together_take_turns(model_path: Path) -> 
         assert [c["finish_reason"] for c in reply["choices"]] == ["length", "length"]
         prompt = reply["usage"]["prompt_tokens"]
         assert reply["usage"]["completion_tokens"] == 2 * (small.n_ctx - prompt)
+        assert health(small_url)["queue"]["running"] == 0
+
+
+def test_prompts_that_outgrow_the_context_together_queue(model_path: Path) -> None:
+    # Four prompts that each fit the context, not all together: each choice's prompt waits
+    # until its cells fit beside the running ones'. They were admitted at once and the ones
+    # that found no cell for their prompt failed (503 context_full).
+    with (
+        lcgen.Model(model_path, n_ctx=256, n_threads=1) as small,
+        running(create_app(small, model_name=NAME)) as small_url,
+    ):
+        story = "Once upon a time there was a little fox who lived in a deep forest. " * 5
+        prompts = [f"Story {i}: {story}" for i in range(4)]
+        n_prompt = len(small.tokenize(prompts[0]))
+        assert n_prompt < small.n_ctx < 4 * n_prompt
+        body = json.dumps({"model": NAME, "prompt": prompts, "max_tokens": 8, "temperature": 0})
+        status, reply = request(small_url, "/v1/completions", body.encode(), key=None)
+        assert status == 200, reply
+        assert [c["finish_reason"] for c in reply["choices"]] == ["length"] * 4
+        for choice in reply["choices"]:  # the same as alone
+            alone = small.generate(prompts[choice["index"]], max_tokens=8)
+            assert choice["text"] == str(alone)
         assert health(small_url)["queue"]["running"] == 0
 
 

@@ -22,7 +22,6 @@ from lcgen.continuous.elements import (
     Element,
     cut_at_stop,
     open_prefilled,
-    prefill_cost,
     settle,
     text_of,
 )
@@ -259,7 +258,7 @@ def search(
         scheduler.submit(
             functools.partial(_start, spec, root, started),
             n_slots=spec.beams or 1,
-            n_cells=prefill_cost(spec.model, root.tokens),
+            prefills=root.tokens,
         )
     with spec.model.cache.beam_turn():  # a search forks while it holds slots: one thread's
         try:

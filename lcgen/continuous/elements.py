@@ -16,7 +16,6 @@ import functools
 import itertools
 import math
 import os
-from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
@@ -43,12 +42,6 @@ class Element:
 
     def copy(self) -> Element:
         return Element(list(self.tokens), list(self.logprobs))
-
-
-def prefill_cost(model: ModelLike, tokens: list[int]) -> Callable[[], int]:
-    """The cells :func:`open_prefilled` would decode for ``tokens`` now (for the scheduler,
-    which starts it once they fit)."""
-    return lambda: len(tokens) - model.cache.cached(tokens)
 
 
 def open_prefilled(model: ModelLike, tokens: list[int]) -> Sequence:
@@ -168,8 +161,8 @@ def run(
     jobs = [_Job(elem, text_of(spec.model, elem.tokens)) for elem in elements]
     scheduler = Scheduler(spec.model.cache)
     for job, seed in zip(jobs, seeds, strict=True):
-        cost = prefill_cost(spec.model, job.elem.tokens)
-        scheduler.submit(functools.partial(_start, spec, job, seed), n_cells=cost)
+        start = functools.partial(_start, spec, job, seed)
+        scheduler.submit(start, prefills=job.elem.tokens)
     try:
         for event in scheduler:
             job = jobs[event.ticket]

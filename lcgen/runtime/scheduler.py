@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Callable, Iterator
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from lcgen.decoding import Chunk
@@ -60,22 +61,29 @@ class Scheduler:
     """
 
     def __init__(self, cache: KVStore) -> None:
+        if not isinstance(cache, KVStore):
+            raise TypeError(
+                f"Scheduler takes the model's KV store (model.cache), got {cache!r:.60}"
+            )
         self.cache = cache
         self._tickets = itertools.count()
-        self._waiting: deque[tuple[int, Start, int, Callable[[], int] | None]] = deque()
+        self._waiting: deque[tuple[int, Start, int, Seq[int] | None]] = deque()
         self._running: list[tuple[int, Run, int]] = []
 
-    def submit(
-        self, start: Start, *, n_slots: int = 1, n_cells: Callable[[], int] | None = None
-    ) -> int:
+    def submit(self, start: Start, *, n_slots: int = 1, prefills: Seq[int] | None = None) -> int:
         """Queue a generation that needs ``n_slots`` slots at most while it runs (a beam
-        search: its width), and whose ``start`` decodes ``n_cells()`` tokens at once (a
-        prompt it prefills: it waits until they fit beside the running work); returns its
-        ticket (0, 1, ... in the order of submission)."""
+        search: its width), and whose ``start`` decodes ``prefills`` at once (a prompt, from
+        the longest cached prefix of it: the generation waits until the cells that still
+        needs fit beside the running work); returns its ticket (0, 1, ... in the order of
+        submission)."""
+        if not callable(start):
+            raise TypeError(f"start must be a callable that starts a run, got {start!r:.60}")
+        if isinstance(n_slots, bool) or not isinstance(n_slots, int):
+            raise TypeError(f"n_slots must be an int, got {n_slots!r:.60}")
         if n_slots < 1:
             raise ValueError(f"n_slots must be >= 1, got {n_slots!r}")
         ticket = next(self._tickets)
-        self._waiting.append((ticket, start, n_slots, n_cells))
+        self._waiting.append((ticket, start, n_slots, prefills))
         return ticket
 
     @property
@@ -160,9 +168,9 @@ class Scheduler:
         runs done from the start (nothing to generate) come back as events without a step."""
         done: list[Event] = []
         while self._waiting:
-            ticket, start, n_slots, n_cells = self._waiting[0]
+            ticket, start, n_slots, prefills = self._waiting[0]
             if self._running or done:
-                if not self._has_room(n_slots, n_cells):
+                if not self._has_room(n_slots, prefills):
                     break
                 # Another thread may have taken the slot seen free: this one holds slots now,
                 # so it must not wait for theirs (each could wait for the other's forever).
@@ -174,19 +182,24 @@ class Scheduler:
             else:
                 run = start()
             self._waiting.popleft()
+            if not all(hasattr(run, a) for a in ("is_done", "sequences", "advance")):
+                raise TypeError(f"a start must return a run (seq.run(...)), got {run!r:.60}")
             if run.is_done:
                 done.append(Event(ticket, run, None))
             else:
                 self._running.append((ticket, run, n_slots))
         return done
 
-    def _has_room(self, n_slots: int, n_cells: Callable[[], int] | None) -> bool:
+    def _has_room(self, n_slots: int, prefills: Seq[int] | None) -> bool:
         """Whether ``n_slots`` more fit beside what the running work may still take (every
-        slot it reserved but does not hold yet: a beam search forks as it goes), and
-        ``n_cells()`` beside the cells its next step decodes."""
+        slot it reserved but does not hold yet: a beam search forks as it goes), and the cells
+        ``prefills`` needs beside those its next step decodes."""
         sequences = [seq for _, run, _ in self._running for seq in run.sequences()]
         reserved = sum(n for _, _, n in self._running)
         if reserved - len(sequences) + n_slots > self.cache.available_slots():
             return False
         pending = sum(seq.n_pending for seq in sequences)
-        return n_cells is None or n_cells() + pending <= self.cache.free_cells()
+        if prefills is None:
+            return True
+        n_cells = len(prefills) - self.cache.cached(prefills)
+        return n_cells + pending <= self.cache.free_cells()

@@ -318,7 +318,14 @@ class _Server:
         try:
             self.engine.submit(job)
         except QueueFullError as exc:
-            raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
+            # Retry-After: what clients (the openai package among them) wait before retrying
+            raise APIError(
+                429,
+                str(exc),
+                type="rate_limit_error",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            ) from None
         except ValueError as exc:  # more choices than the queue holds: never admitted
             raise APIError(400, str(exc), param="n", code="too_many_choices") from None
         if req.stream:
@@ -444,7 +451,7 @@ async def _cancel_on_disconnect(request: Request, engine: Engine, job: Job) -> N
 # the application ---------------------------------------------------------------------------
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

@@ -244,7 +244,8 @@ class Engine:
         return True
 
     def _submit(self, choice: _Choice) -> int:
-        ticket = self._scheduler.submit(lambda: self._start(choice))
+        prompt = choice.job.prompts[choice.index]
+        ticket = self._scheduler.submit(lambda: self._start(choice), prefills=prompt)
         self._choices[ticket] = choice
         return ticket
 
