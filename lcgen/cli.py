@@ -6,6 +6,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import os
 import re
 import sys
@@ -16,7 +17,7 @@ from typing import Any, cast
 
 import lcgen
 from lcgen import server
-from lcgen._files import read_bounded
+from lcgen._files import MAX_FILE_BYTES, read_bounded
 from lcgen.decoding import Chunk, Text
 from lcgen.decoding.options import DEFAULT_MAX_RETRIES
 from lcgen.decoding.results import check_complete
@@ -59,13 +60,17 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int | None) -> No
         if max_tokens is not None
         else f"most tokens a reply has (default {CHAT_MAX_TOKENS}, at most half the context)",
     )
-    p.add_argument("--temperature", type=float, default=0.0, help="0 is greedy (default)")
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="0 is greedy (default)")
     p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--min-p", type=float, default=None)
-    p.add_argument("--repeat-penalty", type=float, default=None)
-    p.add_argument("--frequency-penalty", type=float, default=None, help="OpenAI's, per occurrence")
-    p.add_argument("--presence-penalty", type=float, default=None, help="OpenAI's, once per token")
+    p.add_argument("--top-p", type=finite_float, default=None)
+    p.add_argument("--min-p", type=finite_float, default=None)
+    p.add_argument("--repeat-penalty", type=finite_float, default=None)
+    p.add_argument(
+        "--frequency-penalty", type=finite_float, default=None, help="OpenAI's, per occurrence"
+    )
+    p.add_argument(
+        "--presence-penalty", type=finite_float, default=None, help="OpenAI's, once per token"
+    )
     p.add_argument("--seed", type=int, default=None, help="makes sampling reproducible")
     p.add_argument(
         "--token-healing",
@@ -110,6 +115,18 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int | None) -> No
         metavar="MODEL",
         help="speculative decoding with a draft model of the same vocabulary (same output)",
     )
+
+
+def finite_float(text: str) -> float:
+    """An argparse type: a finite float (``--temperature inf`` passed the library's checks and
+    sampled from a flat distribution; nan and inf are usage errors, status 2)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
 
 
 def _load(args: argparse.Namespace, ref: str | None = None) -> lcgen.Model:
@@ -320,8 +337,7 @@ def _prompt(args: argparse.Namespace) -> str:
         raise UsageError("--suffix fills in the middle of text: it does not take --chat")
     prompt: str = args.prompt
     if prompt == "-":
-        _tolerant_stdin()
-        prompt = sys.stdin.read().removesuffix("\n")
+        prompt = _read_stdin().removesuffix("\n")
     if not prompt and not args.chat and args.suffix is None:
         source = "stdin held no text" if args.prompt == "-" else "give the text to continue"
         raise UsageError(f"the prompt is empty: {source}")
@@ -330,6 +346,22 @@ def _prompt(args: argparse.Namespace) -> str:
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     return prompt
+
+
+def _read_stdin() -> str:
+    """stdin's text, at most :data:`~lcgen._files.MAX_FILE_BYTES` characters of it (each at
+    least a byte): ``- < /dev/zero`` grew without bound until the process was killed.
+
+    Raises:
+        UsageError: stdin holds more (the bound named).
+    """
+    _tolerant_stdin()
+    text = sys.stdin.read(MAX_FILE_BYTES + 1)
+    if len(text) > MAX_FILE_BYTES:
+        raise UsageError(
+            f"the prompt on stdin is over {MAX_FILE_BYTES // 2**20} MiB, the most lcgen reads"
+        )
+    return text
 
 
 def _tolerant_stdin() -> None:
@@ -924,9 +956,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run the ``lcgen`` command; returns the exit status: 0, 1 for an error, 2 for a usage
     error, 130 after Ctrl-C, 141 when stdout was closed early."""
+    _stderr_or_devnull()
     try:
         with server.one_line_warnings("lcgen"):
             args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+            _check_streams(args)
             return int(args.func(args))
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do
         _discard_stdout()
@@ -939,6 +973,33 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+
+
+def _stderr_or_devnull() -> None:
+    """Python's sys.stderr is None when the command started with stderr closed (``2>&-``), and
+    ``print(file=None)`` writes on stdout: the messages go to /dev/null (the status still says)."""
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 -- open until the process ends
+
+
+def _check_streams(args: argparse.Namespace) -> None:
+    """Before anything loads: the standard streams the command uses are open (Python's
+    sys.stdin or sys.stdout is None when one was closed as it started: ``<&-``, ``>&-``).
+
+    Raises:
+        UsageError: one is not (what the command needs it for named).
+    """
+    if args.command == "serve":  # it writes only on stderr
+        return
+    if sys.stdout is None:
+        raise UsageError(
+            f"stdout is closed: lcgen {args.command} writes its output there "
+            "(>/dev/null discards it)"
+        )
+    if sys.stdin is None and args.command == "chat":
+        raise UsageError("stdin is closed: lcgen chat reads the messages from it")
+    if sys.stdin is None and getattr(args, "prompt", None) == "-":
+        raise UsageError("stdin is closed: the prompt - is read from it (or give it as text)")
 
 
 def _discard_stdout() -> None:

@@ -507,6 +507,32 @@ def test_option_errors_are_usage_errors(
     assert err.startswith("lcgen: error: ") and err.count("\n") == 1 and says in err, err
 
 
+@pytest.mark.parametrize(
+    ("command", "flag", "value"),
+    [
+        ("generate", "--temperature", "inf"),
+        ("generate", "--temperature", "nan"),
+        ("generate", "--top-p", "nan"),
+        ("generate", "--min-p", "inf"),
+        ("generate", "--repeat-penalty", "inf"),
+        ("generate", "--frequency-penalty", "-inf"),
+        ("chat", "--presence-penalty", "inf"),
+        ("chat", "--temperature", "infinity"),
+    ],
+)
+def test_a_float_option_that_is_not_finite_is_a_usage_error(
+    command: str, flag: str, value: str
+) -> None:
+    # --temperature inf was taken (nan was refused): it sampled from a flat distribution
+    prompt = ["hi"] if command == "generate" else []
+    out = run(command, "smollm2-135m", *prompt, f"{flag}={value}")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (
+        f"lcgen {command}: error: argument {flag}: must be a finite number, got {value} "
+        f"(see lcgen {command} --help)\n"
+    )
+
+
 def test_chat_option_errors_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["chat", "no-such-model", "--temperature", "-1"]) == 2
     assert capsys.readouterr().err == "lcgen: error: temperature must be >= 0, got -1.0\n"
@@ -609,6 +635,75 @@ def test_a_closed_stdout_ends_quietly(command: str) -> None:
     proc.stderr.close()
 
 
+# a stream closed as the command starts (`<&-`, `>&-`): a usage error, before the model loads -
+def _run_redirected(redirect: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``lcgen ARGS`` run by a shell with ``redirect`` (Python's sys.stdin, sys.stdout or
+    sys.stderr is None for a stream that is closed)."""
+    command = [sys.executable, "-m", "lcgen.cli", *args, *THREADS]
+    return subprocess.run(
+        ["sh", "-c", f'"$@" {redirect}', "sh", *command],
+        input="hi\n",
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("redirect", "args", "says"),
+    [
+        ("<&-", ["chat"], "stdin is closed: lcgen chat reads the messages from it"),
+        ("<&-", ["generate", "-"], "stdin is closed: the prompt - is read from it"),
+        (">&-", ["generate", "hi"], "stdout is closed: lcgen generate writes its output there"),
+        (">&-", ["chat"], "stdout is closed: lcgen chat writes its output there"),
+    ],
+)  # fmt: skip
+def test_a_closed_stdin_or_stdout_is_a_usage_error(
+    redirect: str, args: list[str], says: str
+) -> None:
+    # AttributeError: 'NoneType' object has no attribute 'isatty' (or 'read', or 'write'),
+    # status 1, after the model loaded
+    command, *rest = args
+    out = _run_redirected(redirect, command, "smollm2-135m", *rest)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr.startswith(f"lcgen: error: {says}") and out.stderr.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("redirect", "args"),
+    [
+        ("<&- 2>&-", ["generate", "smollm2-135m", "-"]),
+        ("2>&-", ["generate", "smollm2-135m", "hi", "--temperature", "inf"]),
+        ("2>&-", ["generate", "smollm2-135m", ""]),
+    ],
+)
+def test_errors_with_stderr_closed_keep_the_status_and_leave_stdout_alone(
+    redirect: str, args: list[str]
+) -> None:
+    # print(file=sys.stderr) with sys.stderr None writes on stdout: the error was the output
+    out = _run_redirected(redirect, *args)
+    assert out.returncode == 2 and out.stdout == "" and out.stderr == ""
+
+
+def test_a_prompt_on_stdin_is_read_with_a_bound(tmp_path: Path) -> None:
+    # `- < /dev/zero` grew without bound until the process was killed (out of memory)
+    command = [sys.executable, "-m", "lcgen.cli", "generate", "no-such-model", "-"]
+    at_bound = tmp_path / "prompt.txt"
+    at_bound.write_bytes(b"a" * MAX_FILE_BYTES)
+    outs = []
+    for source in ("/dev/zero", at_bound):
+        with open(source, "rb") as stdin:
+            outs.append(
+                subprocess.run(command, stdin=stdin, capture_output=True, text=True, timeout=300)
+            )
+    over, at = outs
+    assert over.returncode == 2 and over.stderr == (
+        "lcgen: error: the prompt on stdin is over 16 MiB, the most lcgen reads\n"
+    )
+    assert at.returncode == 1 and at.stderr.startswith("lcgen: error: unknown model")
+
+
 # lcgen serve ---------------------------------------------------------------------------------
 needs_server = pytest.mark.skipif(
     any(importlib.util.find_spec(name) is None for name in ("starlette", "uvicorn")),
@@ -627,6 +722,17 @@ def test_serve_checks_its_options_before_loading() -> None:
     with pytest.raises(SystemExit) as exit_info:
         server.main(["m", "--max-queue", "0"])
     assert exit_info.value.code == 2
+
+
+def test_a_cors_origin_that_is_not_one_is_a_usage_error() -> None:
+    # status 1, where --port 70000 and --max-queue 0 are usage errors (status 2)
+    out = run("serve", "smollm2-135m", "--cors-origin", "example.com")
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (
+        "lcgen serve: error: argument --cors-origin: CORS origin 'example.com' is not '*' or a "
+        "web origin such as 'https://example.com' or 'http://localhost:3000' (no path, no "
+        "trailing /) (see lcgen serve --help)\n"
+    )
 
 
 @needs_server

@@ -399,7 +399,13 @@ def one_line_warnings(prog: str) -> Iterator[None]:
 
 def command(args: argparse.Namespace) -> int:
     """Run ``serve`` with parsed arguments; returns the exit status (an error is one line on
-    stderr, status 1; a warning is one line too)."""
+    stderr, status 1, or 2 for a usage error, as argparse's; a warning is one line too)."""
+    try:  # a usage error as --port's, before anything is bound or loaded
+        check_cors_origins(args.cors_origin)
+    except ValueError as exc:
+        message = f"argument --cors-origin: {exc} (see lcgen serve --help)"
+        print(f"lcgen serve: error: {message}", file=sys.stderr)
+        return 2
     try:
         with one_line_warnings("lcgen serve"):
             serve(
