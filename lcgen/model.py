@@ -588,7 +588,7 @@ class Model:
         check_seed(seed)  # before a slot is taken
         if isinstance(prompt, str):
             tokens = self.tokenize(prompt, special=special) if prompt else []
-        elif isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Seq):
+        elif isinstance(prompt, bytes | bytearray) or not isinstance(prompt, Seq | np.ndarray):
             raise TypeError(f"a prompt is a str or a list of token ids, got {shown(prompt)}")
         else:
             tokens = self.vocab.check_tokens(prompt)  # type: ignore[arg-type]

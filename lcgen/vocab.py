@@ -56,10 +56,23 @@ class Vocab:
             text: the text.
             add_bos: prepend BOS; None follows the model's own setting.
             special: parse special-token text such as ``<|im_start|>`` into those tokens.
+
+        Raises:
+            TypeError: ``text`` is not a str.
+            ValueError: it holds a lone surrogate (no UTF-8 text spells one).
         """
         if not isinstance(text, str):
             raise TypeError(f"text to tokenize must be a str, got {type(text).__name__}")
-        tokens = self._handle.tokenize(text.encode("utf-8"), False, special)
+        try:
+            data = text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(
+                f"the text holds the lone surrogate U+{ord(text[exc.start]):04X} at index "
+                f"{exc.start} ({text[max(0, exc.start - 20) : exc.start + 1]!r}), which no "
+                "UTF-8 text spells: a string decoded with errors='surrogateescape' holds one "
+                "for each byte that was not UTF-8"
+            ) from None
+        tokens = self._handle.tokenize(data, False, special)
         wants_bos = self.add_bos if add_bos is None else add_bos
         if wants_bos and self.bos >= 0 and tokens[:1] != [self.bos]:
             tokens.insert(0, self.bos)

@@ -298,6 +298,10 @@ def test_a_full_memory_in_the_middle_of_a_prefill_leaves_the_sequence_usable() -
         ({"stop_tokens": "ab"}, TypeError, "stop_tokens takes a list of token ids (int), got 'ab'"),
         ({"stop_tokens": [1.5]}, TypeError, "stop_tokens must be an int, got 1.5"),
         ({"seed": True}, ValueError, "seed must be an int >= 0 or None, got True"),
+        # a Python error from inside lcgen, not naming the option (OverflowError, iteration)
+        ({"repeat_last_n": 10**20}, ValueError, "repeat_last_n must be >= 0 and at most"),
+        ({"hooks": 5}, TypeError, "hooks takes a list of callables, got 5"),
+        ({"validators": 5}, TypeError, "validators takes a list of callables, got 5"),
         # flags that took any value as true or false
         ({"token_healing": "yes"}, TypeError, "token_healing must be True or False, got 'yes'"),
         ({"include_stop": "no"}, TypeError, "include_stop must be True or False, got 'no'"),
@@ -337,6 +341,12 @@ def test_infinite_logit_biases_ban_and_force(model: lcgen.Model) -> None:
     first = model.generate("Hi", max_tokens=1).tokens[0]
     assert first not in model.generate("Hi", max_tokens=4, logit_bias={first: -inf}).tokens
     assert model.generate("Hi", max_tokens=2, logit_bias={28: inf}).tokens == (28, 28)
+    # A finite bias past float32's range is float32's largest logit, not +inf (it was, with
+    # numpy's overflow warning).
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        huge = model.generate("Hi", max_tokens=2, logit_bias={28: 1e308, 29: -1e308})
+    assert huge.tokens == (28, 28)
     pairs: Any = [(28, -inf)]  # pairs, as a list: kept as a tuple of them
     assert lcgen.SamplerConfig(logit_bias=pairs).logit_bias == ((28, -inf),)
     # +inf on a token the grammar refuses: it stays refused (-inf + inf made NaN logits)
@@ -516,3 +526,93 @@ def test_long_prompts_are_shortened_in_messages(model: lcgen.Model) -> None:
     with pytest.raises(TypeError) as caught:
         model.sequence({i: i for i in range(4096)})  # type: ignore[arg-type]
     assert len(str(caught.value)) < 200, str(caught.value)
+
+
+def test_numpy_numbers_are_taken_where_numbers_are(model: lcgen.Model) -> None:
+    """lcgen's own API returns numpy token ids (tokens_extending): every option takes numpy
+    integers and floats as the numbers they hold, with the same result."""
+    ids = model.tokens_extending(b" the")
+    first, tokens = ids[0], np.array(model.tokenize("Once upon"))
+    assert isinstance(first, np.integer)
+    options: dict[str, Any] = {
+        "max_tokens": 4,
+        "temperature": 0.7,
+        "top_k": 20,
+        "seed": 3,
+        "logprobs": 1,
+        "logit_bias": {int(first): -5.0},
+        "stop_tokens": [int(first) + 1],
+    }
+    as_numpy = {
+        **options,
+        "max_tokens": np.int64(4),
+        "temperature": np.float32(0.7),
+        "top_k": np.int32(20),
+        "seed": np.uint8(3),
+        "logprobs": np.int64(1),
+        "logit_bias": {first: np.float32(-5.0)},
+        "stop_tokens": np.array([first + 1]),
+    }
+    expected = model.sequence(tokens.tolist()).generate(**options)
+    got = model.sequence(tokens).generate(**as_numpy)  # type: ignore[arg-type]
+    assert got.tokens == expected.tokens
+    assert lcgen.Override(first).token == int(first)  # type: ignore[arg-type]
+    with model.sequence("Hi there") as seq:
+        seq.generate(max_tokens=3)
+        seq.rewind(np.int64(2))  # type: ignore[arg-type]
+        assert len(seq) == len(model.tokenize("Hi there")) + 1
+    state = lcgen.continuous(lcgen.generate.text(model, max_tokens=1, seed=1))(
+        "Hi",
+        num_samples=np.int64(2),  # type: ignore[arg-type]
+    )
+    assert state.shape == (1, 2)
+    with pytest.raises(TypeError, match="Override takes a token id"):
+        lcgen.Override(np.bool_(True))  # type: ignore[arg-type]
+
+
+def test_wrong_arguments_are_named_not_internal_attribute_errors(model: lcgen.Model) -> None:
+    """Each of these raised AttributeError from inside lcgen."""
+    for bad in (None, "smollm2-135m"):
+        with pytest.raises(TypeError, match="first argument is the model"):
+            lcgen.generate.text(bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="first argument is the model"):
+            lcgen.generate.json(bad, {"type": "object"})  # type: ignore[arg-type]
+
+    def add(x: int) -> int:
+        """Add one."""
+        return x + 1
+
+    with pytest.raises(TypeError, match="invoke takes a ToolCall"):
+        lcgen.Tool.of(add).invoke({"name": "add", "arguments": {"x": 1}})  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"Text\.of joins a generation's Chunks, got 5"):
+        lcgen.Text.of([5])  # type: ignore[list-item]
+    with model.sequence("Hi") as seq:
+        with pytest.raises(TypeError, match="generator must be the Generator"):
+            seq.checkpoint(5)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="generator must be the Generator"):
+            seq.rewind(0, 5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="Scheduler takes the model's KV store"):
+        lcgen.Scheduler(5)  # type: ignore[arg-type]
+    scheduler = lcgen.Scheduler(model.cache)
+    with pytest.raises(TypeError, match="start must be a callable"):
+        scheduler.submit(5)  # type: ignore[arg-type]
+    scheduler.submit(lambda: 5)  # type: ignore[arg-type,return-value]
+    with pytest.raises(TypeError, match="a start must return a run"):
+        list(scheduler)
+    seq = model.sequence("Hi")
+    seq.close()
+    with pytest.raises(lcgen.ClosedError):
+        seq.reseed(3)  # it did nothing, where every other method raises
+
+
+def test_text_that_is_no_utf8_is_named(model: lcgen.Model, tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"lone surrogate U\+DC80 at index 2"):
+        model.generate("ab\udc80", max_tokens=1)
+    with pytest.raises(ValueError, match=r"lone surrogate U\+D800"):
+        model.chat([{"role": "user", "content": "\ud800"}], max_tokens=1)
+    latin1 = tmp_path / "latin1.gbnf"
+    latin1.write_bytes(b'root ::= "caf\xe9"')
+    with pytest.raises(lcgen.GrammarError, match="is not UTF-8 text"):
+        lcgen.Grammar.from_file(latin1)
+    with pytest.raises(lcgen.GrammarError, match="it is a directory"):
+        lcgen.Grammar.from_file(tmp_path)

@@ -81,9 +81,9 @@ class Grammar:
         Raises:
             FileNotFoundError: no such file, and no bundled grammar of that name (the
                 message lists the bundled ones).
-            GrammarError: the file does not parse, or is not a regular file or a pipe (a
-                device such as ``/dev/zero`` would be read until memory ran out), or is over
-                :data:`lcgen._files.MAX_FILE_BYTES`.
+            GrammarError: the file does not parse, is not UTF-8 text, or is not a regular file
+                or a pipe (a directory; a device such as ``/dev/zero`` would be read until
+                memory ran out), or is over :data:`lcgen._files.MAX_FILE_BYTES`.
         """
         path = Path(name_or_path)
         if not path.is_file() and path.suffix == "" and path.name == str(name_or_path):
@@ -92,10 +92,16 @@ class Grammar:
             except ValueError as exc:
                 raise FileNotFoundError(f"no grammar file {path.name!r}, and {exc}") from None
         try:
-            data = read_bounded(path)
+            text = read_bounded(path).decode("utf-8")
+        except IsADirectoryError:
+            raise GrammarError(f"{path} is not a grammar file: it is a directory") from None
+        except UnicodeDecodeError as exc:
+            raise GrammarError(
+                f"{path} is not a grammar file: it is not UTF-8 text (byte {exc.start})"
+            ) from None
         except ValueError as exc:  # a device, or too large
             raise GrammarError(f"{path} is not a grammar file: {exc}") from None
-        return cls(data.decode("utf-8"), root)
+        return cls(text, root)
 
     @staticmethod
     def bundled_names() -> tuple[str, ...]:

@@ -24,7 +24,7 @@ from typing import Any, Unpack
 from lcgen.constrain import Grammar
 from lcgen.decoding import GenerateOptions, Plan, SamplerConfig, make_plan
 from lcgen.decoding.results import SchemaLike
-from lcgen.runtime.tokens import ModelLike
+from lcgen.runtime.tokens import ModelLike, check_model
 
 # The options that need one sequence to rewind: beam search takes none of them.
 _BACKTRACK_OPTIONS = frozenset(
@@ -78,7 +78,9 @@ def _spec(
     Raises:
         ValueError: an option is out of range, or beam search is combined with sampling.
         GrammarError: the constraint cannot be built.
+        TypeError: ``model`` is not a model.
     """
+    check_model(model, "a generation spec's first argument is the model (an lcgen.Model)")
     _check_length_penalty(length_penalty)
     if beams is not None:
         _check_beams(model, beams, options)

@@ -22,6 +22,7 @@ from typing import Any, SupportsIndex
 
 import numpy as np
 
+from lcgen._numbers import plain
 from lcgen.continuous import beam
 from lcgen.continuous.elements import (
     Element,
@@ -84,7 +85,7 @@ class SequenceState:
             ValueError: a list is empty or the lists differ in length, or ``num_samples`` < 1
                 or over :data:`MAX_SAMPLES` (with the batch).
         """
-        _check_num_samples(num_samples)
+        num_samples = _check_num_samples(num_samples)
         grid = _text_grid(prompt, num_samples)
         _check_num_samples(num_samples, len(grid))
 
@@ -238,9 +239,11 @@ class SequenceState:
         self.close()
 
 
-def _check_num_samples(num_samples: object, n_batch: int = 1) -> None:
-    """Refuse a ``num_samples`` that is not an int in [1, MAX_SAMPLES], or that makes more than
-    :data:`MAX_SAMPLES` samples of ``n_batch`` batch elements (a batch alone is not bounded)."""
+def _check_num_samples(num_samples: object, n_batch: int = 1) -> int:
+    """``num_samples`` as an int; refused when it is not an int in [1, MAX_SAMPLES], or makes
+    more than :data:`MAX_SAMPLES` samples of ``n_batch`` batch elements (a batch alone is not
+    bounded)."""
+    num_samples = plain(num_samples)
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"num_samples must be an integer >= 1, got {num_samples!r}")
     if num_samples > 1 and num_samples * n_batch > MAX_SAMPLES:
@@ -249,6 +252,7 @@ def _check_num_samples(num_samples: object, n_batch: int = 1) -> None:
             f"num_samples={num_samples}{of} makes {num_samples * n_batch:,} samples, over the "
             f"{MAX_SAMPLES:,} one call makes: make them in several calls"
         )
+    return num_samples
 
 
 def _text_grid(prompt: object, num_samples: int) -> list[list[str]]:
@@ -364,7 +368,7 @@ class Continuous:
                 a state of another model.
         """
         model, spec = self.spec.model, self.spec
-        _check_num_samples(num_samples)  # before the prompts are tokenized
+        num_samples = _check_num_samples(num_samples)  # before the prompts are tokenized
         state = self._as_state(prompt)
         _check_num_samples(num_samples, state.shape[0])
         if spec.beams is not None and num_samples != 1:

@@ -16,6 +16,7 @@ from typing import Union
 
 import numpy as np
 
+from lcgen._numbers import plain
 from lcgen.decoding.sampling import log_normalizer, top_ids
 from lcgen.decoding.text import check_no_surrogate, check_prefix_cost
 from lcgen.vocab import Vocab
@@ -36,6 +37,7 @@ class Override:
     token: int
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "token", plain(self.token))
         if isinstance(self.token, bool) or not isinstance(self.token, int):
             raise TypeError(f"Override takes a token id (int), got {self.token!r}")
 

@@ -16,6 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack
 
+from lcgen._numbers import plain
 from lcgen.constrain import Grammar
 from lcgen.decoding.hooks import BannedPhrases, Hook, Validator
 from lcgen.decoding.results import SchemaLike, Text, check_complete
@@ -251,6 +252,7 @@ def _bool(name: str, value: object) -> bool:
 
 
 def _int(name: str, value: object, low: int | None = None, high: int | None = None) -> int:
+    value = plain(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r}")
     if (low is not None and value < low) or (high is not None and value > high):
@@ -318,6 +320,8 @@ def _sequence_of(options: GenerateOptions, name: str, items: str) -> tuple[Any, 
         return ()
     if isinstance(value, str) or callable(value):
         raise TypeError(f"{name} takes a list of {items}, got {value!r}: use {name}=[{value!r}]")
+    if isinstance(value, bytes | bytearray | Mapping) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} takes a list of {items}, got {shown(value)}")
     return tuple(value)
 
 

@@ -196,6 +196,8 @@ class Text(str):
         each_token_has_one = True
         last: Chunk | None = None
         for last in chunks:
+            if not isinstance(last, Chunk):
+                raise TypeError(f"Text.of joins a generation's Chunks, got {last!r:.60}")
             parts.append(last.text)
             tokens.extend(last.tokens)
             logprobs.extend(last.logprobs)

@@ -14,9 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from lcgen._numbers import plain
 from lcgen.errors import DecodeError, NoCandidatesError
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_MAX_LAST_N = 2**31 - 1  # llama.cpp's positions are int32
 _NUMBERS = (
     "temperature",
     "top_p",
@@ -66,6 +68,8 @@ class SamplerConfig:
     )
 
     def __post_init__(self) -> None:
+        for name in (*_NUMBERS, "top_k", "repeat_last_n", "seed"):
+            object.__setattr__(self, name, plain(getattr(self, name)))
         for name in _NUMBERS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int | float):
@@ -88,8 +92,11 @@ class SamplerConfig:
             raise ValueError(f"min_p must be in [0, 1), got {self.min_p!r}")
         if not 0 < self.repeat_penalty < math.inf:
             raise ValueError(f"repeat_penalty must be > 0 and finite, got {self.repeat_penalty!r}")
-        if self.repeat_last_n < 0:
-            raise ValueError(f"repeat_last_n must be >= 0, got {self.repeat_last_n!r}")
+        if not 0 <= self.repeat_last_n <= _MAX_LAST_N:
+            raise ValueError(
+                f"repeat_last_n must be >= 0 and at most {_MAX_LAST_N} (more than any context "
+                f"holds), got {self.repeat_last_n!r}"
+            )
         object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         for tok, bias in self.logit_bias:
             if isinstance(tok, bool) or not isinstance(tok, int):
@@ -125,6 +132,7 @@ def check_seed(seed: object) -> int | None:
     Raises:
         ValueError: it is not one (the value is named).
     """
+    seed = plain(seed)
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
         raise ValueError(f"seed must be an int >= 0 or None, got {seed!r:.80}")
     return seed
@@ -137,11 +145,11 @@ def _bias_pairs(bias: object) -> tuple[tuple[Any, Any], ...]:
         TypeError: it is neither.
     """
     if isinstance(bias, Mapping):
-        return tuple(bias.items())
+        return tuple((plain(tok), plain(value)) for tok, value in bias.items())
     if isinstance(bias, tuple | list) and all(
         isinstance(pair, tuple | list) and len(pair) == 2 for pair in bias
     ):
-        return tuple((tok, value) for tok, value in bias)
+        return tuple((plain(tok), plain(value)) for tok, value in bias)
     raise TypeError(
         "logit_bias takes a mapping of token id to number (e.g. {28: -inf} bans token 28), "
         f"got {type(bias).__name__} {bias!r:.80}"
@@ -201,7 +209,10 @@ def _adjusted_logits(logits: np.ndarray, cfg: SamplerConfig, recent: Iterable[in
             out[ids] = np.where(np.isfinite(vals), np.clip(new, -_FLOAT32_MAX, _FLOAT32_MAX), vals)
     for tok, bias in cfg.logit_bias:
         if out[tok] != -np.inf:  # a token banned here stays banned (-inf + inf would be NaN)
-            out[tok] += bias
+            # A finite bias past float32's range lifts the logit to float32's largest, which
+            # is no +inf (only a +inf bias forces a token).
+            biased = float(out[tok]) + bias
+            out[tok] = biased if math.isinf(bias) else min(max(biased, -_FLOAT32_MAX), _FLOAT32_MAX)
     return out
 
 

@@ -25,10 +25,11 @@ import itertools
 import weakref
 from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Protocol, Self
+from typing import Protocol, Self, cast
 
 import numpy as np
 
+from lcgen._numbers import plain
 from lcgen.decoding import Generator
 from lcgen.decoding.sampling import new_rng
 from lcgen.errors import ClosedError, RewindError
@@ -60,6 +61,14 @@ def check_model(value: object, expected: str) -> None:
     of its model (:class:`ModelLike`)."""
     if not all(hasattr(value, a) for a in ("vocab", "context", "cache", "fingerprint", "path")):
         raise TypeError(f"{expected}, got {type(value).__name__}")
+
+
+def _check_generator(generator: object) -> None:
+    if generator is not None and not isinstance(generator, Generator):
+        raise TypeError(
+            f"generator must be the Generator driving the sequence (run.generator) or None, "
+            f"got {generator!r:.60}"
+        )
 
 
 class TokenSequence:
@@ -221,6 +230,7 @@ class TokenSequence:
                 into the checkpoint.
         """
         self._check_open()
+        _check_generator(generator)
         cp = self._checkpoint_at(len(self._tokens))
         return cp if generator is None else dataclasses.replace(cp, generation=generator.state)
 
@@ -252,6 +262,8 @@ class TokenSequence:
             ValueError: a generator was given but the checkpoint holds no generator state.
         """
         self._check_open()
+        _check_generator(generator)
+        target = cast(Checkpoint | int, plain(target))
         if generator is not None and (isinstance(target, int) or target.generation is None):
             raise ValueError(
                 "to restore a generator, rewind to a checkpoint taken with it: "
@@ -342,8 +354,10 @@ class TokenSequence:
 
     def reseed(self, seed: int) -> None:
         """Seed the sampler RNG (a rewind to before this restores the old state)."""
+        self._check_open()
+        rng = new_rng(seed)
         self._rng_log.setdefault(len(self._tokens), self._rng.bit_generator.state)
-        self._rng.bit_generator.state = new_rng(seed).bit_generator.state
+        self._rng.bit_generator.state = rng.bit_generator.state
 
     def note_draw(self) -> None:
         """Log the RNG state before the first random draw at the next position (a rewind to it

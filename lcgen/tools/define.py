@@ -118,6 +118,10 @@ class Tool:
                 than their JSON Schema says, which the grammar cannot enforce.
             (and what the function raises)
         """
+        if not isinstance(call, ToolCall):
+            raise TypeError(
+                f"invoke takes a ToolCall (from a reply's tool_calls), got {call!r:.60}"
+            )
         if call.name != self.name:
             raise ValueError(f"the call {call.id} is of function {call.name!r}, not {self.name!r}")
         fn = self.function
