@@ -94,7 +94,8 @@ def load(ref: str | os.PathLike[str] = DEFAULT_MODEL, **options: Any) -> Model:
     Args:
         ref: what to load; see ``lcgen models`` for the registry names.
         **options: passed to :class:`Model` (n_ctx, n_batch, n_seq_max, n_gpu_layers,
-            n_threads, flash_attn, type_k, type_v, swa_full, cache, slot_timeout, verbose).
+            n_threads, flash_attn, type_k, type_v, swa_full, cache, slot_timeout,
+            pad_batches, verbose).
 
     Returns:
         The loaded model.

@@ -216,6 +216,11 @@ class Model:
         slot_timeout: how long a thread waits for a slot other threads hold (None: as long
             as it takes; a thread never waits for slots only it holds: it gets
             :class:`~lcgen.SlotsExhaustedError`).
+        pad_batches: pad a short batch after a long cache to 64 tokens where that is
+            predicted faster (on the CPU with flash attention: see the README's notes on the KV
+            cache). The prediction learns this machine's decode times where the thread count
+            adapts; with a fixed ``n_threads`` a laptop's fitted rule decides, which loses on
+            some CPUs (a 2-core AVX-512 one): False never pads, fast there and reproducible.
         verbose: show llama.cpp's log on stderr (errors are always captured into exceptions).
 
     Raises:
@@ -239,6 +244,7 @@ class Model:
         swa_full: bool = True,
         cache: bool | int = True,
         slot_timeout: float | None = None,
+        pad_batches: bool = True,
         verbose: bool = False,
     ) -> None:
         n_seq_max = _check_sizes(n_ctx, n_batch, n_seq_max)
@@ -247,6 +253,7 @@ class Model:
         _check_bool("swa_full", swa_full)
         _check_bool("flash_attn", flash_attn, none=True)
         _check_bool("verbose", verbose)
+        _check_bool("pad_batches", pad_batches)
         if not isinstance(cache, bool):
             if not isinstance(cache, int):
                 raise TypeError(f"cache must be True, False or a number of cells, got {cache!r}")
@@ -296,7 +303,7 @@ class Model:
             adaptive_threads=self.adaptive_threads,
             # Flash attention on the CPU: short batches are padded where that is faster (see
             # Context._padding).
-            pad_batches=self.n_gpu_layers == 0 and flash_attn is not False,
+            pad_batches=pad_batches and self.n_gpu_layers == 0 and flash_attn is not False,
             type_k=type_k,
             type_v=type_v,
         )

@@ -766,8 +766,9 @@ def test_a_long_suffix_after_a_cached_prefix_is_padded_and_changes_only_speed(
     assert model.context.n_padded - padded == 64 - n_new
     assert model.context.n_decoded - decoded == n_new + 7
     assert model.context.pos_range(model.context.n_seq_max) == (-1, -1)  # the spare: empty
-    with lcgen.Model(model_path) as plain:
-        plain.context.pad_batches = False
+    with lcgen.Model(model_path, pad_batches=False) as plain:
+        assert not plain.context.pad_batches
+        plain.context.costs = PriorCosts()  # what padded above: off, it pads nothing
         plain.generate(prefix, max_tokens=1)
         theirs, rows = steps_of(plain, prefix + QUESTION, 8)
         assert plain.context.n_padded == 0
@@ -777,6 +778,8 @@ def test_a_long_suffix_after_a_cached_prefix_is_padded_and_changes_only_speed(
 def test_padding_needs_a_spare_sequence_id_and_room(model_path: Path) -> None:
     with lcgen.Model(model_path, n_batch=64, n_seq_max=64) as full:
         assert not full.context.pad_batches  # every id is a slot
+    with pytest.raises(TypeError, match="pad_batches"):
+        lcgen.Model(model_path, pad_batches="no")  # type: ignore[arg-type]
     with lcgen.Model(model_path, n_ctx=1024, n_seq_max=2) as small:
         small.context.costs = PriorCosts()  # padding predicted cheaper where there is room
         prefix = ""
