@@ -1082,6 +1082,8 @@ BAD = [
     (_body(min_p=1), "min_p"),
     (_body(top_logprobs=99, logprobs=True), "top_logprobs"),
     (_body(num_draft=4), "num_draft"),  # without speculate it would do nothing
+    (_body(max_retries=3), "max_retries"),  # ... without banned phrases (it was ignored)
+    (_body(banned_ignore_case=True), "banned_ignore_case"),
     (_body(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools.0.function.name"),
     (_body(tools=[{"type": "code"}]), "tools.0.type"),
     (_body(tools=[{"type": "function", "function": {"name": "f"}}], tool_choice="always"), None),

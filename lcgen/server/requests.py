@@ -382,6 +382,12 @@ def options(
         )
     if req.num_draft is not None and req.speculate is None:
         raise APIError(400, "num_draft needs speculate ('ngram' or 'draft')", param="num_draft")
+    for name, given in (
+        ("max_retries", req.max_retries is not None),
+        ("banned_ignore_case", req.banned_ignore_case),
+    ):
+        if given and req.banned is None:  # without banned phrases it would do nothing
+            raise APIError(400, f"{name} needs banned (a list of phrases)", param=name)
     if req.speculate is not None:
         out["speculate"] = draft if req.speculate == "draft" else req.speculate
         if req.num_draft is not None:
