@@ -205,6 +205,20 @@ def test_a_stop_string_ends_the_state_text(model: lcgen.Model) -> None:
             assert str(more).startswith(expected + " 7,")
 
 
+def test_a_stop_after_a_state_that_ends_inside_a_character(model: lcgen.Model) -> None:
+    # One token cuts the state inside a fox (4 bytes, more than one token); the next
+    # generation completes it. Its text counted those bytes as U+FFFDs of its own, and the
+    # state's as one more: the cut fell two characters late, leaving the stop string in.
+    cut = continuous(generate.text(model, max_tokens=1))("Faces: \U0001f98a \U0001f98a \U0001f98a")
+    assert str(cut).endswith("\ufffd")
+    whole = SequenceState.from_text(model, str(cut)[:-1] + "\U0001f98a")
+    for beams in (None, 2):
+        spec = generate.text(model, max_tokens=10, stop=["\n"], beams=beams)
+        for texts in (list(continuous(spec)(cut)), list(continuous(spec)(whole))):
+            assert all("\n" not in text for text in texts), texts
+            assert any(text.endswith("\U0001f98a") for text in texts), texts  # the fox kept
+
+
 # batches x samples -------------------------------------------------------------------------
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_batch_by_samples_equals_each_element_alone(model: lcgen.Model, temperature: float) -> None:

@@ -219,8 +219,9 @@ def _finished(search: BeamSearch, beam: _Beam) -> Element:
     """A finished beam as an element: the root's tokens and the generated ones."""
     root = search.root
     elem = Element(list(root.tokens), list(root.logprobs))
-    settle(elem, root.tokens + beam.gen.tokens, beam.logprobs)
-    cut_at_stop(search.spec.model, elem, beam.last, search.text_before, "".join(beam.parts))
+    kept = settle(elem, root.tokens + beam.gen.tokens, beam.logprobs)
+    emitted = "".join(beam.parts)
+    cut_at_stop(search.spec.model, elem, beam.last, search.text_before, emitted, kept)
     return elem
 
 

@@ -85,24 +85,32 @@ def _cut(model: ModelLike, elem: Element, n_chars: int) -> None:
     elem.tokens, elem.logprobs = prefix_tokens(model, elem.tokens, elem.logprobs, n_chars)
 
 
-def settle(elem: Element, new_tokens: list[int], generated: Seq[float]) -> None:
+def settle(elem: Element, new_tokens: list[int], generated: Seq[float]) -> int:
     """Record a finished generation on ``elem``: its tokens now, and the log-probabilities of
-    the ``len(generated)`` tokens generated at their end."""
-    kept = common_prefix(elem.tokens, new_tokens)  # less than all when token healing redid one
+    the ``len(generated)`` tokens generated at their end. Returns how many of its tokens
+    before stayed (all but one when token healing redid the last)."""
+    kept = common_prefix(elem.tokens, new_tokens)
     pad = len(new_tokens) - kept - len(generated)
     elem.logprobs = elem.logprobs[:kept] + [0.0] * pad + list(generated)
     elem.tokens = new_tokens
+    return kept
 
 
 def cut_at_stop(
-    model: ModelLike, elem: Element, last: Chunk | None, text_before: str, emitted: str
+    model: ModelLike, elem: Element, last: Chunk | None, text_before: str, emitted: str, kept: int
 ) -> None:
     """After a stop, drop the text past the emitted text: a stop string (unless included) or
-    a stop token's text, which a generation's text leaves out too."""
+    a stop token's text, which a generation's text leaves out too. ``kept``: the element's
+    tokens before the generation's (see :func:`settle`)."""
     if last is None or last.finish_reason != "stop":
         return
-    n_chars = len(text_before) + len(emitted)
-    if len(text_of(model, elem.tokens)) != n_chars:
+    # Where the text before ended inside a character that the generation's first bytes
+    # completed, each side counted its part of it as U+FFFD (the generation never saw the
+    # bytes before): the joined text holds that character once.
+    text = text_of(model, elem.tokens)
+    split = len(text_of(model, elem.tokens[:kept])) + len(text_of(model, elem.tokens[kept:]))
+    n_chars = len(text_before) + len(emitted) - (split - len(text))
+    if len(text) != n_chars:
         _cut(model, elem, n_chars)
 
 
@@ -141,8 +149,9 @@ def _start(spec: GenerateSpec, job: _Job, seed: int) -> Run:
 def _finish(spec: GenerateSpec, job: _Job, last: Chunk | None) -> None:
     assert job.seq is not None and job.run is not None
     model = spec.model
-    settle(job.elem, job.seq.tokens, job.run.token_logprobs)
-    cut_at_stop(model, job.elem, last, job.text_before, "".join(c.text for c in job.chunks))
+    kept = settle(job.elem, job.seq.tokens, job.run.token_logprobs)
+    emitted = "".join(c.text for c in job.chunks)
+    cut_at_stop(model, job.elem, last, job.text_before, emitted, kept)
     job.incomplete = incomplete(
         Text.of(job.chunks), spec.plan.constraint, model.vocab, spec.plan.stop_tokens
     )
