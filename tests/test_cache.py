@@ -852,6 +852,40 @@ def test_loading_more_entries_than_slots_returns_how_many_are_held(
         assert small.cache.load(path) == 2 and small.cache.stats.entries == 2  # again
 
 
+def test_loading_waits_for_slots_other_threads_hold(model_path: Path, tmp_path: Path) -> None:
+    """It refused at once, as if those slots would never come back; pinned entries that no
+    slot can take are still refused before anything loads, saying so."""
+    path, pins = tmp_path / "one.lcc", tmp_path / "pins.lcc"
+    with lcgen.Model(model_path, n_seq_max=2, n_ctx=1024, slot_timeout=60) as small:
+        small.generate("Q: 2 plus 3?\nA:", max_tokens=2)
+        assert small.cache.save(path) == 1
+        small.cache.clear()
+        opened, release = threading.Barrier(3), threading.Event()
+
+        def hold() -> None:
+            with small.sequence("Some other text"):
+                opened.wait()
+                release.wait()
+
+        holders = [threading.Thread(target=hold) for _ in range(2)]
+        for holder in holders:
+            holder.start()
+        opened.wait()  # both slots are held now
+        threading.Timer(0.5, release.set).start()
+        assert small.cache.load(path) == 1  # after the holders closed theirs
+        for holder in holders:
+            holder.join()
+        small.cache.clear(pinned=True)
+        small.cache.pin("Doc 0: the first")
+        small.cache.pin("Doc 1: the second")
+        assert small.cache.save(pins, pinned_only=True) == 2
+    with lcgen.Model(model_path, n_seq_max=2, n_ctx=1024) as other:
+        other.cache.pin("Doc 2: the third")
+        with pytest.raises(lcgen.SlotsExhaustedError, match="2 of them pinned, and 1 of the 2"):
+            other.cache.load(pins)
+        assert other.cache.stats.entries == 1  # nothing loaded
+
+
 def test_the_cache_off_loads_only_the_pinned_entries_of_a_file(
     model: lcgen.Model, cold_model: lcgen.Model, tmp_path: Path
 ) -> None:

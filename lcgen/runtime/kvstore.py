@@ -680,7 +680,10 @@ class KVStore:
         Raises:
             StateFileError: the file is corrupt, truncated, of another format version or of
                 another model (nothing is loaded then).
-            SlotsExhaustedError: not enough slots for the entries.
+            SlotsExhaustedError: the slots neither pinned prefixes nor this thread's live
+                sequences hold cannot take the file's pinned entries and one more (nothing is
+                loaded then); or, as for any open, none came free in time (slots other
+                threads hold are waited for, up to ``slot_timeout``).
         """
         header, kv = statefile.decode(statefile.read_file(path, statefile.CACHE), statefile.CACHE)
         if header.get("model") != self._fingerprint():
@@ -704,12 +707,20 @@ class KVStore:
             # before it holds, so a prefix's holder comes first; and a sliding window's
             # restored positions start no later in a longer entry (see Context.share_prefix).
             todo.sort(key=lambda item: len(item[0]))
+            # Slots other threads' live sequences hold come back (loading waits for them as
+            # any open does); pinned ones and this thread's own do not.
             n_pinned = sum(pinned for _, pinned, _ in todo)
-            room = len(self._free) + sum(e.state == "parked" for e in self._entries.values())
-            if n_pinned + (n_pinned < len(todo)) > room:
+            me = threading.get_ident()
+            pinned_now = sum(e.state == "pinned" for e in self._entries.values())
+            mine = sum(e.state == "live" and e.owner == me for e in self._entries.values())
+            room = self._ctx.n_seq_max - pinned_now - mine
+            if todo and n_pinned + (n_pinned < len(todo)) > room:
                 raise SlotsExhaustedError(
-                    f"the cache file {os.fspath(path)!r} has {n_pinned} pinned entries to "
-                    f"load: {self._exhausted_message()}"
+                    f"the cache file {os.fspath(path)!r} has {len(todo)} entries to load, "
+                    f"{n_pinned} of them pinned, and {room} of the {self._ctx.n_seq_max} slots "
+                    f"can take them ({pinned_now} hold pinned prefixes, {mine} this thread's "
+                    "live sequences): unpin prefixes, close sequences, or load the model with "
+                    f"a larger n_seq_max"
                 )
             try:
                 for tokens, pinned, blob in todo:
