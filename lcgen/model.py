@@ -701,10 +701,12 @@ class Model:
         tokens = [
             self.tokenize(p) if suffix is None else self.infill_tokens(p, suffix) for p in prompt
         ]
-        texts = self._generate_batch(tokens, plan)
+        texts, healed = self._generate_batch(tokens, plan)
         for text in texts:
             plan.check_complete(text, self.vocab)
-        return texts if schema is None else [parse_structured(t, schema) for t in texts]
+        if schema is None:
+            return texts
+        return [parse_structured(t, schema, h) for t, h in zip(texts, healed, strict=True)]
 
     def prompt_logprobs(self, prompt: str | Seq[int], *, top: int = 0) -> list[TokenLogprob]:
         """The log-probability of each token of ``prompt`` given the tokens before it (the
@@ -757,20 +759,24 @@ class Model:
                 before = rows[len(chunk)].copy()
         return out
 
-    def _generate_batch(self, prompts: list[list[int]], plan: Plan) -> list[Text]:
+    def _generate_batch(self, prompts: list[list[int]], plan: Plan) -> tuple[list[Text], list[str]]:
         """Every prompt through the scheduler: as many at once as slots allow, the rest queued,
-        each slot given back as soon as its generation ends."""
+        each slot given back as soon as its generation ends. Returns the texts, and the prompt
+        text token healing had each re-create (see :func:`parse_structured`)."""
         chunks: list[list[Chunk]] = [[] for _ in prompts]
+        healed = [""] * len(prompts)
         opened: list[Sequence] = []
 
-        def start(tokens: list[int]) -> Run:
+        def start(i: int, tokens: list[int]) -> Run:
             seq = Sequence(self, tokens)
             opened.append(seq)
-            return seq.run_plan(plan)
+            run = seq.run_plan(plan)
+            healed[i] = run.generator.heal.decode("utf-8", "replace")
+            return run
 
         scheduler = Scheduler(self.cache)
-        for tokens in prompts:
-            scheduler.submit(functools.partial(start, tokens))
+        for i, tokens in enumerate(prompts):
+            scheduler.submit(functools.partial(start, i, tokens))
         try:
             self._share_prefixes(prompts, opened)
             for event in scheduler:
@@ -782,7 +788,7 @@ class Model:
         finally:
             for seq in opened:
                 seq.close()
-        return [Text.of(parts) for parts in chunks]
+        return [Text.of(parts) for parts in chunks], healed
 
     def _share_prefixes(self, prompts: list[list[int]], opened: list[Sequence]) -> None:
         """Decode the prefixes two or more of ``prompts`` share, once, each in a live sequence

@@ -168,6 +168,28 @@ def test_token_healing_with_a_grammar(model: lcgen.Model) -> None:
         model.generate("The answer is: ye", token_healing=True, choice=["no", "0"])
 
 
+def test_a_schema_value_starts_with_the_text_healing_re_created(model: lcgen.Model) -> None:
+    # The prompt's "{" is healed: the grammar matched it with the output, which does not hold
+    # it. The value was parsed from the output alone: IncompleteOutputError, "raise max_tokens".
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer", "maximum": 9}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    prompt = "Answer in JSON:\n{"
+    with model.sequence(prompt) as seq:
+        assert seq.run(token_healing=True).generator.heal == b"{"
+    text = model.generate(
+        prompt, grammar=lcgen.Grammar.from_json_schema(schema), token_healing=True
+    )
+    assert text.finish_reason == "stop" and not text.startswith("{")
+    value = model.generate(prompt, schema=schema, token_healing=True)
+    assert value == json.loads("{" + text)
+    validate(value, schema)
+    assert model.generate([prompt, prompt], schema=schema, token_healing=True) == [value, value]
+
+
 def test_gemma_schema_output_validates(tmp_path: Path) -> None:
     schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
               "population": {"type": "integer", "minimum": 0, "maximum": 99999999}},

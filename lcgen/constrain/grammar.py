@@ -201,7 +201,10 @@ class Grammar:
             if not isinstance(option, str):
                 raise TypeError(f"choice options must be str, got {option!r}")
             if not option:
-                raise ValueError("a choice option is empty (it could never be generated)")
+                raise ValueError(
+                    "a choice option is empty: it matches before any token, so the output could "
+                    "end empty (give only options with text)"
+                )
         # A prefix tree, not a flat alternation: llama.cpp's work per token grows with the
         # alternatives alive (see :func:`lcgen.constrain.gbnf.trie`).
         rules = _gbnf.RuleSet()

@@ -275,9 +275,10 @@ def cut_reason(finish_reason: str | None, stop: str | None, stop_token: int | No
     return f"the stop token{'' if stop_token is None else f' {stop_token}'} (stop_tokens) ended it"
 
 
-def parse_structured(text: str, schema: SchemaLike) -> Any:
+def parse_structured(text: str, schema: SchemaLike, healed: str = "") -> Any:
     """The value a schema-constrained generation produced: a dict (JSON Schema) or an instance
-    of the pydantic model.
+    of the pydantic model. ``healed``: the prompt's text that token healing had the generation
+    re-create (not in ``text``, yet the constraint matched it: the value starts with it).
 
     Raises:
         IncompleteOutputError: generation stopped (max_tokens, a stop string) before the JSON
@@ -287,6 +288,7 @@ def parse_structured(text: str, schema: SchemaLike) -> Any:
     """
     from lcgen.errors import IncompleteOutputError
 
+    text = healed + text
     try:
         value = json.loads(text)
     except json.JSONDecodeError:

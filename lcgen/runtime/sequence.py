@@ -266,9 +266,11 @@ class Sequence(TokenSequence):
                 Schema but the model's own validation refused it.
         """
         plan = make_plan(schema=schema, **options)
-        text = Text.of(_chunks(self.run_plan(plan)))
+        run = self.run_plan(plan)
+        healed = run.generator.heal.decode("utf-8", "replace")  # before the run re-creates it
+        text = Text.of(_chunks(run))
         plan.check_complete(text, self.vocab)
-        return text if schema is None else parse_structured(text, schema)
+        return text if schema is None else parse_structured(text, schema, healed)
 
     # lifetime --------------------------------------------------------------------------
     def close(self) -> None:
