@@ -771,7 +771,7 @@ class Model:
             seq = Sequence(self, tokens)
             opened.append(seq)
             run = seq.run_plan(plan)
-            healed[i] = run.generator.heal.decode("utf-8", "replace")
+            healed[i] = run.generator.healed
             return run
 
         scheduler = Scheduler(self.cache)

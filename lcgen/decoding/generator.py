@@ -96,7 +96,10 @@ class Generator:
         self.finish_reason: FinishReason | None = "length" if plan.max_tokens == 0 else None
         self.stop_hit: str | None = None  # the stop string that ended generation
         self.grammar = plan.constraint.state(vocab) if plan.constraint is not None else None
-        self.heal = heal
+        self.heal = heal  # what is left to re-create
+        # The prompt text healing re-creates, which the constraint matches with the output
+        # (see lcgen.decoding.results.parse_structured).
+        self.healed = heal.decode("utf-8", "replace")
         self._banned = frozenset(t for t, b in plan.sampler.logit_bias if b == -np.inf)
         n_recent = plan.sampler.repeat_last_n
         self._history_tail = tuple(history[len(history) - n_recent :]) if n_recent else ()

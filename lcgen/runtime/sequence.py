@@ -267,10 +267,9 @@ class Sequence(TokenSequence):
         """
         plan = make_plan(schema=schema, **options)
         run = self.run_plan(plan)
-        healed = run.generator.heal.decode("utf-8", "replace")  # before the run re-creates it
         text = Text.of(_chunks(run))
         plan.check_complete(text, self.vocab)
-        return text if schema is None else parse_structured(text, schema, healed)
+        return text if schema is None else parse_structured(text, schema, run.generator.healed)
 
     # lifetime --------------------------------------------------------------------------
     def close(self) -> None:
