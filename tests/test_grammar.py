@@ -32,6 +32,7 @@ import lcgen
 from lcgen._resources import resource_path
 from lcgen.constrain import Grammar, GrammarState, lark
 from lcgen.constrain import gbnf as _gbnf
+from lcgen.constrain.chains import longest_chain
 from lcgen.constrain.grammar import _max_depth
 
 HYPOTHESIS = settings(
@@ -362,6 +363,65 @@ def test_a_minimum_above_the_maximum_never_reaches_llama_cpp() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "refused: repetition" in done.stdout
+
+
+CHAINS = {
+    "references": "r{i} ::= r{j}",
+    "after what can match nothing": 'r{i} ::= "x"? r{j}',
+    "before characters": 'r{i} ::= r{j} "x"',
+    "inside groups": "r{i} ::= (r{j})",
+    "repeated": "r{i} ::= r{j}+",
+}
+
+
+@pytest.mark.parametrize("form", list(CHAINS))
+def test_a_long_chain_of_rules_is_refused_before_llama_cpp_recurses_through_it(form: str) -> None:
+    """llama.cpp recurses once per rule reference it meets before a character: 80,000 rules
+    in a chain crashed the process (a request body under the server's limit), 2,000 on a
+    thread with a 256 KiB stack. Run on such a thread in a child, so a regression fails here."""
+    code = textwrap.dedent(f"""
+        import sys, threading
+        import lcgen
+        n = int(sys.argv[1])
+        rules = ["root ::= r0"] + [{CHAINS[form]!r}.format(i=i, j=i + 1) for i in range(n)]
+        text = "\\n".join([*rules, f'r{{n}} ::= "x"'])
+        def build():
+            try:
+                lcgen.Grammar(text)
+                print("taken")
+            except lcgen.GrammarError as exc:
+                print("refused:", exc)
+        threading.stack_size(256 * 1024)
+        thread = threading.Thread(target=build)
+        thread.start()
+        thread.join()
+    """)
+    for n, expected in ((300, "taken"), (5000, "refused: rule 'root' starts a chain of")):
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(n)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        assert done.returncode == 0, (n, done.returncode, done.stderr[-2000:])
+        assert done.stdout.startswith(expected), (n, done.stdout)
+
+
+@pytest.mark.parametrize(
+    ("gbnf", "depth"),
+    [
+        ('root ::= "x" a\na ::= "y" root | "z"', 0),  # characters first: no chain
+        ('root ::= a\na ::= b\nb ::= "x"', 2),
+        ('root ::= ((("x")))', 3),  # each group is a rule of llama.cpp's
+        ('root ::= "::=" a # b ::= c\na ::= "q"', 0),  # inside literals and comments
+        ('root ::= a{0,5}\na ::= "x"?', 5 + 1 + 1),  # 5 copies of a rule that can match nothing
+        ('root ::= [a-z]+ b\nb ::= c\nc ::= "x"', 1),  # the repetition's rule, then a character
+        ('root ::= x\nx ::= x "a" | "b"', 2),  # left recursion: llama.cpp's to report
+    ],
+)
+def test_the_longest_chain_counts_what_llama_cpp_recurses_through(gbnf: str, depth: int) -> None:
+    assert longest_chain(gbnf)[0] == depth
 
 
 def test_repetition_bound_inside_a_literal_is_not_a_bound() -> None:
@@ -805,6 +865,8 @@ def test_regex_is_exact_on_random_text(model: lcgen.Model, data: st.DataObject) 
         ("(", "invalid regex"),
         ("[a", "invalid regex"),
         ("a**", "invalid regex"),
+        ("a{99999999999999999999}", "repetition number is too large"),  # was OverflowError
+        ("(" * 3000 + ")" * 3000, "invalid regex"),  # deeper than re's parser recurses
         ("[[:alpha:]]", "nested set"),
     ],
 )

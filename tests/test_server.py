@@ -1073,6 +1073,7 @@ BAD = [
     (_body(grammar='root ::= "\\U00110000"'), "grammar"),  # beyond Unicode
     (_body(grammar='root ::= "a"\nroot ::= "b"'), "grammar"),  # a rule defined twice
     (_body(regex="(?<=a)b"), "regex"),
+    (_body(regex="a{99999999999999999999}"), "regex"),  # an OverflowError was a 500
     (_body(choice=[]), "choice"),
     (_body(regex="a", choice=["b"]), "choice"),
     (_body(response_format={"type": "json_schema"}), "response_format.json_schema"),

@@ -23,6 +23,7 @@ from lcgen._native.grammar import GrammarSampler, check_gbnf
 from lcgen._resources import resource_path
 from lcgen.constrain import gbnf as _gbnf
 from lcgen.constrain import regex as _regex
+from lcgen.constrain.chains import check_chains
 from lcgen.constrain.lark import bad_escape, redefined
 from lcgen.constrain.llg import Matcher
 from lcgen.constrain.pydantic_schema import pydantic_schema
@@ -44,9 +45,11 @@ class Grammar:
     Raises:
         GrammarError: the text does not parse (the message gives llama.cpp's reason and the
             line and column), has no rule named ``root``, is left-recursive, uses a
-            repetition bound that llama.cpp would silently drop (above 2000), defines a rule
-            twice (llama.cpp would keep the last definition silently), or escapes a value
-            that is no character (above ``\\U0010FFFF``, or a lone surrogate in a literal).
+            repetition bound that llama.cpp would silently drop (above 2000), chains rule
+            references deeper than llama.cpp can recurse (see :mod:`lcgen.constrain.chains`),
+            defines a rule twice (llama.cpp would keep the last definition silently), or
+            escapes a value that is no character (above ``\\U0010FFFF``, or a lone
+            surrogate in a literal).
         TypeError: ``gbnf`` or ``root`` is not a str.
     """
 
@@ -71,6 +74,7 @@ class Grammar:
             )
         _check_repetition_bounds(self.gbnf)
         _check_nesting(self.gbnf)
+        check_chains(self.gbnf)
         check_gbnf(self.gbnf, self.root)
         _check_rules_and_escapes(self.gbnf)
 

@@ -294,8 +294,10 @@ def parse(pattern: str, *, portable: bool = False) -> Node:
         with warnings.catch_warnings():
             warnings.simplefilter("error", FutureWarning)
             re.compile(pattern)
-    except (re.error, FutureWarning) as exc:
-        raise GrammarError(f"invalid regex /{pattern}/: {exc}") from None
+    except (re.error, FutureWarning, OverflowError, RecursionError) as exc:
+        # OverflowError: a repetition count beyond re's (a{99999999999999999999});
+        # RecursionError: groups nested deeper than re's parser goes
+        raise GrammarError(f"invalid regex /{pattern:.200}/: {exc}") from None
     return _Parser(pattern, portable).parse()
 
 
