@@ -520,6 +520,21 @@ CASES = [
         [2, -3, 1.5, 3, "a", None],
         [0, 1, 1.0, 2.5],
     ),
+    # Negated twice: exact where each negation is (a string enum, types, lengths).
+    Case("not-not-enum-strings", {"not": {"not": {"enum": ["a", "b"]}}}, ["a", "b"], ["c", 1]),
+    Case(
+        "not-not-string-length",
+        {"not": {"not": {"type": "string", "minLength": 2}}},
+        ["ab", "abc"],
+        ["a", 1, None],
+    ),
+    Case(
+        "if-not-type",
+        {"if": {"not": {"type": "string"}}, "then": {"type": "integer"}, "else": {"maxLength": 2}},
+        [1, "ab"],
+        ["abc", None, 1.5],
+    ),
+    Case("const-in-enum", {"const": 1, "enum": [1, 2]}, [1], [2, "1"]),
     Case(
         "not-const-beside-types",
         {"type": ["integer", "string"], "not": {"const": 0}},
@@ -927,6 +942,16 @@ def test_patterns_match_only_what_ecma_262_and_python_agree_on(
         ({"type": "number", "multipleOf": 0.0000123}, "multipleOf 0.0000123"),
         ({"type": "integer", "multipleOf": 997, "minimum": 1}, "multipleOf 997 with"),
         ({"not": {"pattern": "^a"}}, "not of pattern"),
+        # A not negates what it can and leaves the rest out, which only narrows: negated
+        # again (a not inside a not, or an if, whose else is its negation), that would widen.
+        ({"not": {"not": {"pattern": "^x", "minLength": 2}}}, "negates a not of pattern"),
+        (
+            {"if": {"not": {"pattern": "^x", "minLength": 2}}, "then": {"maxLength": 1}},
+            "negates a not of pattern",
+        ),
+        ({"not": {"not": {"enum": [[1], "a"]}}}, "enum (the arrays and objects"),
+        ({"not": {"not": {"type": "integer", "minimum": 0}}}, "integer (numbers that are not"),
+        ({"const": True, "enum": [1, 2]}, "no value of enum/const"),  # the const is no option
         ({"type": "object", "unevaluatedProperties": False}, "'unevaluatedProperties'"),
         ({"type": "array", "uniqueItems": True}, "uniqueItems"),
         ({"type": "array", "contains": {}, "maxContains": 2}, "maxContains"),

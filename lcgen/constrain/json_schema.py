@@ -46,6 +46,14 @@ from lcgen.constrain.json_values import (
 from lcgen.errors import GrammarError
 
 MAX_ALTERNATIVES = 256
+# Marks a schema made by negating a plain schema in part (its value: what was left out).
+PARTIAL = "$lcgen-partial-negation"
+# The keywords :meth:`_Compiler.negate_plain` negates exactly.
+NEGATED = frozenset(
+    ["type", "const", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+     "minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
+     "required", "properties", NOT_IN]
+)  # fmt: skip
 
 
 def schema_to_gbnf(
@@ -524,10 +532,27 @@ class _Compiler(ValueCompiler):
         return alts
 
     def negate_plain(self, member: dict[str, Any], path: str) -> list[dict[str, Any]]:
-        """Plain schemas, each failing one keyword of ``member`` (so failing ``member``)."""
+        """Plain schemas, each failing one keyword of ``member`` (so failing ``member``).
+
+        What cannot be negated is left out, which only narrows, and the schemas made say so
+        (:data:`PARTIAL`): negating them again would widen, so that raises.
+
+        Raises:
+            GrammarError: ``member`` is such a partial negation (a ``not`` inside a ``not``,
+                or inside an ``if``, whose ``else`` is its negation).
+        """
+        if PARTIAL in member:
+            raise GrammarError(
+                f"not at {path} negates a not of {member[PARTIAL]}, which lcgen negates only "
+                "in part (the values it leaves out would come back negated twice, allowing "
+                "invalid ones): a not inside a not or inside an if is not supported there"
+            )
         out: list[dict[str, Any]] = []
+        left_out = sorted(set(member) & (spec.CONSTRAINING | {NOT_IN}) - NEGATED)
         types = self.types_of(member)
-        if types is not None:  # (numbers that are not integers: left out)
+        if types is not None and "integer" in types and "number" not in types:
+            left_out.append("integer (numbers that are not integers)")
+        if types is not None:
             others = [t for t in spec.NON_NUMERIC if t not in types]
             others += [] if types & {"integer", "number"} else ["number"]
             if others:
@@ -544,6 +569,10 @@ class _Compiler(ValueCompiler):
             if "string" in kinds:
                 out.append({"type": "string", NOT_IN: [v for v in values if isinstance(v, str)]})
             out += self.numbers_between(values)
+            if kinds & {"array", "object"}:
+                left_out.append("enum (the arrays and objects it does not list)")
+        if NOT_IN in member:  # strings but these (a string enum negated): these strings
+            out.append({"enum": list(member[NOT_IN])})
         for key, flip in (("minimum", "maximum"), ("maximum", "minimum")):
             b = spec.bound(member, key, "exclusive" + key.capitalize())
             if b is not None:
@@ -571,6 +600,8 @@ class _Compiler(ValueCompiler):
         if not out and set(member) & spec.CONSTRAINING:
             keys = ", ".join(sorted(set(member) & spec.CONSTRAINING))
             raise GrammarError(f"not of {keys} (at {path}) is not supported")
+        if left_out:
+            return [{**n, PARTIAL: ", ".join(left_out)} for n in out]
         return out
 
     def numbers_between(self, values: list[Any]) -> list[dict[str, Any]]:

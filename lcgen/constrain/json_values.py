@@ -169,7 +169,9 @@ class ValueCompiler:
         # Each value against the other keywords: not against its own list (a linear scan per
         # value, quadratic in a long enum), and one validator per schema.
         others = [
-            {k: v for k, v in m.items() if k not in ("enum", "const")} if m is first else m
+            {k: v for k, v in m.items() if k != ("const" if "const" in m else "enum")}
+            if m is first
+            else m
             for m in conj
         ]
         checks = [self.validator.evolve(schema=m).is_valid for m in others if m != {}]
