@@ -160,6 +160,15 @@ def test_an_infinite_repeat_penalty_is_refused() -> None:
         SamplerConfig(repeat_penalty=float("inf"))
 
 
+def test_an_infinite_temperature_is_refused() -> None:
+    """At temperature inf every logit became NaN: the sampler picked a banned token, 2000
+    draws in 2000."""
+    with pytest.raises(ValueError, match="temperature must be >= 0 and finite, got inf"):
+        SamplerConfig(temperature=float("inf"), logit_bias={5: -np.inf})
+    with pytest.raises(ValueError, match="Resample temperature must be >= 0 and finite"):
+        lcgen.Resample(temperature=float("inf"))
+
+
 @pytest.mark.parametrize("temperature", [0.5, 1.0])
 def test_top_p_keeps_the_nucleus(temperature: float) -> None:
     logits = np.log(np.array([0.5, 0.3, 0.15, 0.05], dtype=np.float32))

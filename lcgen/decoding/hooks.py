@@ -7,6 +7,7 @@ candidate (see :class:`lcgen.Sequence`'s ``hooks`` option); a validator is a cal
 
 from __future__ import annotations
 
+import math
 import re
 import re._constants
 import re._parser  # the stdlib's own regex parser: the widths a pattern can match
@@ -54,7 +55,7 @@ class Resample:
     Raises:
         TypeError: ``exclude`` is not a list of token ids (a lone id: give ``[5]``), or
             ``temperature`` is not a number.
-        ValueError: ``temperature`` is below 0 (or NaN).
+        ValueError: ``temperature`` is below 0, infinite or NaN.
     """
 
     exclude: tuple[int, ...] = ()
@@ -64,8 +65,10 @@ class Resample:
         if temperature is not None:
             if isinstance(temperature, bool) or not isinstance(temperature, int | float):
                 raise TypeError(f"Resample temperature must be a number, got {temperature!r}")
-            if not temperature >= 0:  # NaN too
-                raise ValueError(f"Resample temperature must be >= 0, got {temperature!r}")
+            if not 0 <= temperature < math.inf:  # NaN too
+                raise ValueError(
+                    f"Resample temperature must be >= 0 and finite, got {temperature!r}"
+                )
         object.__setattr__(self, "exclude", _token_ids(exclude))
         object.__setattr__(self, "temperature", temperature)
 

@@ -34,7 +34,7 @@ class SamplerConfig:
     """How the next token is chosen from the logits.
 
     Args:
-        temperature: 0 picks the most likely token (greedy); above 0 samples.
+        temperature: 0 picks the most likely token (greedy); above 0 (and finite) samples.
         top_k: keep the k most likely tokens (0 keeps all; slower on large vocabularies).
         top_p: keep the smallest set of tokens whose probability sums to at least top_p.
         min_p: drop tokens less likely than min_p times the most likely one.
@@ -82,8 +82,8 @@ class SamplerConfig:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise TypeError(f"{name} must be an int, got {value!r}")
         check_seed(self.seed)
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not 0 <= self.temperature < math.inf:  # inf: every token alike, banned ones too
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 keeps all), got {self.top_k!r}")
         if not 0 < self.top_p <= 1:
