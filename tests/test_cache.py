@@ -990,3 +990,44 @@ def test_a_loaded_sliding_window_cache_shares_prefix_cells(tmp_path: Path, swa_f
             ours, _ = steps_of(other, prompt + " Yes", 4)
             assert other.context.n_decoded - before == n_new + 3  # the entry is reused
             assert_same_where_clear(ours, theirs, rows, prompt[-20:])
+
+
+class _LockChecked:
+    """A cell ledger whose every method asserts that the calling thread holds the context's
+    lock (other threads' decodes and slot changes change it under that lock)."""
+
+    def __init__(self, ledger: Any, lock: Any) -> None:
+        self._ledger, self._lock = ledger, lock
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._ledger, name)
+        if not callable(attr):
+            return attr
+
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            assert self._lock._is_owned(), f"CellLedger.{name} called without the context lock"
+            return attr(*args, **kwargs)
+
+        return checked
+
+
+def test_the_cell_ledger_is_read_and_changed_under_the_context_lock(model_path: Path) -> None:
+    """The batch padding and a paused generation's drop_cells read the ledger outside the
+    lock: another thread opening or closing a slot meanwhile failed the decode with
+    'dictionary changed size during iteration'."""
+    with lcgen.load(model_path, n_threads=2, pad_batches=True) as model:
+        ctx = model.context
+        ctx.costs = PriorCosts()  # padding predicted cheaper after a long cached prefix
+        prefix = FEW_SHOT * 12  # about 900 tokens
+        model.generate(prefix, max_tokens=1)
+        ctx.ledger = _LockChecked(ctx.ledger, ctx.lock)  # type: ignore[assignment]
+        before = ctx.n_padded
+        model.generate([prefix + QUESTION, prefix + "Q: 3?\nA:"], max_tokens=2)
+        with model.sequence(model.tokenize("A prompt of a few words, then more: " * 3)) as seq:
+            seq.generate(max_tokens=4)
+            with seq.fork() as child:
+                child.generate(max_tokens=2)
+                assert child.drop_cells() > 0
+            seq.generate(max_tokens=2)
+        assert model.cache.stats.cells_held > 0 and model.cache.free_cells() > 0
+        assert ctx.n_padded > before  # the padded path ran

@@ -284,9 +284,14 @@ class Context:
         Raises:
             ContextFullError: the memory has no room, and nothing could be freed.
         """
-        pad = self._padding(requests)
-        if not pad and len(requests) == 1 and 0 < len(requests[0].tokens) <= self.n_batch:
-            return [self._decode_one(requests[0])]
+        with self.lock:  # the padding reads the cell ledger, which other threads change
+            pad = self._padding(requests)
+            if not pad and len(requests) == 1 and 0 < len(requests[0].tokens) <= self.n_batch:
+                return [self._decode_one(requests[0])]
+            return self._decode_batch(requests, pad)
+
+    def _decode_batch(self, requests: Sequence[DecodeRequest], pad: int) -> list[np.ndarray | None]:
+        """:meth:`decode` in ``n_batch`` chunks, padded by ``pad`` tokens; under the lock."""
         flat = _flatten(requests)
         n = len(flat[0])
         if n == 0:
@@ -294,27 +299,26 @@ class Context:
         owner = flat[4]
         begins = [0, *itertools.accumulate(len(r.tokens) for r in requests)]
         outputs: list[list[np.ndarray]] = [[] for _ in requests]
-        with self.lock:
-            for start in range(0, n, self.n_batch):
-                end = min(start + self.n_batch, n)
-                out = flat[3][start:end].astype(bool)
-                arrays = [a[start:end] for a in flat[:4]]  # tokens, positions, ids, outputs
-                if pad:  # a padded batch is one chunk: the padding goes after it
-                    arrays = _padded(arrays, pad, self.n_seq_max)
-                try:
-                    logits = self._decode_chunk(
-                        functools.partial(self._handle.decode, *arrays), len(arrays[0])
-                    )
-                finally:
-                    if pad:
-                        self._handle.seq_rm(self.n_seq_max, -1, -1)
-                self.n_decoded += end - start
-                self.n_padded += pad
-                self._record(requests, begins, start, end)
-                if start == 0 and end == n:
-                    return _rows(requests, owner[out], logits)
-                for row, i in enumerate(owner[start:end][out]):
-                    outputs[i].append(logits[row].copy())
+        for start in range(0, n, self.n_batch):
+            end = min(start + self.n_batch, n)
+            out = flat[3][start:end].astype(bool)
+            arrays = [a[start:end] for a in flat[:4]]  # tokens, positions, ids, outputs
+            if pad:  # a padded batch is one chunk: the padding goes after it
+                arrays = _padded(arrays, pad, self.n_seq_max)
+            try:
+                logits = self._decode_chunk(
+                    functools.partial(self._handle.decode, *arrays), len(arrays[0])
+                )
+            finally:
+                if pad:
+                    self._handle.seq_rm(self.n_seq_max, -1, -1)
+            self.n_decoded += end - start
+            self.n_padded += pad
+            self._record(requests, begins, start, end)
+            if start == 0 and end == n:
+                return _rows(requests, owner[out], logits)
+            for row, i in enumerate(owner[start:end][out]):
+                outputs[i].append(logits[row].copy())
         return [
             None if not rows else rows[0] if req.n_outputs == 1 else np.stack(rows)
             for req, rows in zip(requests, outputs, strict=True)

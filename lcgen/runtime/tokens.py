@@ -445,7 +445,8 @@ class TokenSequence:
         generation). Returns how many tokens lost their cells."""
         self._check_open()
         n, counted = self._n_decoded, self.stats.tokens_redecoded
-        self._trim_kv(min(n, self._ctx.ledger.shared_prefix(self._slot)))
+        with self._ctx.lock:  # the ledger, which other threads' decodes change
+            self._trim_kv(min(n, self._ctx.ledger.shared_prefix(self._slot)))
         # Every token that lost its cells, once (a fallback in the trim counted the shared
         # prefix it could not keep already).
         self.stats.tokens_redecoded = counted + n - self._n_decoded
