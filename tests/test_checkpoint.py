@@ -326,6 +326,8 @@ def test_threads_saving_to_one_path_all_succeed_and_orphans_are_removed(
     path = tmp_path / "shared.lcs"
     dead = tmp_path / f".shared.lcs.{2**22 + 12345}.1.abcd.tmp"  # a pid that is not running
     dead.write_bytes(b"left by a writer that was killed")
+    # a number no pid can be (os.kill raised OverflowError: every save failed)
+    (tmp_path / f".shared.lcs.{10**20}.1.abcd.tmp").write_bytes(b"not ours to keep")
     with model.sequence(PROMPT) as seq:
         seq.generate(max_tokens=3)
         errors: list[BaseException] = []

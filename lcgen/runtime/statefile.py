@@ -189,7 +189,7 @@ def _remove_orphans(target: Path) -> None:
 def _is_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError):  # OverflowError: no process has that id
         return False
     except PermissionError:
         return True
