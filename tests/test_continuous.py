@@ -396,6 +396,29 @@ def test_banned_phrases_and_hooks_work_in_a_continuous_spec(model: lcgen.Model) 
         generate.text(model, banned=[""])
 
 
+def test_token_healing_in_a_spec_keeps_each_log_probability_on_its_token(
+    model: lcgen.Model,
+) -> None:
+    """Healing re-creates the prompt's last token, most often as itself: it was counted as
+    kept, so every generated log-probability sat one token late and continuing the state
+    dropped the last one from the weight."""
+    prompt = "The capital of France is"
+    healed = continuous(generate.text(model, max_tokens=4, token_healing=True))
+    with healed(prompt) as s:
+        chunks = list(model.stream(prompt, max_tokens=4, token_healing=True, logprobs=0))
+        assert chunks[0].text == ""  # the healed token, re-created as itself
+        logprobs = [c.logprob or 0.0 for c in chunks]
+        assert str(s) == prompt + "".join(c.text for c in chunks)
+        assert s.weights[0, 0] == pytest.approx(sum(logprobs), abs=1e-3)
+        # A slice at a token's end keeps the log-probabilities of the tokens it keeps.
+        two = len(prompt) + len(chunks[1].text)
+        with s[:two] as cut:
+            assert cut.weights[0, 0] == pytest.approx(logprobs[0] + logprobs[1], abs=1e-3)
+        # Continued, then sliced back: the weight it had.
+        with greedy(model, 3)(s) as more, more[: len(str(s))] as back:
+            assert back.weights[0, 0] == pytest.approx(s.weights[0, 0], abs=1e-6)
+
+
 def test_states_never_keep_a_new_sequence_from_a_slot(model_path: Path) -> None:
     with lcgen.Model(model_path, n_seq_max=2, n_ctx=1024) as small:
         text = continuous(generate.text(small, max_tokens=4))

@@ -89,7 +89,8 @@ def settle(elem: Element, new_tokens: list[int], generated: Seq[float]) -> int:
     """Record a finished generation on ``elem``: its tokens now, and the log-probabilities of
     the ``len(generated)`` tokens generated at their end. Returns how many of its tokens
     before stayed (all but one when token healing redid the last)."""
-    kept = common_prefix(elem.tokens, new_tokens)
+    # (Token healing re-creates the last token, most often as itself: it was generated.)
+    kept = min(common_prefix(elem.tokens, new_tokens), len(new_tokens) - len(generated))
     pad = len(new_tokens) - kept - len(generated)
     elem.logprobs = elem.logprobs[:kept] + [0.0] * pad + list(generated)
     elem.tokens = new_tokens
