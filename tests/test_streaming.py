@@ -127,6 +127,30 @@ def test_a_sequence_saved_before_healing_replaced_its_token_keeps_its_prompt(
         assert back.generate(max_tokens=4, token_healing=True) == healed
 
 
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"stop_tokens": [10**6]},
+        {"logit_bias": {10**6: 1.0}},
+        {"grammar": lcgen.Grammar("root ::= <no-such-token>")},
+    ],
+)
+def test_a_refused_call_with_token_healing_keeps_the_prompt(
+    model: lcgen.Model, options: dict[str, object]
+) -> None:
+    """The run took the prompt's last token away for healing before the vocabulary refused
+    an option: each corrected retry then lost one more prompt token."""
+    with model.sequence("The capital of Fra") as seq:
+        tokens = list(seq.tokens)
+        with pytest.raises((ValueError, lcgen.GrammarError)):
+            seq.generate(max_tokens=4, token_healing=True, **options)  # type: ignore[arg-type]
+        assert seq.tokens == tokens and seq.text == "The capital of Fra"
+        assert seq.stats.rewinds == 0
+        assert seq.generate(max_tokens=4, token_healing=True) == model.generate(
+            "The capital of Fra", max_tokens=4, token_healing=True
+        )
+
+
 def test_logprobs(model: lcgen.Model) -> None:
     chunks = list(model.stream("The sky is", max_tokens=6, logprobs=3))
     steps: list[lcgen.Step] = []

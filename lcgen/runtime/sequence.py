@@ -210,8 +210,14 @@ class Sequence(TokenSequence):
             if self._drafters is None:
                 self._drafters = weakref.WeakSet()
             self._drafters.add(drafter)
+        before = self.checkpoint() if plan.token_healing else None
         heal = self.heal_last_token() if plan.token_healing else b""
-        gen = Generator(self.vocab, plan, history=self._tokens, rng=self._rng, heal=heal)
+        try:  # (it checks the plan's token ids against the vocabulary)
+            gen = Generator(self.vocab, plan, history=self._tokens, rng=self._rng, heal=heal)
+        except BaseException:
+            if before is not None:
+                self._unheal(before)  # the healed token back: a refused call changes nothing
+            raise
         if plan.sampler.seed is not None:
             self.reseed(plan.sampler.seed)
         self.keep_next = True  # the logits after the prompt, for a later run on the same one
