@@ -267,3 +267,18 @@ def test_runs_that_see_every_token_sample_every_token(model: lcgen.Model) -> Non
 def test_the_option_is_checked(model: lcgen.Model) -> None:
     with pytest.raises(TypeError, match="fast_forward must be True or False, got 'yes'"):
         model.generate("x", fast_forward="yes")  # type: ignore[call-overload]
+
+
+def test_a_token_that_does_not_continue_the_healed_text_leaves_the_generator_as_it_was(
+    model: lcgen.Model,
+) -> None:
+    """The grammar took the token before the healed text refused it: the token healing asked
+    for was then refused by the grammar."""
+    (a,) = model.tokenize("a", add_bos=False)
+    (x,) = model.tokenize("x", add_bos=False)
+    gen = Generator(model, choice=["ab", "xy"], max_tokens=5, heal=b"a")
+    with pytest.raises(ValueError, match="does not continue the healed text b'a'"):
+        gen.accept(x)
+    assert gen.tokens == [] and gen.heal == b"a"
+    assert gen.accept(a).text == ""  # the healed text, re-created
+    assert gen.accept(model.tokenize("b", add_bos=False)[0]).finish_reason == "stop"

@@ -314,6 +314,7 @@ class Generator:
         """
         self._check_not_done()
         self.vocab.check_tokens([token])
+        self._check_heals(token)  # before the grammar moves: a refused token changes nothing
         if self.grammar is not None:
             self.grammar.accept(token)
         if logits is None or self.logprobs is None:
@@ -400,20 +401,27 @@ class Generator:
         self.grammar.accept(token)
         return token
 
+    def _check_heals(self, token: int) -> None:
+        """Raise ValueError when ``token`` does not continue the healed text left."""
+        piece = self.vocab.piece(token)
+        if self.heal and not (
+            piece.startswith(self.heal) or (piece and self.heal.startswith(piece))
+        ):
+            raise ValueError(
+                f"token {token} ({piece!r}) does not continue the healed text {self.heal!r}"
+            )
+
     def _healed_piece(self, token: int) -> bytes:
         """The token's bytes less the part that re-creates healed prompt text."""
+        self._check_heals(token)
         piece = self.vocab.piece(token)
         if not self.heal:
             return piece
         if piece.startswith(self.heal):
             piece, self.heal = piece[len(self.heal) :], b""
             return piece
-        if piece and self.heal.startswith(piece):
-            self.heal = self.heal[len(piece) :]
-            return b""
-        raise ValueError(
-            f"token {token} ({piece!r}) does not continue the healed text {self.heal!r}"
-        )
+        self.heal = self.heal[len(piece) :]
+        return b""
 
     def end(self, reason: FinishReason) -> Chunk:
         """Finish now (no token): release the text held back, with ``reason`` on the chunk.
