@@ -47,6 +47,32 @@ def test_greedy_rewind_gives_same_tokens_and_bit_identical_logits(
             assert np.array_equal(a, b)
 
 
+@pytest.mark.parametrize("n_words", [3, 80])  # one token decoded alone; a batch of 64+ rows
+def test_a_rewind_to_the_end_of_the_prompt_gives_bit_identical_logits(
+    model: lcgen.Model, n_words: int
+) -> None:
+    """The README's pattern (a checkpoint right after opening): the rewind dropped the last
+    prompt token's cell, and that token decoded alone gave logits the prompt's batch had not
+    (up to 1.5 apart; greedy tokens flipped at margins of 0.07-0.14). The logits kept after
+    the prompt are sampled from again instead: nothing is decoded."""
+    prompt = " ".join(f"word{i}" for i in range(n_words))
+    with model.sequence(prompt, seed=3) as seq:
+        cp = seq.checkpoint()
+        first, first_rows = run(seq, 12)
+        seq.rewind(cp)
+        before = model.context.n_decoded
+        again, again_rows = run(seq, 1)
+        assert model.context.n_decoded == before  # the kept logits: nothing decoded
+        again_more, more_rows = run(seq, 11)
+        assert again + again_more == first
+        for a, b in zip(first_rows, again_rows + more_rows, strict=True):
+            assert np.array_equal(a, b)
+        seq.rewind(cp)  # seeded sampling too
+        sampled = seq.generate(max_tokens=12, temperature=0.9)
+        seq.rewind(cp)
+        assert seq.generate(max_tokens=12, temperature=0.9) == sampled
+
+
 def test_rewind_to_checkpoint_restores_seeded_sampling(model: lcgen.Model) -> None:
     with model.sequence(PROMPT, seed=11) as seq:
         seq.generate(max_tokens=5, temperature=0.9)

@@ -186,8 +186,15 @@ class TokenSequence:
 
     def _keep_prefix(self, n_keep: int) -> None:
         """Cut the sequence to its first ``n_keep`` tokens, dropping their KV cells."""
-        # The last token stays pending, so the next step has logits to sample from.
-        kv_keep = min(self._n_decoded, max(n_keep - 1, 0))
+        # The last token stays pending, so the next step has logits to sample from; unless
+        # the store kept the logits after exactly these tokens (a rewind to the end of the
+        # prompt): the next step samples from them, as the first did (the last token decoded
+        # alone would give logits a batch's rounding did not, and could flip a near-tie).
+        kept = self._entry.end_logits
+        if kept is not None and kept[0] == n_keep <= self._n_decoded:
+            kv_keep = n_keep
+        else:
+            kv_keep = min(self._n_decoded, max(n_keep - 1, 0))
         if kv_keep < self._n_decoded or self._ahead:
             self._trim_kv(kv_keep)
         del self._tokens[n_keep:]
