@@ -43,7 +43,7 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     server.add_model_arguments(p)
     p.add_argument(
         "--gpu-layers",
-        type=int,
+        type=server.int_in(-1, 2**31 - 1),
         default=None,
         help="layers to offload to GPU/Metal (default: all when available)",
     )
@@ -97,7 +97,9 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int | None) -> No
         metavar="REGEX",
         help="regular expression the output must not match (repeatable; bounded length)",
     )
-    p.add_argument("--ban-ignore-case", action="store_true", help="match --ban in any case")
+    p.add_argument(
+        "--ban-ignore-case", action="store_true", help="match --ban and --ban-regex in any case"
+    )
     p.add_argument(
         "--max-retries",
         type=server.int_in(0, 2**31 - 1),
@@ -204,12 +206,19 @@ def unescape(text: str) -> str:
 def _bans(args: argparse.Namespace) -> dict[str, Any]:
     """--ban / --ban-regex / --ban-ignore-case / --max-retries as generation options."""
     patterns = []
+    flags = re.IGNORECASE if args.ban_ignore_case else 0
     for regex in args.ban_regex or ():
         try:
-            patterns.append(re.compile(regex))
+            patterns.append(re.compile(regex, flags))
         except re.error as exc:
             raise UsageError(f"--ban-regex {regex!r} is not a regular expression: {exc}") from None
     if not args.ban and not patterns:
+        for given, flag in (
+            (args.ban_ignore_case, "--ban-ignore-case"),
+            (args.max_retries is not None, "--max-retries"),
+        ):
+            if given:
+                raise UsageError(f"{flag} needs --ban or --ban-regex")
         return {}
     options: dict[str, Any] = {
         "banned": [*(args.ban or ()), *patterns],

@@ -68,7 +68,7 @@ def test_generate_with_banned_phrases(model: lcgen.Model) -> None:
     expected = model.generate(
         prompt,
         max_tokens=12,
-        banned=["tapestry", re.compile(r"\bmosaic\b")],
+        banned=["tapestry", re.compile(r"\bmosaic\b", re.IGNORECASE)],
         banned_ignore_case=True,
     )
     assert out.stdout == expected + "\n" and "tapestry" not in out.stdout
@@ -123,7 +123,7 @@ def test_errors_are_one_line_not_tracebacks() -> None:
     assert out.stderr.startswith("lcgen: error: unknown model 'no-such-model'")
     assert "Traceback" not in out.stderr
     out = run("generate", "smollm2-135m", "hi", "--temperature", "-1")
-    assert out.returncode == 2 and "temperature must be >= 0, got -1.0" in out.stderr
+    assert out.returncode == 2 and "temperature must be >= 0 and finite, got -1.0" in out.stderr
 
 
 def test_generate_with_token_healing(model: lcgen.Model) -> None:
@@ -465,6 +465,7 @@ def test_serve_is_a_command(capsys: pytest.CaptureFixture[str]) -> None:
         (["serve", "m", "--max-queue", "-2"], "at least 1 choice, got -2"),
         (["generate", "m", "p", "--n-ctx", "-5"], "--n-ctx: must be in [0, 2147483647], got -5"),
         (["generate", "m", "p", "--threads", "0"], "--threads: must be in [1, 512], got 0"),
+        (["generate", "m", "p", "--gpu-layers", "4294967296"], "--gpu-layers: must be in [-1,"),
         (["chat", "m", "--threads", "x"], "--threads: invalid int value: 'x'"),
         (["generate", "m", "p", "--max-retries", "-1"], "--max-retries: must be in"),
         (["serve", "m", "--n-seq-max", "0"], "--n-seq-max: must be in [1, 256], got 0"),
@@ -497,6 +498,8 @@ def test_usage_errors_are_one_line_with_status_2(
         (["hi", "--regex", "("], "--regex '(': invalid regex"),
         (["hi", "--grammar", "/no/such.gbnf"], "--grammar /no/such.gbnf: No such file"),
         ([""], "the prompt is empty: give the text to continue"),
+        (["hi", "--max-retries", "3"], "--max-retries needs --ban or --ban-regex"),  # ignored
+        (["hi", "--ban-ignore-case"], "--ban-ignore-case needs --ban or --ban-regex"),
     ],
 )
 def test_option_errors_are_usage_errors(
@@ -535,7 +538,9 @@ def test_a_float_option_that_is_not_finite_is_a_usage_error(
 
 def test_chat_option_errors_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["chat", "no-such-model", "--temperature", "-1"]) == 2
-    assert capsys.readouterr().err == "lcgen: error: temperature must be >= 0, got -1.0\n"
+    assert capsys.readouterr().err == (
+        "lcgen: error: temperature must be >= 0 and finite, got -1.0\n"
+    )
 
 
 def test_chat_with_no_room_for_a_message_is_a_usage_error(
