@@ -186,7 +186,8 @@ class Model:
         n_seq_max: how many sequence slots the context has: live sequences and cached
             prefixes share them (at most 256, ``n_ctx`` and ``n_batch``; None: 32 within those
             bounds; each slot costs one row of logits, n_vocab floats).
-        n_gpu_layers: layers to offload; None offloads all when a GPU/Metal backend is built in.
+        n_gpu_layers: layers to offload (-1: all); None offloads all when a GPU/Metal backend
+            is built in.
         n_threads: CPU threads, fixed; None adapts the count to the machine's load (on a
             model without GPU layers): at most the physical cores this process may use (CPU
             affinity, a cgroup quota; at most 8), fewer while other programs keep cores busy
@@ -264,6 +265,7 @@ class Model:
         self.path = Path(path)
         if n_gpu_layers is None:
             n_gpu_layers = -1 if supports_gpu_offload() else 0
+        _check_int("n_gpu_layers", n_gpu_layers, -1, 2**31 - 1)  # -1: every layer
         self._handle = ModelHandle(str(self.path), n_gpu_layers)
         self.vocab = Vocab(self._handle)
         self.n_vocab = self.vocab.n_vocab

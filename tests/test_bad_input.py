@@ -133,6 +133,10 @@ def test_sizes_llama_cpp_would_abort_on_are_refused() -> None:
         expect(ValueError, lambda: lcgen.load(n_batch=2**32 + 1), "n_batch must be in")
         expect(ValueError, lambda: lcgen.load(n_threads=10**6), "n_threads must be in")
         expect(ValueError, lambda: lcgen.load(n_seq_max=1000), "n_seq_max must be in")
+        # a C int: 2**32 reached llama.cpp as 0 while lcgen reported every layer offloaded
+        expect(ValueError, lambda: lcgen.load(n_gpu_layers=2**32), "n_gpu_layers must be in")
+        expect(ValueError, lambda: lcgen.load(n_gpu_layers=-2), "n_gpu_layers must be in")
+        expect(TypeError, lambda: lcgen.load(n_gpu_layers=1.5), "n_gpu_layers must be an int")
         # A context this machine cannot hold is refused at once (llama.cpp spent 47 s
         # failing to allocate 10**9 cells; a few million could have the process killed).
         expect(lcgen.ModelLoadError, lambda: lcgen.load(n_ctx=10**9), "n_ctx=1000000000 needs")
