@@ -473,6 +473,24 @@ def test_tool_calls_required_named_and_streamed(client: openai.OpenAI) -> None:
     _check_call(streamed, tools)
 
 
+def test_a_streamed_tool_call_carries_its_logprobs(client: openai.OpenAI) -> None:
+    """A call is sent whole at its end: its tokens' log-probabilities were never sent (the
+    reply not streamed had them)."""
+    tools = [WEATHER, TIME]
+    options: dict[str, Any] = {
+        "messages": ASK,
+        "tools": tools,
+        "tool_choice": "required",
+        "max_tokens": 60,
+        "logprobs": True,
+    }
+    whole = chat(client, **options).choices[0]
+    assert whole.finish_reason == "tool_calls" and whole.logprobs.content
+    chunks = list(chat(client, stream=True, **options))
+    streamed = [e for c in chunks for ch in c.choices if ch.logprobs for e in ch.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in whole.logprobs.content]
+
+
 def test_a_stream_with_tools_opens_a_text_reply_with_its_role(model: lcgen.Model) -> None:
     """With tools, a choice's role waits for its first chunk: text gets the usual role chunk
     (content "") before it, a call carries the role itself, and an empty reply opens with the
@@ -1590,3 +1608,13 @@ def _server_process(cmd: list[str]) -> Iterator[tuple[subprocess.Popen[str], str
 def _stderr(proc: subprocess.Popen[str]) -> IO[str]:
     assert proc.stderr is not None
     return proc.stderr
+
+
+def test_a_message_name_reaches_the_chat_template() -> None:
+    """It was accepted and dropped: two users' messages could not be told apart even by a
+    template that writes names."""
+    from lcgen.server.requests import Message
+
+    message = Message(role="user", content="Hi", name="alice")
+    assert message.as_dict() == {"role": "user", "content": "Hi", "name": "alice"}
+    assert "name" not in Message(role="user", content="Hi").as_dict()

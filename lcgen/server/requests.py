@@ -117,6 +117,8 @@ class Message(_Strict):
             out["tool_calls"] = [call.model_dump() for call in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.name is not None:  # the chat template's to write (many write no names)
+            out["name"] = self.name
         return out
 
 

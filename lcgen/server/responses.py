@@ -49,6 +49,7 @@ class Output:
     # Entries of tokens whose text is still held back (a possible stop string): sent once
     # the text reaches them, dropped if a stop string cuts it first.
     held: list[dict[str, Any]] = field(default_factory=list)
+    n_streamed: int = 0  # entries sent in stream chunks so far
 
     @property
     def text(self) -> str:
@@ -251,6 +252,7 @@ class Reply:
         the output is a tool call, sent whole at its end). ``out`` has taken the chunk."""
         if (not chunk.text and not entries) or self._holds_call(out):
             return None
+        out.n_streamed += len(entries)
         choice = self._choice(out.index, chunk.text, entries, None)
         if self.kind == "chat":
             choice["delta"] = {"content": chunk.text}
@@ -270,16 +272,18 @@ class Reply:
 
     def end_chunks(self, out: Output) -> list[dict[str, Any]]:
         """The stream chunks that end a choice: what it held back (its tool calls whole, or a
-        tool call cut short as the text it is), then its finish reason alone, as OpenAI sends
-        it (the client's stream helper reports a call's end only from a later chunk)."""
+        tool call cut short as the text it is, with their tokens' log-probabilities), then its
+        finish reason alone, as OpenAI sends it (the client's stream helper reports a call's
+        end only from a later chunk)."""
         chunks = []
         calls = self._calls(out)
+        unsent = out.logprobs[out.n_streamed :]  # those of the text held back
         if calls is not None:
-            choice = self._choice(out.index, "", [], None)
+            choice = self._choice(out.index, "", unsent, None)
             choice["delta"] = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
             chunks.append(self._object([choice], True))
         elif self.kind == "chat" and self._holds_call(out):
-            choice = self._choice(out.index, "", [], None)
+            choice = self._choice(out.index, "", unsent, None)
             choice["delta"] = {"content": out.text}
             chunks.append(self._object([choice], True))
         reason = "tool_calls" if calls is not None else out.finish_reason or "stop"
