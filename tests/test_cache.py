@@ -162,9 +162,13 @@ def test_kept_logits_go_with_their_cells(model: lcgen.Model) -> None:
     tokens = model.tokenize(prompt)
     first = str(model.generate(prompt, max_tokens=6))
     with model.sequence(prompt) as seq:
-        seq.rewind(0)  # nothing dropped, but the last token is pending again
-        assert seq.n_decoded == len(tokens) - 1
+        seq.rewind(0)  # nothing dropped: the kept logits still follow every cell
+        assert seq.n_decoded == len(tokens)
         assert str(seq.generate(max_tokens=6)) == first
+        seq.rewind(6)  # back to the end of the prompt: the kept logits again
+        assert seq.n_decoded == len(tokens)
+        seq.rewind(1)  # into the prompt: its new last token is pending
+        assert seq.n_decoded == len(tokens) - 2
     healed = model.generate(prompt, max_tokens=6, token_healing=True)
     assert healed.stats.decoded >= len(healed.tokens)  # the healed prompt end is decoded
     spec = model.generate(prompt, max_tokens=6, speculate="ngram")

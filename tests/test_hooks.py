@@ -405,7 +405,7 @@ def test_bad_hook_results(model: lcgen.Model) -> None:
         (lambda: lcgen.Resample(exclude=[1, "2"]), TypeError, "got '2' in it"),  # int("2") took it
         (lambda: lcgen.Resample(exclude=[True]), TypeError, "got True in it"),
         (lambda: lcgen.Resample(temperature="hot"), TypeError, "must be a number, got 'hot'"),
-        (lambda: lcgen.Resample(temperature=float("nan")), ValueError, "must be >= 0, got nan"),
+        (lambda: lcgen.Resample(temperature=float("nan")), ValueError, "finite, got nan"),
     ],
 )
 def test_hook_results_of_the_wrong_type_are_named(

@@ -195,7 +195,7 @@ class TokenSequence:
             kv_keep = n_keep
         else:
             kv_keep = min(self._n_decoded, max(n_keep - 1, 0))
-        if kv_keep < self._n_decoded or self._ahead:
+        if kv_keep < self._n_decoded or self._ahead or self._draft:
             self._trim_kv(kv_keep)
         del self._tokens[n_keep:]
         del self._stamps[n_keep + 1 :]
