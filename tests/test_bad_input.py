@@ -241,6 +241,81 @@ def test_a_gguf_with_hyper_parameters_llama_cpp_asserts_on(
     assert message in done.stdout
 
 
+def _gguf_with(tmp_path: Path, keys: dict[str, str | int | bytes]) -> Path:
+    """A copy of the bundled model with header ``keys`` set (a str as a string, an int as a
+    uint32, bytes as a raw type and value), added or in the place of the key of that name."""
+    from lcgen._native.gguf import _Reader
+    from lcgen.registry import resolve
+
+    source = resolve("smollm2-135m", download=False)
+    data = source.read_bytes()
+    reader = _Reader(data, str(source))  # type: ignore[arg-type]
+    reader.at = 8
+    n_tensors, n_kv = reader.u64(), reader.u64()
+    entries: dict[str, bytes] = {}
+    for _ in range(n_kv):
+        start = reader.at
+        key = reader.string()
+        reader.value(int(reader.take("<I", 4)))
+        entries[key] = data[start : reader.at]
+    infos_start = reader.at
+    for _ in range(n_tensors):  # name, dims, type, offset
+        reader.string()
+        n_dims = int(reader.take("<I", 4))
+        reader.at += 8 * n_dims + 4 + 8
+    infos = data[infos_start : reader.at]
+    tensors_at = -(-reader.at // 32) * 32  # the default alignment
+    for key, value in keys.items():
+        name = struct.pack("<Q", len(key)) + key.encode()
+        if isinstance(value, bytes):  # its type and value, raw
+            entries[key] = name + value
+        elif isinstance(value, str):
+            entries[key] = name + struct.pack("<IQ", 8, len(value)) + value.encode()
+        else:
+            entries[key] = name + struct.pack("<II", 4, value)
+    head = data[:8] + struct.pack("<QQ", n_tensors, len(entries)) + b"".join(entries.values())
+    head += infos
+    target = tmp_path / "crafted.gguf"
+    target.write_bytes(head + bytes(-len(head) % 32) + data[tensors_at:])
+    return target
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"llama.rope.scaling.type": "bogus"}, "rope.scaling.type = 'bogus'"),
+        ({"llama.expert_count": 2000}, "over llama.cpp's limit of 1024"),
+        ({"llama.expert_used_count": 2}, "more than llama.expert_count (0)"),
+        ({"llama.expert_count": 4}, "but expert_used_count is not"),
+        ({"llama.nextn_predict_layers": 50}, "more than the model's layers"),
+        ({"tokenizer.ggml.model": "no_vocab"}, "has no tokenizer"),
+        ({"llama.rope.scaling.type": "linear", "llama.expert_count": 0}, None),  # well formed
+        # arrays nested 2,000 deep: lcgen's reader recursed (RecursionError)
+        (
+            {"x.nested": struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 2000 + bytes(12)},
+            "of arrays",
+        ),
+    ],
+)
+def test_a_gguf_llama_cpp_would_abort_on_later_is_refused_at_load(
+    tmp_path: Path, extra: dict[str, str | int | bytes], message: str | None
+) -> None:
+    """Each of these aborted the process: at load (a GGML_ASSERT on the hyper-parameters) or,
+    without a tokenizer, at the first tokenize."""
+    path = _gguf_with(tmp_path, extra)
+    done = run_case(
+        """
+        try:
+            print("loaded:", lcgen.load(sys.argv[1]).generate("Hi", max_tokens=2))
+        except lcgen.ModelLoadError as error:
+            print(error)
+        """,
+        str(path),
+    )
+    assert_passes(done)
+    assert (message or "loaded:") in done.stdout, done.stdout
+
+
 def test_ctrl_c_in_the_middle_of_a_generation_leaves_the_sequence_usable() -> None:
     assert_passes(
         run_case("""

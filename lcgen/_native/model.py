@@ -96,6 +96,10 @@ class ModelHandle:
             raise ModelLoadError(f"llama.cpp could not load {path!r}: {reason}")
         self.ptr: ctypes.c_void_p | None = ptr
         self._vocab = C.llama_model_get_vocab(ptr)
+        if C.llama_vocab_type(self._vocab) == C.LLAMA_VOCAB_TYPE_NONE:
+            C.llama_model_free(ptr)  # (tokenizing would abort the process)
+            self.ptr = None
+            raise ModelLoadError(f"{path!r} has no tokenizer (tokenizer.ggml.model = no_vocab)")
         self.name = os.path.basename(path)
         self.n_vocab = int(C.llama_vocab_n_tokens(self._vocab))
         self.n_ctx_train = int(C.llama_model_n_ctx_train(ptr))
