@@ -738,6 +738,46 @@ def test_a_damaged_cache_file_raises_and_loads_nothing(
     assert model.cache.stats.entries == 0
 
 
+@pytest.mark.parametrize(
+    ("forgery", "message"),
+    [("long entry", "more than the context's 256"), ("far cell", "not at consecutive positions")],
+)
+def test_a_forged_cache_file_with_a_valid_checksum_loads_nothing(
+    model_path: Path, tmp_path: Path, forgery: str, message: str
+) -> None:
+    """An entry of 5,000 tokens whose last cell claimed position 4,999 loaded into a 256-cell
+    context: the cache then held more cells than its budget and evicted everything at once."""
+    import struct
+
+    from lcgen.runtime import statefile
+
+    with lcgen.Model(model_path, n_ctx=256, n_seq_max=4) as small:
+        tokens = small.tokenize("A pinned prefix for the forged cache file")
+        small.cache.pin(tokens)
+        path = tmp_path / "cache.lcc"
+        small.cache.save(path)
+        small.cache.clear(pinned=True)
+        header, kv = statefile.decode(path.read_bytes(), statefile.CACHE)
+        (size,) = struct.unpack_from("<Q", kv, 0)
+        blob = bytearray(kv[8 : 8 + size])
+        n = len(tokens)
+        if forgery == "long entry":
+            header["entries"] = [{"tokens": tokens * 40, "pinned": True}]
+        else:
+            struct.pack_into("<i", blob, 16 + 12 * (n - 1), 4999)  # the last cell's position
+        forged = struct.pack("<Q", len(blob)) + bytes(blob)
+
+        def write(out: bytearray, at: int, size: int) -> int:
+            out[at : at + size] = forged
+            return size
+
+        path.write_bytes(statefile.encode(header, len(forged), write, statefile.CACHE))
+        with pytest.raises(lcgen.StateFileError, match=message):
+            small.cache.load(path)
+        stats = small.cache.stats
+        assert stats.entries == 0 and stats.cells_held == 0 and small.cache.free_cells() > 0
+
+
 def test_a_sequence_file_is_not_a_cache_file(model: lcgen.Model, tmp_path: Path) -> None:
     with model.sequence("A sequence") as seq:
         seq.generate(max_tokens=2)

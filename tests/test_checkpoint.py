@@ -394,6 +394,9 @@ def _forged(model: lcgen.Model, **changes: object) -> bytearray:
         ({"rng_log": [[3, "junk"]]}, "malformed"),
         ({"rng_log": [["3", {}]]}, "malformed"),
         ({"rng_log": {"3": 1}}, "malformed"),
+        # (OverflowError escaped)
+        ({"rng": {"bit_generator": "PCG64", "state": {"state": 2**200, "inc": 1}}}, "malformed"),
+        ({"rng_log": [[3, {"bit_generator": "PCG64", "state": {"state": -1}}]]}, "malformed"),
     ],
 )
 def test_forged_headers_with_a_valid_checksum_are_refused(
@@ -402,6 +405,41 @@ def test_forged_headers_with_a_valid_checksum_are_refused(
     with pytest.raises(lcgen.StateFileError, match=message):
         lcgen.Sequence.from_bytes(model, _forged(model, **changes))
     assert model.cache.stats.live == 0
+
+
+@pytest.mark.parametrize(
+    ("cell", "position"),
+    [(0, -1000), (3, 5), (1, 0)],  # negative; a gap (and a repeat); a repeat
+)
+def test_forged_cell_positions_are_refused_before_llama_cpp_loads_them(
+    model: lcgen.Model, cell: int, position: int
+) -> None:
+    """llama.cpp loads a saved state's cell positions as written: a cell at -1000 could never
+    be removed again (removals start at 0) and sat in the attention of every later sequence in
+    that slot, silently, until the model was reloaded."""
+    header, kv = ckpt.decode(_saved(model))
+    forged = bytearray(kv)
+    struct.pack_into("<i", forged, 16 + 12 * cell, position)  # cell `cell`'s position
+    with pytest.raises(lcgen.StateFileError, match="not at consecutive positions"):
+        lcgen.Sequence.from_bytes(model, _encode(header, memoryview(forged)))
+    assert model.cache.stats.live == 0
+    with model.sequence(PROMPT) as seq:  # the slots hold nothing of it
+        assert seq.generate(max_tokens=4) == model.generate(PROMPT, max_tokens=4)
+        for slot in range(model.context.n_seq_max + 1):
+            low, _ = model.context.pos_range(slot)
+            assert low >= -1
+
+
+def test_a_header_nested_deeper_than_json_reads_is_refused(model: lcgen.Model) -> None:
+    _, kv = ckpt.decode(_saved(model))
+    data = _encode({"a": 1}, kv)
+    head = b"[" * 100_000 + b"]" * 100_000  # a RecursionError escaped
+    (head_len,) = struct.unpack_from("<I", data, 11)
+    assert data[15 : 15 + head_len] == b'{"a":1}'
+    nested = data[:11] + struct.pack("<I", len(head)) + head + data[15 + head_len : -32]
+    nested += ckpt.hashlib.sha256(bytes(nested)).digest()
+    with pytest.raises(lcgen.StateFileError, match="header is not JSON text"):
+        lcgen.Sequence.from_bytes(model, nested)
 
 
 def test_forged_files_whose_header_is_not_an_object_are_refused(model: lcgen.Model) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import struct
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -20,7 +21,7 @@ import numpy as np
 
 from lcgen._native.context import ContextHandle
 from lcgen._native.model import ModelHandle
-from lcgen.errors import ClosedError, ContextFullError
+from lcgen.errors import ClosedError, ContextFullError, StateFileError
 from lcgen.runtime.cells import CellLedger
 from lcgen.runtime.costs import TILE, DecodeCosts
 from lcgen.runtime.threads import ThreadTuner
@@ -251,8 +252,11 @@ class Context:
 
         Raises:
             ContextFullError: the memory has no room for it, and nothing could be freed.
-            StateFileError: llama.cpp rejects the state.
+            StateFileError: llama.cpp rejects the state, or its cells are not at the positions
+                a sequence's are (see :func:`check_cell_positions`).
         """
+        if not self._recurrent:
+            check_cell_positions(data, sliding=bool(self._handle.n_swa))
         with self.lock:
             self.ledger.removed(seq_id, 0)  # llama.cpp replaces what the id held
             while True:
@@ -499,3 +503,45 @@ def _flatten(requests: Sequence[DecodeRequest]) -> _Flat:
             out[at + max(0, size - req.n_outputs) : at + size] = 1
         at += size
     return tokens, pos, seq, out, owner
+
+
+# A saved state's cell table: each cell's position, its count of sequence ids (1 in a
+# sequence's state) and, for models whose cells carry more (M-RoPE, per-layer embeddings),
+# 12 bytes of that; then the data, which opens with v_trans (0 or 1) and a layer count.
+_CELL_SIZES = (12, 24)
+
+
+def check_cell_positions(data: bytes | bytearray | memoryview, *, sliding: bool) -> None:
+    """Refuse a saved sequence state whose cells are not at consecutive positions from 0
+    (from where a sliding window starts, for a model that has one). llama.cpp loads the
+    positions as written: a forged state's cell at a negative position could never be removed
+    again (removals start at 0) and joined the attention of every later sequence in the slot.
+
+    Raises:
+        StateFileError: the positions are not such, or the cell table does not parse.
+    """
+    view = memoryview(data).cast("B")
+    if len(view) < 16:
+        return  # llama.cpp refuses it as too short
+    _magic, _seq, n_stream, count = struct.unpack_from("<IiII", view, 0)
+    if n_stream != 1:
+        raise StateFileError(f"the saved KV state has {n_stream} streams, not the 1 lcgen writes")
+    if count == 0:
+        return
+    for size in _CELL_SIZES:
+        end = 16 + count * size
+        if end + 8 > len(view):
+            continue
+        v_trans, n_layer = struct.unpack_from("<II", view, end)
+        cells = np.frombuffer(view[16:end], dtype="<i4").reshape(count, size // 4)
+        if v_trans > 1 or not 0 < n_layer <= 4096 or not (cells[:, 1] == 1).all():
+            continue
+        pos = cells[:, 0].astype(np.int64)
+        if pos[0] < 0 or (pos[0] != 0 and not sliding) or (np.diff(pos) != 1).any():
+            raise StateFileError(
+                f"the saved KV state's {count} cells are not at consecutive positions from "
+                f"{'a window start' if sliding else 0} (first {int(pos[0])}): not a state "
+                "lcgen wrote"
+            )
+        return
+    raise StateFileError(f"the saved KV state's table of {count} cells does not parse")

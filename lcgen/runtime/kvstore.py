@@ -692,7 +692,7 @@ class KVStore:
                 f"(fingerprint {str(header.get('model'))[:12]})"
             )
         statefile.check_kv_types(header, self._ctx.kv_types, f"the cache file {os.fspath(path)!r}")
-        items = _checked_entries(header, self._vocab)
+        items = _checked_entries(header, self._vocab, self._ctx.n_ctx)
         blobs = _split_blobs(kv, len(items))
         loaded: list[Entry] = []
         with self._cond:
@@ -786,11 +786,14 @@ class KVStore:
             self._ctx.share_prefix(best.slot, entry.slot, n_best)
 
 
-def _checked_entries(header: dict[str, Any], vocab: Vocab) -> list[tuple[list[int], bool]]:
+def _checked_entries(
+    header: dict[str, Any], vocab: Vocab, n_ctx: int
+) -> list[tuple[list[int], bool]]:
     """The (tokens, pinned) of each entry a cache file's header lists.
 
     Raises:
-        StateFileError: the header is malformed (a forged file whose checksum was recomputed).
+        StateFileError: the header is malformed (a forged file whose checksum was recomputed),
+            or an entry holds more tokens than the context (``n_ctx``).
     """
     entries = header.get("entries")
     if not isinstance(entries, list):
@@ -805,6 +808,10 @@ def _checked_entries(header: dict[str, Any], vocab: Vocab) -> list[tuple[list[in
         if not checked:
             raise StateFileError(
                 f"a cache entry's tokens are not token ids of this model: {item!r:.80}"
+            )
+        if len(checked) > n_ctx:
+            raise StateFileError(
+                f"a cache entry holds {len(checked)} tokens, more than the context's {n_ctx}"
             )
         out.append((checked, bool(item.get("pinned"))))
     return out

@@ -145,7 +145,7 @@ class Sequence(TokenSequence):
                 )
             seq._rng.bit_generator.state = header["rng"]
             seq._rng_log = _checked_rng_log(header["rng_log"], len(tokens), seq._rng)
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, OverflowError) as exc:
             seq.close()
             raise StateFileError(f"the saved sequence's header is malformed: {exc!r}") from None
         except BaseException:

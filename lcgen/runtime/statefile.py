@@ -124,7 +124,7 @@ def decode(
         raise StateFileError(f"{what} file holds {len(kv)} KV bytes, its header says {kv_len}")
     try:  # well formed unless forged: the checksum covers it
         header = json.loads(bytes(body[_HEAD.size : at]))
-    except ValueError as exc:  # not UTF-8 or not JSON
+    except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, nested too deep
         raise StateFileError(f"{what} file header is not JSON text: {exc}") from None
     if not isinstance(header, dict):
         raise StateFileError(f"{what} file header is not a JSON object: {header!r:.60}")
