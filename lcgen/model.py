@@ -458,8 +458,9 @@ class Model:
         if template is None:
             raise ValueError(f"{self.path.name} has no chat template; use generate() instead")
         written = plan.messages(checked) if plan else prompt_messages(checked)
-        bos = self.vocab.special_piece(self.bos).decode() if self.bos >= 0 else ""
-        eos = self.vocab.special_piece(self.eos).decode() if self.eos >= 0 else ""
+        # (a piece that is not UTF-8, a byte token: as the text decoding would give it)
+        bos = self.vocab.special_piece(self.bos).decode(errors="replace") if self.bos >= 0 else ""
+        eos = self.vocab.special_piece(self.eos).decode(errors="replace") if self.eos >= 0 else ""
         try:
             return render_chat_template(template, written, bos, eos, add_generation_prompt)
         except Exception as exc:  # jinja2's errors: the template fails on these messages

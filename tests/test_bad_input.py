@@ -290,6 +290,8 @@ def _gguf_with(tmp_path: Path, keys: dict[str, str | int | bytes]) -> Path:
         ({"llama.nextn_predict_layers": 50}, "more than the model's layers"),
         ({"tokenizer.ggml.model": "no_vocab"}, "has no tokenizer"),
         ({"llama.rope.scaling.type": "linear", "llama.expert_count": 0}, None),  # well formed
+        # a BOS token that is a lone byte: chat raised UnicodeDecodeError
+        ({"tokenizer.ggml.bos_token_id": 111}, None),
         # arrays nested 2,000 deep: lcgen's reader recursed (RecursionError)
         (
             {"x.nested": struct.pack("<I", 9) + struct.pack("<IQ", 9, 1) * 2000 + bytes(12)},
@@ -306,7 +308,9 @@ def test_a_gguf_llama_cpp_would_abort_on_later_is_refused_at_load(
     done = run_case(
         """
         try:
-            print("loaded:", lcgen.load(sys.argv[1]).generate("Hi", max_tokens=2))
+            m = lcgen.load(sys.argv[1])
+            chat = m.chat([{"role": "user", "content": "Hi"}], max_tokens=2)
+            print("loaded:", m.generate("Hi", max_tokens=2), chat)
         except lcgen.ModelLoadError as error:
             print(error)
         """,

@@ -270,7 +270,26 @@ def test_load_rejects_bad_files(model: lcgen.Model, tmp_path: Path) -> None:
             lcgen.Sequence.load(model, tmp_path / name)
     with pytest.raises(lcgen.StateFileError, match="cannot read"):
         lcgen.Sequence.load(model, tmp_path / "missing.lcs")
+    # /dev/zero was read until memory ran out, a pipe with no writer blocked forever
+    os.mkfifo(tmp_path / "pipe")
+    for other in ("/dev/zero", tmp_path / "pipe", tmp_path):
+        with pytest.raises(lcgen.StateFileError, match="not a regular file"):
+            lcgen.Sequence.load(model, other)
+        with pytest.raises(lcgen.StateFileError, match="not a regular file"):
+            model.cache.load(other)
     assert model.cache.stats.live == 0
+
+
+def test_a_save_under_the_longest_file_name_works(model: lcgen.Model, tmp_path: Path) -> None:
+    """The temporary name (the target's, a pid, a thread id, a random part) went over the 255
+    characters a name may have: a raw OSError escaped, from the cleanup."""
+    path = tmp_path / ("s" * 251 + ".lcs")
+    with model.sequence(PROMPT) as seq:
+        seq.generate(max_tokens=2)
+        seq.save(path)
+        with lcgen.Sequence.load(model, path) as back:
+            assert back.text == seq.text
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]
 
 
 def _encode(header: dict[str, object], kv: memoryview) -> bytearray:

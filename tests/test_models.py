@@ -530,6 +530,28 @@ def test_download_true_online_tries_the_hub_after_the_cache(
     assert [call.get("local_files_only", False) for call in hf_calls] == [True, False]
 
 
+def test_an_http_error_of_the_hub_client_is_a_model_not_found_error(
+    hf_cache: HFCache, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """huggingface_hub re-raises its HTTP client's errors, which are no OSError (a proxy that
+    answers 502): one escaped as the client's own exception."""
+
+    class ProxyError(Exception):  # as the HTTP client's: not an OSError
+        pass
+
+    def failing(repo_id: str, filename: str, **kwargs: Any) -> str:
+        if kwargs.get("local_files_only"):
+            raise FileNotFoundError(filename)
+        raise ProxyError("502 Bad Gateway")
+
+    monkeypatch.delenv("HF_HUB_OFFLINE")
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(lookup, "_hub_unreachable", lambda: None)
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", failing)
+    with pytest.raises(ModelNotFoundError, match="download failed: 502 Bad Gateway"):
+        models.resolve("hf:org/repo/x.gguf")
+
+
 def test_a_hub_whose_name_does_not_resolve_fails_at_once(
     hf_cache: HFCache, hf_calls: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -287,7 +287,7 @@ def _hf_download(source: HFSource, *, download: bool) -> Path:
 
     try:
         return Path(hf_hub_download(source.repo, source.file))
-    except (OSError, ValueError) as exc:
+    except Exception as exc:  # OSError, ValueError, and the HTTP client's own (a proxy's 502)
         raise _Unavailable(f"download failed: {exc}") from exc
 
 

@@ -20,6 +20,7 @@ import hashlib
 import json
 import os
 import secrets
+import stat
 import struct
 import threading
 from collections.abc import Callable
@@ -160,7 +161,7 @@ def write_atomic(
         )
     _remove_orphans(target)
     tmp = target.with_name(
-        f".{target.name}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}.tmp"
+        f".{_stem(target)}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}.tmp"
     )
     try:
         with open(tmp, "wb") as f:
@@ -173,14 +174,21 @@ def write_atomic(
         reason = "it is a directory" if target.is_dir() else exc.strerror or str(exc)
         raise StateFileError(f"cannot write {kind[1]} file {str(path)!r}: {reason}") from None
     finally:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):  # gone (renamed), or never made
             tmp.unlink()
+
+
+def _stem(target: Path) -> str:
+    """The part of ``target``'s name its temporary files start with: a long name's first 120
+    characters (the rest of a temporary name must fit the 255 a file name may have)."""
+    return target.name[:120]
 
 
 def _remove_orphans(target: Path) -> None:
     """Remove ``.NAME.<pid>.*.tmp`` files beside ``target`` whose process is gone."""
-    for tmp in target.parent.glob(f".{glob.escape(target.name)}.*.tmp"):
-        pid = tmp.name[len(target.name) + 2 :].split(".", 1)[0]
+    stem = _stem(target)
+    for tmp in target.parent.glob(f".{glob.escape(stem)}.*.tmp"):
+        pid = tmp.name[len(stem) + 2 :].split(".", 1)[0]
         if pid.isdigit() and not _is_alive(int(pid)):
             with contextlib.suppress(OSError):
                 tmp.unlink()
@@ -210,9 +218,15 @@ def read_file(path: str | os.PathLike[str], kind: FileKind = SEQUENCE) -> bytes:
     """Read a saved state.
 
     Raises:
-        StateFileError: the file cannot be read.
+        StateFileError: the file cannot be read, or is not a regular file (a device such as
+            /dev/zero would be read until memory ran out, a pipe could block forever).
     """
     try:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise StateFileError(
+                f"cannot read {kind[1]} file {str(path)!r}: it is not a regular file (a "
+                "directory, a device or a pipe)"
+            )
         return Path(path).read_bytes()
     except OSError as exc:
         raise StateFileError(f"cannot read {kind[1]} file {str(path)!r}: {exc}") from exc
