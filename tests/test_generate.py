@@ -174,6 +174,30 @@ def test_chat_uses_the_gguf_template(model: lcgen.Model) -> None:
     assert reply.strip()
 
 
+@pytest.mark.parametrize(
+    ("template", "says"),
+    [
+        # a loop of 10**10 steps: the chat call never returned
+        ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
+         "did not finish within 0.5 s"),
+        ("{{ 'x' * 10**10 }}", "makes 10,000,000,000 items with *"),  # 10 GB asked for
+        ("{{ 2 ** 100000000 }}", "raises 2 to the power 100000000"),
+    ],
+)  # fmt: skip
+def test_a_chat_template_runs_within_bounds(
+    template: str, says: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chat template comes with the model file, which may come from anyone."""
+    from lcgen._native import model as native
+
+    monkeypatch.setattr(native, "MAX_TEMPLATE_SECONDS", 0.5)
+    with pytest.raises(native.ChatTemplateError, match=says):
+        native.render_chat_template(template, [{"role": "user", "content": "hi"}], "", "", True)
+    ordinary = "{% for m in messages %}{{ m.role }}: {{ m.content * 2 }}\n{% endfor %}"
+    out = native.render_chat_template(ordinary, [{"role": "user", "content": "hi"}], "", "", True)
+    assert out == "user: hihi\n"
+
+
 def test_generator_steps_on_logits_from_elsewhere(model: lcgen.Model) -> None:
     rows: list[np.ndarray] = []
     model.generate("The sky is", max_tokens=8, hooks=[rows.append])  # type: ignore[list-item]

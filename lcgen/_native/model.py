@@ -6,7 +6,9 @@ import ctypes
 import functools
 import hashlib
 import os
+import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
@@ -327,17 +329,98 @@ def _offloaded_layers(
     return n_total, min(n_total if n_gpu_layers < 0 else n_gpu_layers, n_total)
 
 
+# A chat template comes with the model file, which may come from anyone: its rendering is
+# bounded in time and in what one operation may build ('x' * 10**10), never a hang.
+MAX_TEMPLATE_SECONDS = 10.0
+MAX_TEMPLATE_ITEMS = 1 << 24  # characters of a text, or items of a list, made by * or **
+
+
+class ChatTemplateError(ValueError):
+    """A chat template went beyond the bounds of a rendering."""
+
+
 def render_chat_template(
     template: str, messages: list[dict[str, str]], bos: str, eos: str, add_generation_prompt: bool
 ) -> str:
-    """Render a GGUF's Jinja chat template (llama-cpp-python's sandboxed renderer)."""
+    """Render a GGUF's Jinja chat template (llama-cpp-python's sandboxed renderer), within
+    :data:`MAX_TEMPLATE_SECONDS` and :data:`MAX_TEMPLATE_ITEMS`.
+
+    Raises:
+        ChatTemplateError: the template ran past those bounds.
+    """
     formatter = _chat_formatter(template, bos, eos, add_generation_prompt)
-    return str(formatter(messages=messages).prompt)
+    return str(_within_time(lambda: formatter(messages=messages).prompt))
 
 
 @functools.lru_cache(maxsize=16)
 def _chat_formatter(template: str, bos: str, eos: str, add_generation_prompt: bool) -> Any:
-    """The renderer of a template, compiled once (compiling took ~2.7 ms a chat call)."""
+    """The renderer of a template, compiled once (compiling took ~2.7 ms a chat call): as
+    llama-cpp-python's, in an environment that bounds ``*`` and ``**`` (compiled so from the
+    start: compiling folds constant expressions, ``'x' * 10**10`` among them)."""
+    import jinja2
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-    return Jinja2ChatFormatter(template, eos, bos, add_generation_prompt)
+    class Bounded(ImmutableSandboxedEnvironment):
+        intercepted_binops = frozenset(["*", "**"])
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            _check_binop(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+    class Formatter(Jinja2ChatFormatter):
+        def __init__(self) -> None:  # Jinja2ChatFormatter's, in the bounded environment
+            self.template, self.eos_token, self.bos_token = template, eos, bos
+            self.add_generation_prompt, self.stop_token_ids = add_generation_prompt, None
+            env = Bounded(
+                loader=jinja2.BaseLoader(),
+                trim_blocks=True,
+                lstrip_blocks=True,
+                extensions=[Jinja2ChatFormatter.IgnoreGenerationTags, jinja2.ext.loopcontrols],
+            )
+            env.filters["tojson"] = self.tojson
+            self._environment = env.from_string(template)
+
+    return Formatter()
+
+
+def _check_binop(operator: str, left: Any, right: Any) -> None:
+    if operator == "*":
+        for items, n in ((left, right), (right, left)):
+            sized = isinstance(items, str | list | tuple) and isinstance(n, int)
+            if sized and len(items) * n > MAX_TEMPLATE_ITEMS:
+                raise ChatTemplateError(
+                    f"the chat template makes {len(items) * n:,} items with * (at most "
+                    f"{MAX_TEMPLATE_ITEMS:,})"
+                )
+    if operator == "**" and isinstance(left, int | float) and isinstance(right, int | float):
+        bits = max(abs(int(left)).bit_length(), 1) * abs(right)
+        if bits > MAX_TEMPLATE_ITEMS:
+            raise ChatTemplateError(f"the chat template raises {left} to the power {right}")
+
+
+def _within_time(render: Callable[[], Any]) -> Any:
+    """``render()``, stopped with :class:`ChatTemplateError` once it has run the template's
+    code for :data:`MAX_TEMPLATE_SECONDS` (a trace of this thread counts the template's lines;
+    the thread's trace function before is put back)."""
+    deadline = time.monotonic() + MAX_TEMPLATE_SECONDS
+    lines = 0
+
+    def local(frame: Any, event: str, arg: Any) -> Any:
+        nonlocal lines
+        lines += 1
+        if lines % 4096 == 0 and time.monotonic() > deadline:
+            raise ChatTemplateError(
+                f"the chat template did not finish within {MAX_TEMPLATE_SECONDS:g} s"
+            )
+        return local
+
+    def calls(frame: Any, event: str, arg: Any) -> Any:
+        return local if frame.f_code.co_filename == "<template>" else None
+
+    before = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        return render()
+    finally:
+        sys.settrace(before)
