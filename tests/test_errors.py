@@ -20,6 +20,11 @@ from lcgen.decoding.results import parse_structured
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(lcgen.ModelLoadError, match="does not exist"):
         lcgen.Model(tmp_path / "nope.gguf")
+    # a folder (an hf: reference whose cache entry is one resolves to it) said "does not exist"
+    with pytest.raises(lcgen.ModelLoadError, match="is a folder, not a model file"):
+        lcgen.Model(tmp_path)
+    with pytest.raises(lcgen.ModelLoadError, match="is not a regular file"):
+        lcgen.Model("/dev/null")
     with pytest.raises(lcgen.ModelNotFoundError, match=r"nope\.gguf"):
         lcgen.load(tmp_path / "nope.gguf")
 

@@ -186,6 +186,9 @@ def test_missing_path_says_the_file_does_not_exist(ref: str) -> None:
 def test_directory_is_not_a_model(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFoundError, match="is a directory"):
         models.resolve(tmp_path)
+    # a device or a pipe exists: "does not exist" misled
+    with pytest.raises(ModelNotFoundError, match="/dev/null is not a regular file"):
+        models.resolve("/dev/null")
 
 
 def test_unknown_name_lists_known_names_and_other_forms() -> None:

@@ -25,8 +25,12 @@ SPECIAL_ATTRS = int(C.LLAMA_TOKEN_ATTR_UNKNOWN) | int(C.LLAMA_TOKEN_ATTR_CONTROL
 
 
 def _check_gguf_file(path: str) -> None:
-    if not os.path.isfile(path):
+    if os.path.isdir(path):
+        raise ModelLoadError(f"{path!r} is a folder, not a model file: give a .gguf file's path")
+    if not os.path.exists(path):
         raise ModelLoadError(f"model file {path!r} does not exist")
+    if not os.path.isfile(path):
+        raise ModelLoadError(f"{path!r} is not a regular file (a device or a pipe): not a model")
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         magic = f.read(4)

@@ -143,7 +143,12 @@ def _existing_file(path: Path) -> Path:
     path = path.expanduser()
     if path.is_file():
         return path
-    problem = "is a directory, not a GGUF file" if path.is_dir() else "does not exist"
+    if path.is_dir():
+        problem = "is a directory, not a GGUF file"
+    elif path.exists():
+        problem = "is not a regular file (a device or a pipe), not a GGUF file"
+    else:
+        problem = "does not exist"
     raise ModelNotFoundError(
         f"model file {path} {problem}; check the path, or pass a registry name "
         f"({', '.join(registry())}) or an hf:org/repo/file.gguf reference"
