@@ -401,22 +401,23 @@ class Generator:
         self.grammar.accept(token)
         return token
 
-    def _check_heals(self, token: int) -> None:
-        """Raise ValueError when ``token`` does not continue the healed text left."""
-        piece = self.vocab.piece(token)
-        if self.heal and not (
-            piece.startswith(self.heal) or (piece and self.heal.startswith(piece))
-        ):
+    def _check_heals(self, token: int, piece: bytes | None = None) -> None:
+        """Raise ValueError when ``token`` (its bytes ``piece``) does not continue the healed
+        text left; nothing to look up once healing is done."""
+        if not self.heal:
+            return
+        piece = self.vocab.piece(token) if piece is None else piece
+        if not (piece.startswith(self.heal) or (piece and self.heal.startswith(piece))):
             raise ValueError(
                 f"token {token} ({piece!r}) does not continue the healed text {self.heal!r}"
             )
 
     def _healed_piece(self, token: int) -> bytes:
         """The token's bytes less the part that re-creates healed prompt text."""
-        self._check_heals(token)
         piece = self.vocab.piece(token)
         if not self.heal:
             return piece
+        self._check_heals(token, piece)
         if piece.startswith(self.heal):
             piece, self.heal = piece[len(self.heal) :], b""
             return piece
