@@ -449,6 +449,32 @@ def test_forged_cell_positions_are_refused_before_llama_cpp_loads_them(
             assert low >= -1
 
 
+def test_states_whose_cells_lie_out_of_position_order_load(
+    model: lcgen.Model, tmp_path: Path
+) -> None:
+    """llama.cpp writes a sequence's cells in the order they lie in the pool: after a clear, a
+    sequence's later cells land in the cells freed before its first ones. Its own files were
+    refused as forged (cells "not at consecutive positions")."""
+    parked = model.sequence(list(range(1000, 1100)))
+    parked.prefill()
+    parked.close()  # its cells stay, parked, before the next sequence's
+    with model.sequence(list(range(2000, 2100))) as seq:
+        seq.prefill()
+        model.cache.clear()  # frees the parked cells: the next ones go there
+        seq.generate(max_tokens=5)
+        data = seq.to_bytes()
+        _, kv = ckpt.decode(data)
+        (count,) = struct.unpack_from("<I", kv, 12)
+        cells = np.frombuffer(kv[16 : 16 + 12 * count], dtype="<i4").reshape(count, 3)
+        assert (np.diff(cells[:, 0]) < 0).any()  # the case: out of position order
+        with lcgen.Sequence.from_bytes(model, data) as loaded:
+            assert loaded.generate(max_tokens=8) == seq.generate(max_tokens=8)
+        path = tmp_path / "cache.lcc"
+        assert model.cache.save(path) >= 1
+    model.cache.clear()
+    assert model.cache.load(path) >= 1
+
+
 def test_a_header_nested_deeper_than_json_reads_is_refused(model: lcgen.Model) -> None:
     _, kv = ckpt.decode(_saved(model))
     data = _encode({"a": 1}, kv)

@@ -513,9 +513,10 @@ _CELL_SIZES = (12, 24)
 
 def check_cell_positions(data: bytes | bytearray | memoryview, *, sliding: bool) -> None:
     """Refuse a saved sequence state whose cells are not at consecutive positions from 0
-    (from where a sliding window starts, for a model that has one). llama.cpp loads the
-    positions as written: a forged state's cell at a negative position could never be removed
-    again (removals start at 0) and joined the attention of every later sequence in the slot.
+    (from where a sliding window starts, for a model that has one), in any order. llama.cpp
+    loads the positions as written: a forged state's cell at a negative position could never
+    be removed again (removals start at 0) and joined the attention of every later sequence in
+    the slot.
 
     Raises:
         StateFileError: the positions are not such, or the cell table does not parse.
@@ -536,11 +537,13 @@ def check_cell_positions(data: bytes | bytearray | memoryview, *, sliding: bool)
         cells = np.frombuffer(view[16:end], dtype="<i4").reshape(count, size // 4)
         if v_trans > 1 or not 0 < n_layer <= 4096 or not (cells[:, 1] == 1).all():
             continue
-        pos = cells[:, 0].astype(np.int64)
+        # In the order the cells lie in the pool, which is not the positions' order where a
+        # sequence's later cells went to cells freed before its first.
+        pos = np.sort(cells[:, 0].astype(np.int64))
         if pos[0] < 0 or (pos[0] != 0 and not sliding) or (np.diff(pos) != 1).any():
             raise StateFileError(
                 f"the saved KV state's {count} cells are not at consecutive positions from "
-                f"{'a window start' if sliding else 0} (first {int(pos[0])}): not a state "
+                f"{'a window start' if sliding else 0} (lowest {int(pos[0])}): not a state "
                 "lcgen wrote"
             )
         return
