@@ -161,6 +161,31 @@ def test_holdback_table() -> None:
     assert regex.find("we delve", 0, True) == 3
     assert regex.find("we delves in", 0, False) is None
     assert regex.find("we delve in", 0, False) == 3
+    # A lookahead reads past the match: held back and undecided until all it reads is there.
+    ahead = BannedPhrases([re.compile(r"keeper(?= climbed)")])
+    assert ahead.hold_from("The keeper climb") == len("The")  # 6 matched, then 7 + 1 read
+    assert ahead.find("The keeper climbe", 0, False) is None
+    assert ahead.find("The keeper climbed", 0, False) == 4
+    assert ahead.find("The keeper climbed", 0, True) == 4
+    negative = BannedPhrases([re.compile(r"keeper(?! climbed)")])
+    assert negative.find("The keeper cl", 0, False) is None  # " climbed" may yet follow
+    assert negative.find("The keeper slept", 0, False) is None  # read: 7 more, and 1
+    assert negative.find("The keeper slept well", 0, False) == 4
+
+
+def test_regex_bans_with_a_lookahead(model: lcgen.Model) -> None:
+    # The lookahead's text was released before the match was decided: it went out unbanned.
+    story = "The keeper climbed the stairs at dusk, wiped the lens and lit the wick. "
+    ban = re.compile(r"keeper(?= climbed the stairs)")
+    prompt = f"Repeat exactly:\n{story * 3}"
+    plain = model.generate(prompt, max_tokens=40)
+    assert ban.search(plain)  # measured: the model repeats the story
+    for stream in (False, True):
+        if stream:
+            out = "".join(c.text for c in model.stream(prompt, max_tokens=40, banned=[ban]))
+        else:
+            out = str(model.generate(prompt, max_tokens=40, banned=[ban]))
+        assert not ban.search(out), out
 
 
 @pytest.mark.parametrize(
@@ -169,6 +194,7 @@ def test_holdback_table() -> None:
         ([""], ValueError, "empty"),
         ([re.compile(r"x*")], ValueError, "empty string"),
         ([re.compile(r"delv\w*")], ValueError, "unbounded"),
+        ([re.compile(r"delve(?=.*s)")], ValueError, "look ahead"),
         ([b"bytes"], TypeError, "bytes"),
     ],
 )

@@ -13,7 +13,7 @@ import re._constants
 import re._parser  # the stdlib's own regex parser: the widths a pattern can match
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 import numpy as np
 
@@ -201,9 +201,10 @@ class BannedPhrases:
     """Strings (literal) and compiled regular expressions that must not appear in the output.
 
     A literal occurrence counts as soon as it is complete; a regular expression's match counts
-    once a character follows it (so ``\\bdelve\\b`` does not fire on ``delves``) or generation
-    ends. Text that could still become part of a match is held back: for literals the longest
-    suffix that starts one, for regular expressions as many characters as their longest match.
+    once a character follows it (so ``\\bdelve\\b`` does not fire on ``delves``), or all the
+    characters its lookaheads read, or generation ends. Text that could still become part of a
+    match is held back: for literals the longest suffix that starts one, for regular
+    expressions as many characters as their longest match and its lookaheads read.
 
     Args:
         phrases: ``str`` (matched literally) or ``re.Pattern`` (its own flags apply).
@@ -211,14 +212,16 @@ class BannedPhrases:
 
     Raises:
         ValueError: a phrase is empty or holds a lone surrogate (no generated text does), a
-            pattern can match the empty string, or a pattern can match text of unbounded length
-            (bound its repeats: ``\\w{0,20}`` instead of ``\\w*``).
+            pattern can match the empty string, or a pattern can match (or look ahead at) text
+            of unbounded length (bound its repeats: ``\\w{0,20}`` instead of ``\\w*``).
         TypeError: a phrase is neither a ``str`` nor a compiled pattern.
     """
 
     def __init__(self, phrases: Iterable[str | re.Pattern[str]], ignore_case: bool = False) -> None:
         literals: list[str] = []
-        self.patterns: list[tuple[re.Pattern[str], int]] = []
+        # Each pattern with the most characters it matches and those its lookaheads read past
+        # a match's end beyond the first (see _widths).
+        self.patterns: list[tuple[re.Pattern[str], int, int]] = []
         for phrase in phrases:
             if isinstance(phrase, str):
                 if not phrase:
@@ -226,7 +229,7 @@ class BannedPhrases:
                 check_no_surrogate(phrase, "banned phrase")
                 literals.append(phrase)
             elif isinstance(phrase, re.Pattern):
-                self.patterns.append((phrase, _max_width(phrase)))
+                self.patterns.append((phrase, *_widths(phrase)))
             else:
                 raise TypeError(
                     f"banned phrase {phrase!r} is a {type(phrase).__name__}, "
@@ -252,10 +255,10 @@ class BannedPhrases:
             match = self._literal.search(text, start)
             if match is not None:
                 best = match.start()
-        for pattern, _ in self.patterns:
+        for pattern, _, ahead in self.patterns:
             pos = start
             while (match := pattern.search(text, pos)) is not None:
-                if match.end() < len(text) or finished:
+                if match.end() + ahead < len(text) or finished:
                     best = match.start() if best is None else min(best, match.start())
                     break
                 pos = match.start() + 1
@@ -274,19 +277,45 @@ class BannedPhrases:
             match = self._prefix.search(text, max(0, len(text) - self.max_literal + 1))
             if match is not None:
                 hold = match.start()
-        for _, width in self.patterns:
-            hold = min(hold, max(0, len(text) - width))
+        for _, width, ahead in self.patterns:
+            hold = min(hold, max(0, len(text) - width - ahead))
         return hold
 
 
-def _max_width(pattern: re.Pattern[str]) -> int:
-    """The most characters ``pattern`` can match; rejects empty and unbounded patterns."""
+def _widths(pattern: re.Pattern[str]) -> tuple[int, int]:
+    """The most characters ``pattern`` can match, and how many more than one its lookaheads
+    read past a match's end (a match is decided once that many and one follow it); rejects
+    empty and unbounded patterns."""
     if pattern.match(""):
         raise ValueError(f"banned pattern {pattern.pattern!r} matches the empty string")
-    _, high = re._parser.parse(pattern.pattern, pattern.flags).getwidth()
-    if high >= re._constants.MAXREPEAT:
+    parsed = re._parser.parse(pattern.pattern, pattern.flags)
+    high, ahead = parsed.getwidth()[1], _reads_ahead(parsed)
+    if max(high, ahead) >= re._constants.MAXREPEAT:
         raise ValueError(
-            f"banned pattern {pattern.pattern!r} can match text of unbounded length: "
-            "bound its repeats (e.g. \\w{0,20} instead of \\w*)"
+            f"banned pattern {pattern.pattern!r} can match (or look ahead at) text of unbounded "
+            "length: bound its repeats (e.g. \\w{0,20} instead of \\w*)"
         )
-    return int(high)
+    return int(high), max(ahead - 1, 0)
+
+
+def _reads_ahead(items: Any) -> int:
+    """The most characters a parsed pattern's lookaheads read past the position where they
+    stand (at most the match's end)."""
+    c = re._constants
+    most = 0
+    for op, av in items:
+        if op in (c.ASSERT, c.ASSERT_NOT):
+            direction, sub = av
+            reach = sub.getwidth()[1] if direction == 1 else 0
+            most = max(most, min(reach + _reads_ahead(sub), c.MAXREPEAT))
+        elif op is c.BRANCH:
+            most = max([most, *map(_reads_ahead, av[1])])
+        elif op is c.SUBPATTERN:
+            most = max(most, _reads_ahead(av[3]))
+        elif op in (c.MAX_REPEAT, c.MIN_REPEAT, c.POSSESSIVE_REPEAT):
+            most = max(most, _reads_ahead(av[2]))
+        elif op is c.ATOMIC_GROUP:
+            most = max(most, _reads_ahead(av))
+        elif op is c.GROUPREF_EXISTS:
+            most = max(most, *(_reads_ahead(b) for b in av[1:] if b is not None))
+    return most
