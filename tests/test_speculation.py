@@ -144,6 +144,42 @@ def test_a_schema_constrained_output_is_the_same_and_validates(model: lcgen.Mode
     assert set(out) == {"keeper", "years"} and isinstance(out["years"], int)
 
 
+PETS = {
+    "type": "array",
+    "minItems": 4,
+    "maxItems": 4,
+    "items": {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name", "kind", "age"],
+        "properties": {
+            "name": {"enum": ["Tommy", "Annabel", "Bobby"]},
+            "kind": {"enum": ["catfish", "doggo", "parrot"]},
+            "age": {"type": "integer", "minimum": 0, "maximum": 9},
+        },
+    },
+}
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_seeded_constrained_output_is_the_same_with_forced_text(
+    model: lcgen.Model, seed: int
+) -> None:
+    """Forced text (fast-forward) is appended unsampled: a draft's walk stops where the
+    grammar forces text. The walk sampled there, drew from the RNG, and every later token
+    changed."""
+    pets = '{"name":"Tommy","kind":"catfish","age":3},{"name":"Bobby","kind":"parrot","age":7}'
+    prompt = f"Pets as JSON:\n[{pets}]\n[{pets}]\nMore pets as JSON:\n"
+    options = {"schema": PETS, "json_whitespace": "compact", "max_tokens": 120, "seed": seed}
+    runs = []
+    for spec in (None, "ngram"):
+        model.cache.clear()  # the same batches from the prompt on (the cache's own exactness)
+        runs.append(list(model.stream(prompt, temperature=0.9, speculate=spec, **options)))  # type: ignore[arg-type]
+    plain, spec = ([t for c in chunks for t in c.tokens] for chunks in runs)
+    assert spec == plain
+    assert runs[1][-1].stats.forced == runs[0][-1].stats.forced > 0
+
+
 def test_stop_strings_banned_phrases_and_logprobs_compose(model: lcgen.Model) -> None:
     prompt = PROMPTS[0]
     for options in (

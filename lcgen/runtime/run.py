@@ -10,13 +10,13 @@ search forks. The scheduler knows nothing else about them.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Sequence as Seq
 from typing import Protocol
 
 import numpy as np
 
+from lcgen.constrain import GrammarState
 from lcgen.decoding import Chunk, GenerationStats, Generator
 from lcgen.decoding.results import TokenLogprob
 from lcgen.decoding.speculation import Drafter
@@ -265,13 +265,24 @@ class SequenceRun:
         room = min(gen.max_tokens - len(gen.tokens), seq.model.context.n_ctx - len(seq)) - 1
         draft = drafter.propose(seq.tokens, room)
         if draft and gen.grammar is not None:
-            probe = gen.grammar.clone()
-            try:
-                draft = list(itertools.takewhile(probe.try_accept, draft))
-            finally:
-                probe.close()
+            with gen.grammar.clone() as probe:
+                draft = self._allowed_draft(probe, draft)
         if draft:
             seq.draft(draft)
+
+    def _allowed_draft(self, probe: GrammarState, draft: list[int]) -> list[int]:
+        """The start of ``draft`` the grammar allows, cut before a token after which it forces
+        text with fast-forward on: a step without a draft appends forced tokens unsampled, so
+        the walk must end at the token before them (walking on would sample there, drawing
+        from the RNG, and take the model's split of the text rather than the tokenizer's)."""
+        allowed: list[int] = []
+        for token in draft:
+            if not probe.try_accept(token):
+                break
+            if self.fast_forward and probe.forced_text(1):
+                break
+            allowed.append(token)
+        return allowed
 
     def stats(self) -> GenerationStats:
         """What the generation has cost so far."""
