@@ -22,6 +22,7 @@ from lcgen.decoding import Chunk, Text
 from lcgen.decoding.options import DEFAULT_MAX_RETRIES
 from lcgen.decoding.results import check_complete
 from lcgen.errors import ContextFullError, IncompleteOutputError, LcgenError
+from lcgen.runtime.sequence import chunks_of
 from lcgen.runtime.statefile import write_atomic
 
 Message = dict[str, str]
@@ -429,7 +430,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     n_prompt = len(tokens) - model.cache.cached(tokens)  # the tokens the prompt decodes
     timer = _Timer()
     with model.sequence(tokens) as seq:
-        chunks = list(timer.each(_tee(seq.stream(**options, grammar=grammar))))
+        run = seq.run(**options, grammar=grammar)
+        chunks = list(timer.each(_tee(chunks_of(run))))
     sys.stdout.write("\n")
     sys.stdout.flush()
     last = chunks[-1] if chunks else None
@@ -438,7 +440,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not args.quiet:
         n_generated = sum(len(chunk.tokens) for chunk in chunks)
         print(timer.summary(n_prompt, n_generated), file=sys.stderr)
-    problem = _incomplete(model, args, constraint, chunks) if constraint else None
+    problem = None
+    if constraint:
+        problem = _incomplete(model, args, constraint, chunks, run.generator.healed)
     if problem:
         print(f"lcgen: error: {problem}", file=sys.stderr)
         return 1
@@ -506,12 +510,14 @@ def _incomplete(
     args: argparse.Namespace,
     constraint: tuple[str, lcgen.Grammar],
     chunks: list[Chunk],
+    healed: str,
 ) -> str | None:
     """Why a constrained output is not a complete match of its constraint (the library's
-    truncation check), in the command's words; None when it is."""
+    truncation check), in the command's words; None when it is. ``healed``: the prompt's text
+    token healing had the output re-create."""
     flag, grammar = constraint
     try:
-        check_complete(Text.of(chunks), grammar, model.vocab)
+        check_complete(Text.of(chunks), grammar, model.vocab, healed=healed)
         return None
     except IncompleteOutputError:
         pass

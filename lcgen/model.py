@@ -705,8 +705,8 @@ class Model:
             self.tokenize(p) if suffix is None else self.infill_tokens(p, suffix) for p in prompt
         ]
         texts, healed = self._generate_batch(tokens, plan)
-        for text in texts:
-            plan.check_complete(text, self.vocab)
+        for text, heal in zip(texts, healed, strict=True):
+            plan.check_complete(text, self.vocab, heal)
         if schema is None:
             return texts
         return [parse_structured(t, schema, h) for t, h in zip(texts, healed, strict=True)]

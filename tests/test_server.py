@@ -206,6 +206,19 @@ def test_a_stop_that_cuts_a_constrained_reply_says_length(client: openai.OpenAI)
     assert "".join(text or "" for text, _ in streamed) == cut.message.content
 
 
+def test_a_stop_after_healed_text_that_completes_the_constraint_says_stop(
+    client: openai.OpenAI,
+) -> None:
+    # Token healing re-creates the prompt's "2": with it, "3" completes the regex (without it,
+    # the reply was told as cut short).
+    extra = {"regex": "2[0-9]*", "token_healing": True}
+    ask = {"model": NAME, "prompt": "My favourite number is 12", "max_tokens": 5, "temperature": 0}
+    whole = client.completions.create(**ask, extra_body=extra).choices[0]  # type: ignore[call-overload]
+    assert whole.text.startswith("34")  # measured
+    cut = client.completions.create(**ask, stop=["4"], extra_body=extra).choices[0]  # type: ignore[call-overload]
+    assert (cut.text, cut.finish_reason) == ("3", "stop")
+
+
 def test_a_schema_lcgen_cannot_enforce_falls_back_to_its_type_unless_strict(
     client: openai.OpenAI,
 ) -> None:

@@ -4,6 +4,8 @@ with the partial text; streams end with ``finish_reason="length"``."""
 
 from __future__ import annotations
 
+import re
+
 import pydantic
 import pytest
 
@@ -67,3 +69,20 @@ def test_a_stop_token_or_string_that_cuts_a_constrained_output_raises(model: lcg
     text = model.generate("Count:", grammar=optional, stop_tokens=[four], fast_forward=False)
     assert text == " 1 2 3 " and text.finish_reason == "stop"
     assert model.generate("Yes or no?", choice=["yes", "no"]) in ("yes", "no")
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 3])
+def test_an_output_complete_after_healed_text_is_returned(
+    model: lcgen.Model, max_tokens: int
+) -> None:
+    # Token healing backs the prompt off its "2", which the output re-creates: the constraint
+    # matches that text first. The check read the output without it, and raised.
+    prompt, regex = "My favourite number is 12", r"2[0-9]*"
+    options = {"regex": regex, "token_healing": True, "max_tokens": max_tokens}
+    chunks = list(model.stream(prompt, **options))  # type: ignore[arg-type]
+    streamed = "".join(c.text for c in chunks)
+    assert chunks[-1].finish_reason == "length" and re.fullmatch(regex, "2" + streamed)
+    assert model.generate(prompt, **options) == streamed  # type: ignore[arg-type]
+    assert model.generate([prompt], **options) == [streamed]  # type: ignore[arg-type]
+    with model.sequence(model.tokenize(prompt)) as seq:
+        assert seq.generate(**options) == streamed  # type: ignore[arg-type]

@@ -154,7 +154,11 @@ def _finish(spec: GenerateSpec, job: _Job, last: Chunk | None) -> None:
     emitted = "".join(c.text for c in job.chunks)
     cut_at_stop(model, job.elem, last, job.text_before, emitted, kept)
     job.incomplete = incomplete(
-        Text.of(job.chunks), spec.plan.constraint, model.vocab, spec.plan.stop_tokens
+        Text.of(job.chunks),
+        spec.plan.constraint,
+        model.vocab,
+        spec.plan.stop_tokens,
+        job.run.generator.healed,
     )
     job.close()
 

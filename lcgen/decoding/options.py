@@ -125,14 +125,15 @@ class Plan:
         """The same plan sampling with ``seed``."""
         return dataclasses.replace(self, sampler=dataclasses.replace(self.sampler, seed=seed))
 
-    def check_complete(self, text: Text, vocab: Vocab) -> None:
+    def check_complete(self, text: Text, vocab: Vocab, healed: str = "") -> None:
         """Raise when ``text``, generated with this plan, stopped before it matched the plan's
         constraint (``max_tokens``, a stop string or one of ``stop_tokens`` cut it).
+        ``healed``: the prompt's text token healing had it re-create.
 
         Raises:
             IncompleteOutputError: with the partial text.
         """
-        check_complete(text, self.constraint, vocab, self.stop_tokens)
+        check_complete(text, self.constraint, vocab, self.stop_tokens, healed)
 
 
 _KEYS = frozenset(GenerateOptions.__annotations__)

@@ -222,22 +222,31 @@ class Text(str):
 
 
 def check_complete(
-    text: Text, constraint: Grammar | None, vocab: Vocab, stop_tokens: Collection[int] = ()
+    text: Text,
+    constraint: Grammar | None,
+    vocab: Vocab,
+    stop_tokens: Collection[int] = (),
+    healed: str = "",
 ) -> None:
     """Raise when a constrained generation stopped before its output matched the constraint
     (a cut choice, a half-written JSON value, a stop string or one of ``stop_tokens`` part way):
-    it never comes back as if it were complete.
+    it never comes back as if it were complete. ``healed``: the prompt's text that token
+    healing had the generation re-create (the constraint matched it before ``text``).
 
     Raises:
         IncompleteOutputError: with the partial text.
     """
-    error = incomplete(text, constraint, vocab, stop_tokens)
+    error = incomplete(text, constraint, vocab, stop_tokens, healed)
     if error is not None:
         raise error
 
 
 def incomplete(
-    text: Text, constraint: Grammar | None, vocab: Vocab, stop_tokens: Collection[int] = ()
+    text: Text,
+    constraint: Grammar | None,
+    vocab: Vocab,
+    stop_tokens: Collection[int] = (),
+    healed: str = "",
 ) -> IncompleteOutputError | None:
     """The error saying how a constrained generation was cut short, or None when its output
     matches the constraint (or there is none); see :func:`check_complete`."""
@@ -251,7 +260,7 @@ def incomplete(
         # only end there
         return None
     try:
-        if constraint.accepts(vocab, str(text)):
+        if constraint.accepts(vocab, healed + str(text)):
             return None  # complete (an end token, or a cut exactly where it could end)
     except GrammarError:
         pass

@@ -248,7 +248,7 @@ class Sequence(TokenSequence):
             ClosedError: the sequence was closed.
             GrammarError: the constraint cannot be built or enforced.
         """
-        return _chunks(self.run(schema=schema, **options))
+        return chunks_of(self.run(schema=schema, **options))
 
     @overload
     def generate(self, *, schema: type[_M], **options: Unpack[GenerateOptions]) -> _M: ...
@@ -273,9 +273,10 @@ class Sequence(TokenSequence):
         """
         plan = make_plan(schema=schema, **options)
         run = self.run_plan(plan)
-        text = Text.of(_chunks(run))
-        plan.check_complete(text, self.vocab)
-        return text if schema is None else parse_structured(text, schema, run.generator.healed)
+        text = Text.of(chunks_of(run))
+        healed = run.generator.healed
+        plan.check_complete(text, self.vocab, healed)
+        return text if schema is None else parse_structured(text, schema, healed)
 
     # lifetime --------------------------------------------------------------------------
     def close(self) -> None:
@@ -287,7 +288,9 @@ class Sequence(TokenSequence):
         super().close()
 
 
-def _chunks(run: PlainRun | Backtracker) -> Iterator[Chunk]:
+def chunks_of(run: PlainRun | Backtracker) -> Iterator[Chunk]:
+    """The chunks of ``run`` to its end, each step's as it is taken (what ``seq.stream``
+    yields)."""
     if run.is_done:  # max_tokens=0: still a last chunk, with the finish reason and stats
         yield Chunk("", (), run.generator.finish_reason, stats=run.stats())
     while not run.is_done:

@@ -335,7 +335,7 @@ class _Server:
         try:
             async for item in job.items():
                 if isinstance(item, Piece):
-                    reply.take(outputs[item.index], item.chunk)
+                    reply.take(outputs[item.index], item.chunk, item.healed)
                 elif isinstance(item, Finished):
                     outputs[item.index].cached_tokens = item.cached_tokens
                 else:
@@ -383,7 +383,7 @@ class _Server:
                     yield json.dumps(reply.echo_chunk(out))
             async for item in job.items():
                 if isinstance(item, Piece):
-                    entries = reply.take(outputs[item.index], item.chunk)
+                    entries = reply.take(outputs[item.index], item.chunk, item.healed)
                     event = reply.piece_chunk(outputs[item.index], item.chunk, entries)
                     for each in opened([] if event is None else [event], item.index):
                         yield json.dumps(each)

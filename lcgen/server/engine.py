@@ -33,10 +33,12 @@ class QueueFullError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class Piece:
-    """Text (and tokens) that became final for one choice."""
+    """Text (and tokens) that became final for one choice; on its last, ``healed``: the
+    prompt's text token healing had the choice re-create."""
 
     index: int
     chunk: Chunk
+    healed: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,7 +216,11 @@ class Engine:
                 if owner is None:
                     continue
                 if event.chunk is not None:
-                    owner.job.put(Piece(owner.index, event.chunk))
+                    run = event.run
+                    healed = ""
+                    if event.chunk.finish_reason and isinstance(run, _Guarded) and run.run:
+                        healed = run.run.generator.healed
+                    owner.job.put(Piece(owner.index, event.chunk, healed))
                 if event.is_last:
                     run = event.run
                     self._end(event.ticket, run.error if isinstance(run, _Guarded) else None)

@@ -107,7 +107,7 @@ class Reply:
         self.created = int(time.time())
 
     # gathering -------------------------------------------------------------------------
-    def take(self, out: Output, chunk: Chunk) -> list[dict[str, Any]]:
+    def take(self, out: Output, chunk: Chunk, healed: str = "") -> list[dict[str, Any]]:
         """Add a chunk to a choice; returns its log-probability entries (empty without).
 
         A stop string cuts the text, not the tokens: an entry is returned once the text
@@ -126,20 +126,21 @@ class Reply:
         if chunk.finish_reason is not None:
             out.held = []  # their text was cut
             out.finish_reason = FINISH_REASONS[chunk.finish_reason]
-            if chunk.finish_reason == "stop" and self._cut_short(out, chunk):
+            if chunk.finish_reason == "stop" and self._cut_short(out, chunk, healed):
                 out.finish_reason = "length"
         out.logprobs += entries
         return entries
 
-    def _cut_short(self, out: Output, chunk: Chunk) -> bool:
-        """Whether a choice that stopped is constrained and does not match its constraint."""
+    def _cut_short(self, out: Output, chunk: Chunk, healed: str) -> bool:
+        """Whether a choice that stopped is constrained and does not match its constraint
+        (after ``healed``, the prompt's text token healing had it re-create)."""
         plan = self.plans[out.index] if out.index < len(self.plans) else None
         if plan is None or plan.constraint is None:
             return False
         text = lcgen.Text(out.text[out.start :])
         text.finish_reason, text.stop, text.tokens = "stop", chunk.stop, chunk.tokens
         try:
-            plan.check_complete(text, self.model.vocab)
+            plan.check_complete(text, self.model.vocab, healed)
         except lcgen.IncompleteOutputError:
             return True
         return False
