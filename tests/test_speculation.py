@@ -180,6 +180,25 @@ def test_seeded_constrained_output_is_the_same_with_forced_text(
     assert runs[1][-1].stats.forced == runs[0][-1].stats.forced > 0
 
 
+def test_drafts_that_do_not_fit_the_cache_are_dropped_not_fatal(model_path: Path) -> None:
+    # The cells are shared by every live sequence: with 14 free, a run that stops after 14
+    # tokens fits, its drafts (which ask for their cells up front) did not: ContextFullError.
+    story = "The keeper climbed the stairs at dusk, wiped the lens and lit the wick. "
+    with lcgen.load(model_path, n_ctx=512, n_threads=2) as small:
+        prompt = small.tokenize(f"Repeat exactly:\n{story * 3}")
+        filler = small.tokenize("Lorem ipsum dolor sit amet, sed do eiusmod tempor. " * 60)
+        with small.sequence(filler[: small.n_ctx - len(prompt) - 14]) as other:
+            other.prefill()
+            outs = []
+            for spec in (None, "ngram"):
+                with small.sequence(prompt) as seq:
+                    options = {"max_tokens": 40, "stop": ["lit"], "speculate": spec}
+                    outs.append(seq.generate(**options))  # type: ignore[arg-type]
+    plain, drafted = outs
+    assert drafted == plain and plain.finish_reason == "stop"
+    assert drafted.stats.accepted > 0
+
+
 def test_stop_strings_banned_phrases_and_logprobs_compose(model: lcgen.Model) -> None:
     prompt = PROMPTS[0]
     for options in (

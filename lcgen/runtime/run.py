@@ -20,7 +20,7 @@ from lcgen.constrain import GrammarState
 from lcgen.decoding import Chunk, GenerationStats, Generator
 from lcgen.decoding.results import TokenLogprob
 from lcgen.decoding.speculation import Drafter
-from lcgen.errors import RewindError
+from lcgen.errors import ContextFullError, RewindError
 from lcgen.runtime.checkpoint import Checkpoint
 from lcgen.runtime.tokens import TokenSequence
 
@@ -48,6 +48,7 @@ def decode(seqs: Seq[TokenSequence]) -> list[np.ndarray]:
     """Decode every sequence's pending tokens in one batch (none is sampled). A sequence whose
     logits the KV store kept (opened on a prompt it knew the end of) decodes nothing; one that
     asked to keep its logits (a generation's first step: its prompt's end) has them kept.
+    Where the KV cache has no room for the drafts too, the batch is decoded without them.
 
     Returns:
         The logits after each sequence's last token (copies: another thread's decode cannot
@@ -55,6 +56,19 @@ def decode(seqs: Seq[TokenSequence]) -> list[np.ndarray]:
     """
     if not seqs:
         return []
+    drafted = any(seq.n_pending > len(seq) - seq.n_decoded for seq in seqs)
+    try:
+        return _decode(seqs)
+    except ContextFullError:
+        if not drafted:
+            raise
+        for seq in seqs:  # drafts only save time: the step goes on without them
+            seq.drop_draft()
+        return _decode(seqs)
+
+
+def _decode(seqs: Seq[TokenSequence]) -> list[np.ndarray]:
+    """:func:`decode`, drafts and all."""
     kept = [seq.kept_logits() for seq in seqs]
     requests = [seq.pending_request() for seq, row in zip(seqs, kept, strict=True) if row is None]
     try:
