@@ -199,6 +199,37 @@ def test_drafts_that_do_not_fit_the_cache_are_dropped_not_fatal(model_path: Path
     assert drafted.stats.accepted > 0
 
 
+@pytest.mark.parametrize("spec", [None, "ngram"])
+def test_a_hook_that_raises_mid_walk_loses_no_streamed_tokens(
+    model: lcgen.Model, spec: str | None
+) -> None:
+    # The walk's tokens before the failure stay in the sequence: their chunk was dropped with
+    # the exception, and the stream missed them.
+    raised: set[int] = set()
+
+    def hook(step: lcgen.Step) -> None:
+        if step.index in (12, 25, 40) and step.index not in raised:
+            raised.add(step.index)
+            raise RuntimeError(f"refused at {step.index}")
+
+    model.cache.clear()
+    with model.sequence(model.tokenize(f"Repeat exactly:\n{PASSAGE}")) as seq:
+        run = seq.run(hooks=[hook], lookback=1, max_tokens=60, speculate=spec)
+        tokens: list[int] = []
+        text, errors = "", 0
+        while not run.is_done:
+            try:
+                chunk = run.step()
+            except RuntimeError:
+                errors += 1
+                continue
+            tokens += chunk.tokens
+            text += chunk.text
+        assert errors >= 2
+        assert tokens == run.generator.tokens
+        assert text == model.detokenize(tokens)
+
+
 def test_stop_strings_banned_phrases_and_logprobs_compose(model: lcgen.Model) -> None:
     prompt = PROMPTS[0]
     for options in (

@@ -241,12 +241,19 @@ class SequenceRun:
                 if self.is_done or i + 1 == len(rows) or not seq.confirm_draft():
                     break
                 accepted += 1
+        except BaseException:
+            # The tokens taken before the failure stay (a hook raised on a later one): their
+            # text comes with the next chunk.
+            if chunks:
+                held = [self._held] if self._held is not None else []
+                self._held = _joined([*held, *chunks])
+            raise
         finally:
             seq.drop_draft()
-        self._drafted += len(rows) - 1
-        self._accepted += accepted
-        assert self.drafter is not None
-        self.drafter.feedback(len(rows) - 1, accepted)
+            self._drafted += len(rows) - 1
+            self._accepted += accepted
+            assert self.drafter is not None
+            self.drafter.feedback(len(rows) - 1, accepted)
         return _joined(chunks)
 
     def _fast_forward(self, chunk: Chunk, reserve: int = 0) -> Chunk:
