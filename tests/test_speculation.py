@@ -230,6 +230,22 @@ def test_a_hook_that_raises_mid_walk_loses_no_streamed_tokens(
         assert text == model.detokenize(tokens)
 
 
+def test_a_chunk_s_logprob_is_the_sum_of_its_entries_with_bans_and_drafts(
+    model: lcgen.Model,
+) -> None:
+    # A walk joined a banned-phrase check's empty chunk (no logprob) with released tokens:
+    # the chunk had entries but logprob None.
+    prompt = f"Repeat exactly:\n{PASSAGE}\n{PASSAGE}"
+    stream = model.stream(prompt, max_tokens=60, banned=[" lens"], logprobs=1, speculate="ngram")
+    chunks = list(stream)
+    assert sum(len(c.tokens) > 1 for c in chunks) > 3  # drafts accepted
+    for c in chunks:
+        if c.logprobs:
+            assert c.logprob == pytest.approx(sum(e.logprob for e in c.logprobs))
+        else:
+            assert c.logprob is None
+
+
 def test_stop_strings_banned_phrases_and_logprobs_compose(model: lcgen.Model) -> None:
     prompt = PROMPTS[0]
     for options in (

@@ -393,8 +393,11 @@ def _joined(chunks: list[Chunk]) -> Chunk:
     if len(chunks) == 1:
         return chunks[0]
     last = chunks[-1]
+    entries = tuple(e for c in chunks for e in c.logprobs)
     logprob = None
-    if all(c.logprob is not None for c in chunks):
+    if entries:  # (a chunk that released no token has none, and no logprob)
+        logprob = math.fsum(e.logprob for e in entries)
+    elif all(c.logprob is not None for c in chunks):
         logprob = math.fsum(c.logprob for c in chunks if c.logprob is not None)
     return Chunk(
         "".join(c.text for c in chunks),
@@ -402,5 +405,5 @@ def _joined(chunks: list[Chunk]) -> Chunk:
         last.finish_reason,
         last.stop,
         logprob,
-        logprobs=tuple(e for c in chunks for e in c.logprobs),
+        logprobs=entries,
     )
