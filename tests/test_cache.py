@@ -336,6 +336,33 @@ def test_copies_of_one_prompt_share_its_cells(model_path: Path) -> None:
         assert small.cache.stats.cells_held <= 256
 
 
+@pytest.mark.parametrize("where", ["open", "fork"])
+def test_ctrl_c_while_a_slot_is_copied_gives_the_slot_back(
+    model: lcgen.Model, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    # The slot was taken, then a KeyboardInterrupt came before its entry was registered: it
+    # was neither free nor held, its cells in llama.cpp, for good.
+    prefix = list(range(1000, 1100))
+    with model.sequence([*prefix, 5]) as parked:
+        parked.prefill()
+        before = model.cache.stats
+        context = model.context
+        real = context.copy_slot
+
+        def interrupted(src: int, dst: int, n: int) -> None:
+            real(src, dst, n)
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(context, "copy_slot", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            model.sequence([*prefix, 7]) if where == "open" else parked.fork()
+        monkeypatch.undo()
+        after = model.cache.stats
+        assert (after.free_slots, after.live) == (before.free_slots, before.live)
+        with parked.fork() as child:  # the slot is usable again, and empty
+            assert child.generate(max_tokens=3) == parked.generate(max_tokens=3)
+
+
 def test_clear_keeps_live_sequences_and_pins_unless_asked(model: lcgen.Model) -> None:
     model.cache.pin("A pinned prefix")
     model.generate("A parked one", max_tokens=2)

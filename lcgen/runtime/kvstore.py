@@ -271,13 +271,14 @@ class KVStore:
                 if slot is not None:
                     entry = Entry(slot, [])
                     if src is not None and n_reused:
-                        self._ctx.copy_slot(src.slot, entry.slot, n_reused)
-                        if self._ctx.holds_window(entry.slot, n_reused):
-                            entry.end_logits = src.end_logits
-                            entry.cut(n_reused)
-                        else:
-                            self._ctx.clear_slot(entry.slot)
-                            n_reused = 0
+                        with self._returned_on_error(slot):
+                            self._ctx.copy_slot(src.slot, entry.slot, n_reused)
+                            if self._ctx.holds_window(entry.slot, n_reused):
+                                entry.end_logits = src.end_logits
+                                entry.cut(n_reused)
+                            else:
+                                self._ctx.clear_slot(entry.slot)
+                                n_reused = 0
                     break
                 self._wait(deadline)
             entry.tokens, entry.state, entry.owner = list(tokens), "live", threading.get_ident()
@@ -292,7 +293,8 @@ class KVStore:
             slot = self._take_slot(keep=entry)
             held = self._ctx.ledger.held(entry.slot)
             if held:
-                self._ctx.copy_slot(entry.slot, slot, held)
+                with self._returned_on_error(slot):
+                    self._ctx.copy_slot(entry.slot, slot, held)
             child = Entry(slot, list(entry.tokens), "live", next(self._clock))
             child.end_logits = entry.end_logits
             child.owner = threading.get_ident()
@@ -394,6 +396,18 @@ class KVStore:
                 return None
             self._evict(victim)
         return self._free.pop()
+
+    @contextlib.contextmanager
+    def _returned_on_error(self, slot: int) -> Iterator[None]:
+        """Give ``slot``, taken for an entry not yet registered, back wiped if the block
+        raises (Ctrl-C after a copy): it would be neither free nor held, for good."""
+        try:
+            yield
+        except BaseException:
+            self._ctx.clear_slot(slot)
+            self._free.append(slot)
+            self._cond.notify_all()
+            raise
 
     def _take_slot(self, keep: Entry | None) -> int:
         """A slot as :meth:`_try_slot` finds one, waiting for other threads when none is."""
