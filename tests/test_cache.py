@@ -363,6 +363,25 @@ def test_ctrl_c_while_a_slot_is_copied_gives_the_slot_back(
             assert child.generate(max_tokens=3) == parked.generate(max_tokens=3)
 
 
+def test_clear_and_save_take_sequences_whose_parking_waited(
+    model: lcgen.Model, tmp_path: Path
+) -> None:
+    # A sequence closed inside the store's work (the garbage collector) is parked by the next
+    # call that may: clear() and save() went on without it (cleared, it came back after).
+    tokens = list(range(1000, 1100))
+    for call in ("clear", "save"):
+        seq = model.sequence(tokens)
+        seq.prefill()
+        with model.context.lock:
+            seq.close()  # parking waits for the lock's holder
+        if call == "clear":
+            model.cache.clear()
+            assert model.cache.cached(tokens) == 0
+        else:
+            assert model.cache.save(tmp_path / "cache.lcc") == 1
+            model.cache.clear()
+
+
 def test_clear_keeps_live_sequences_and_pins_unless_asked(model: lcgen.Model) -> None:
     model.cache.pin("A pinned prefix")
     model.generate("A parked one", max_tokens=2)

@@ -348,12 +348,14 @@ class KVStore:
     def free_cells(self) -> int:
         """Cells a decode could have now: free ones and those only parked entries hold (they
         are evicted for it)."""
+        self._park_dropped_outside()
         with self._cond:
             kept = {slot for slot, e in self._entries.items() if e.state != "parked"}
             return self._ctx.n_cells - self._ctx.ledger.n_cells(kept)
 
     def available_slots(self) -> int:
         """Slots a new sequence could have now: free ones and those of parked entries."""
+        self._park_dropped_outside()
         with self._cond:
             return self._n_available()
 
@@ -637,6 +639,7 @@ class KVStore:
             ClosedError: the model is closed.
         """
         self._ctx.check_open()
+        self._park_dropped_outside()  # sequences closed where parking had to wait
         with self._cond:
             for entry in list(self._entries.values()):
                 if entry.state == "parked" or (pinned and entry.state == "pinned"):
@@ -653,6 +656,7 @@ class KVStore:
         Raises:
             StateFileError: ``path`` cannot be written (a directory, a missing folder...).
         """
+        self._park_dropped_outside()
         with self._cond:
             kept = [
                 e
