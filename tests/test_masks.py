@@ -139,8 +139,21 @@ def test_after_a_partial_character_the_masks_agree(model: lcgen.Model) -> None:
     grammar = Grammar.from_json_schema({"type": "string", "maxLength": 4})
     by_byte = model.vocab.byte_tokens
     tokens = spelled(model, '"') + [by_byte[b] for b in "é€".encode()]
-    # By llguidance at every step but the first (where the opening quote is forced).
-    assert walk(grammar, model, tokens, "bytes") == len(tokens)
+    # By llguidance at every step, the first (where the opening quote is forced) too.
+    assert walk(grammar, model, tokens, "bytes") == len(tokens) + 1
+
+
+def test_where_text_is_forced_every_split_of_it_is_masked_through_llguidance(
+    model: lcgen.Model,
+) -> None:
+    # llguidance's own mask holds the forced text's tokenization only: these masks came from
+    # llama.cpp, which took seconds a token over a grammar of a few thousand alternatives.
+    grammar = Grammar('root ::= " hello" [a-z]+ | " hello" [0-9]')
+    with grammar.state(model) as state:
+        assert state.forced_text(64) == " hello"
+        assert _compare(state, "forced")
+        allowed = {model.vocab.piece(int(t)) for t in np.flatnonzero(state.allowed())}
+        assert {b" h", b" he", b" hello"} <= allowed and b" help" not in allowed
 
 
 def test_clones_keep_their_own_matchers(model: lcgen.Model) -> None:

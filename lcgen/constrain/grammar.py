@@ -376,6 +376,11 @@ def _special_token_hint(gbnf: str, vocab: Vocab) -> str:
     return ""
 
 
+# The most forced characters read to choose the tokens worth checking where the grammar forces
+# text (those that start it or extend it).
+_FORCED_PROBE = 64
+
+
 class GrammarState:
     """The live state of a grammar for one sequence, over one model's vocabulary.
 
@@ -517,12 +522,22 @@ class GrammarState:
 
     def _allowed_by_matcher(self) -> np.ndarray | None:
         """llguidance's mask, made to read as llama.cpp's: end tokens only where the grammar
-        can end, the text valid UTF-8 after a partial character. None where it has none, or
-        where the grammar forces text (llguidance then allows that text's own tokenization
-        only; llama.cpp any split of it, checked quickly since the first byte is forced)."""
+        can end, the text valid UTF-8 after a partial character. None where it has none.
+        Where the grammar forces text, llguidance's mask allows that text's own tokenization
+        only, llama.cpp any split of it: then the tokens that start the text or extend it are
+        checked one by one (a grammar of thousands of alternatives took llama.cpp seconds a
+        token over them)."""
         matcher = self._synced_matcher()
-        if matcher is None or matcher.forces_text():
+        if matcher is None:
             return None
+        if matcher.forces_text():
+            forced = self.forced_text(_FORCED_PROBE)
+            if not forced:
+                return None
+            candidates = self._vocab.tokens_extending(forced.encode("ascii"))
+            mask = np.zeros(self.n_vocab, dtype=bool)
+            mask[candidates[matcher.valid(candidates)]] = True
+            return self._keep_valid_text(mask)
         allowed = matcher.allowed()
         if allowed is None:
             self._matcher, self._matcher_at = None, -1

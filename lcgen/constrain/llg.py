@@ -127,6 +127,12 @@ class Matcher:
         text's own tokenization alone, narrower than the grammar allows."""
         return bool(self._matcher.compute_ff_bytes())
 
+    def valid(self, tokens: np.ndarray) -> np.ndarray:
+        """A bool per token of ``tokens``: whether it may come next (by its text, however the
+        tokenizer would split that text)."""
+        check = self._matcher.validate_tokens
+        return np.fromiter((check([t]) == 1 for t in tokens.tolist()), bool, len(tokens))
+
     def allowed(self) -> np.ndarray | None:
         """A bool per token: what llguidance allows next (None in an error state)."""
         bits = _llg.numpy.allocate_token_bitmask(1, self._n_vocab)
