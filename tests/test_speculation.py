@@ -577,6 +577,10 @@ def test_a_draft_model_closed_mid_stream_leaves_the_generation_going(
     text = lcgen.Text.of(chunks)
     assert text.stats is not None and text.stats.tokens == 16
     assert_same_where_clear(text.tokens, ref, rows)
+    # Closed, it is refused as a draft model (it was taken, and drafted nothing, once its
+    # vocabulary had been read).
+    with pytest.raises(lcgen.ClosedError):
+        model.generate("Once upon a time", speculate=small, **greedy)  # type: ignore[call-overload]
 
 
 @pytest.mark.parametrize(

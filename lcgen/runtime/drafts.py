@@ -122,11 +122,13 @@ def check_draft_model(target: ModelLike, draft: ModelLike) -> None:
 
     Raises:
         TypeError: either is not a model (an :class:`lcgen.Model`).
+        ClosedError: the draft model is closed.
         ValueError: it is the target itself (it would share the target's context and its
             logits buffer: load it again), or its vocabulary differs.
     """
     check_model(target, "the model must be an lcgen.Model")
     check_model(draft, "the draft model must be an lcgen.Model")
+    draft.context.check_open()  # (its vocabulary, read once, would not tell)
     if draft.context is target.context:
         raise ValueError(
             "the draft model is the model generating: load the file again as a separate "
