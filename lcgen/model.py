@@ -801,7 +801,8 @@ class Model:
         longest prefixes first; where none is free, or a prefix finds no room, the prompts
         decode it themselves."""
         for prefix in shared_prefixes(prompts, _MIN_SHARED)[: self.cache.available_slots() // 2]:
-            seq = Sequence(self, prefix)
+            with self.cache.uncounted():
+                seq = Sequence(self, prefix)
             opened.append(seq)
             try:
                 seq.prefill()

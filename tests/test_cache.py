@@ -320,6 +320,15 @@ def test_a_prefix_the_prompts_of_a_batch_share_is_decoded_once(
     assert all(o.stats.decoded < 16 for o in outs)
     assert outs[0] == outs[3]
     assert m.cache.stats.live == 0
+    # Counted per prompt: the batch's own sequence of the shared prefix counted its reuse too.
+    m.cache.clear()
+    m.generate(FEW_SHOT + "Q: What is 1 plus 1?\nA:", max_tokens=2)  # caches the prefix
+    before_stats = m.cache.stats
+    m.generate(prompts[:2], max_tokens=2)
+    after = m.cache.stats
+    assert after.hits - before_stats.hits == 2
+    reused = after.tokens_reused - before_stats.tokens_reused
+    assert 2 * (n_prefix - 1) <= reused <= sum(len(m.tokenize(p)) for p in prompts[:2])
 
 
 def test_copies_of_one_prompt_share_its_cells(model_path: Path) -> None:

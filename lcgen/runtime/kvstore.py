@@ -180,6 +180,7 @@ class KVStore:
         self._clock = itertools.count(1)
         self._cond = threading.Condition(context.lock)
         self._hits = self._misses = self._reused = self._evictions = 0
+        self._uncounted = threading.local()  # see uncounted()
         self._waiters: set[int] = set()  # threads waiting for a slot
         self._dropped: collections.deque[Entry] = collections.deque()  # see dropped
         self._collected_at = -math.inf  # when a waiting thread last ran the garbage collector
@@ -548,7 +549,19 @@ class KVStore:
                 return
             self._evict(victim)
 
+    @contextlib.contextmanager
+    def uncounted(self) -> Iterator[None]:
+        """Sequences this thread opens inside are left out of the hit and reuse counts (a
+        batch's own sequence of the prefix its prompts share: each prompt counts reusing it)."""
+        self._uncounted.on = True
+        try:
+            yield
+        finally:
+            self._uncounted.on = False
+
     def _count(self, n_reused: int) -> None:
+        if getattr(self._uncounted, "on", False):
+            return
         if n_reused:
             self._hits += 1
             self._reused += n_reused
