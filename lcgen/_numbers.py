@@ -1,5 +1,6 @@
 """Numbers that arrive as numpy scalars (lcgen's own API returns numpy token ids:
-``model.tokens_extending``, logits): options take them as the Python numbers they hold."""
+``model.tokens_extending``, logits): options take them as the Python numbers they hold. And
+flags, which must be flags."""
 
 from __future__ import annotations
 
@@ -14,3 +15,11 @@ def plain(value: object) -> object:
     if isinstance(value, np.floating):
         return float(value)
     return value
+
+
+def check_bool(name: str, value: object, *, none: bool = False) -> None:
+    """Refuse a flag that is not True or False (or None, where ``none`` allows it): a string
+    such as ``"no"`` was taken as true."""
+    if not (isinstance(value, bool) or (none and value is None)):
+        allowed = "True, False or None" if none else "True or False"
+        raise TypeError(f"{name} must be {allowed}, got {value!r}")

@@ -21,6 +21,7 @@ from lcgen._native.context import KV_TYPES
 from lcgen._native.cpu import performance_cores
 from lcgen._native.log import init, supports_gpu_offload
 from lcgen._native.model import ModelHandle, render_chat_template
+from lcgen._numbers import check_bool
 from lcgen.decoding import Chunk, GenerateOptions, Plan, Text, make_plan
 from lcgen.decoding.generator import logprobs_of
 from lcgen.decoding.options import shown
@@ -28,7 +29,7 @@ from lcgen.decoding.results import SchemaLike, TokenLogprob, parse_structured
 from lcgen.decoding.sampling import check_seed
 from lcgen.errors import ContextFullError
 from lcgen.runtime import Context, Run, Scheduler, Sequence
-from lcgen.runtime.kvstore import KVStore, shared_prefixes
+from lcgen.runtime.kvstore import KVStore, check_slot_timeout, shared_prefixes
 from lcgen.runtime.run import decode
 from lcgen.tools import (
     ToolLike,
@@ -76,14 +77,6 @@ def _check_sizes(n_ctx: int, n_batch: int, n_seq_max: int | None) -> int:
                 "or fewer slots"
             )
     return n_seq_max
-
-
-def _check_bool(name: str, value: object, *, none: bool = False) -> None:
-    """Refuse a flag that is not True or False (or None, where ``none`` allows it): a string
-    such as ``"no"`` was taken as true."""
-    if not (isinstance(value, bool) or (none and value is None)):
-        allowed = "True, False or None" if none else "True or False"
-        raise TypeError(f"{name} must be {allowed}, got {value!r}")
 
 
 def _check_int(name: str, value: object, low: int, high: int) -> int:
@@ -251,10 +244,11 @@ class Model:
         n_seq_max = _check_sizes(n_ctx, n_batch, n_seq_max)
         type_k = _check_kv_type("type_k", type_k)
         type_v = _check_kv_type("type_v", type_v, "auto")
-        _check_bool("swa_full", swa_full)
-        _check_bool("flash_attn", flash_attn, none=True)
-        _check_bool("verbose", verbose)
-        _check_bool("pad_batches", pad_batches)
+        check_bool("swa_full", swa_full)
+        check_slot_timeout(slot_timeout)
+        check_bool("flash_attn", flash_attn, none=True)
+        check_bool("verbose", verbose)
+        check_bool("pad_batches", pad_batches)
         if not isinstance(cache, bool):
             if not isinstance(cache, int):
                 raise TypeError(f"cache must be True, False or a number of cells, got {cache!r}")

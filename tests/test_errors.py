@@ -194,6 +194,17 @@ def test_a_bad_load_flag_is_named_before_loading(
         lcgen.load(model_path, **{flag: value})  # the file exists: refused before it loads
 
 
+def test_bad_cache_flags_and_timeouts_are_named(model: lcgen.Model, tmp_path: Path) -> None:
+    # "no" was taken as true (clear dropped the pinned entries); "1" met a bare TypeError.
+    with pytest.raises(TypeError, match="pinned must be True or False, got 'no'"):
+        model.cache.clear(pinned="no")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="pinned_only must be True or False, got 'no'"):
+        model.cache.save(tmp_path / "c.lcc", pinned_only="no")  # type: ignore[arg-type]
+    assert not (tmp_path / "c.lcc").exists()
+    with pytest.raises(TypeError, match="slot_timeout must be a number of seconds or None"):
+        lcgen.Model("no-such-file.gguf", slot_timeout="1")  # type: ignore[arg-type]
+
+
 def test_options_that_take_lists_refuse_a_lone_value(model: lcgen.Model) -> None:
     with pytest.raises(TypeError, match=r"use banned=\['Paris'\]"):
         model.generate("x", banned="Paris")  # type: ignore[arg-type]

@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from lcgen._numbers import check_bool
 from lcgen.errors import SlotBusyError, SlotsExhaustedError, StateFileError
 from lcgen.runtime import statefile
 from lcgen.runtime.context import Context, DecodeRequest, check_fits
@@ -141,6 +142,19 @@ def shared_prefixes(prompts: Seq[Seq[int]], minimum: int) -> list[list[int]]:
     return [list(p) for p in sorted(kept, key=len, reverse=True)]
 
 
+def check_slot_timeout(value: object) -> None:
+    """Refuse a ``slot_timeout`` that is not a number of seconds >= 0, or None.
+
+    Raises:
+        TypeError: not a number (a string such as ``"1"``).
+        ValueError: below 0, or NaN.
+    """
+    if isinstance(value, bool) or not isinstance(value, int | float | None):
+        raise TypeError(f"slot_timeout must be a number of seconds or None, got {value!r}")
+    if value is not None and not value >= 0:
+        raise ValueError(f"slot_timeout must be >= 0 seconds or None, got {value!r}")
+
+
 class KVStore:
     """The KV cache of one model's context (``model.cache``).
 
@@ -169,8 +183,7 @@ class KVStore:
     ) -> None:
         if budget is not None and budget < 0:
             raise ValueError(f"the cache budget must be >= 0 cells, got {budget!r}")
-        if slot_timeout is not None and not slot_timeout >= 0:
-            raise ValueError(f"slot_timeout must be >= 0 seconds or None, got {slot_timeout!r}")
+        check_slot_timeout(slot_timeout)
         self._ctx, self._vocab, self._fingerprint = context, vocab, fingerprint
         self.enabled = enabled
         self.budget = context.n_cells if budget is None else budget
@@ -651,6 +664,7 @@ class KVStore:
         Raises:
             ClosedError: the model is closed.
         """
+        check_bool("pinned", pinned)
         self._ctx.check_open()
         self._park_dropped_outside()  # sequences closed where parking had to wait
         with self._cond:
@@ -669,6 +683,7 @@ class KVStore:
         Raises:
             StateFileError: ``path`` cannot be written (a directory, a missing folder...).
         """
+        check_bool("pinned_only", pinned_only)
         self._park_dropped_outside()
         with self._cond:
             kept = [
