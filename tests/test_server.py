@@ -206,6 +206,15 @@ def test_a_stop_that_cuts_a_constrained_reply_says_length(client: openai.OpenAI)
     assert "".join(text or "" for text, _ in streamed) == cut.message.content
 
 
+def test_openai_s_negative_seeds_and_top_p_0_are_taken(client: openai.OpenAI) -> None:
+    # Both were 400s: a seed is an int64 to OpenAI (clients send -1), and top_p may be 0.
+    ask = {"model": NAME, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0}
+    first = client.completions.create(**ask, seed=-1).choices[0].text  # type: ignore[call-overload]
+    assert client.completions.create(**ask, seed=-1).choices[0].text == first  # type: ignore[call-overload]
+    greedy = client.completions.create(**{**ask, "temperature": 0}).choices[0].text  # type: ignore[call-overload]
+    assert client.completions.create(**ask, top_p=0).choices[0].text == greedy  # type: ignore[call-overload]
+
+
 def test_a_stop_after_healed_text_that_completes_the_constraint_says_stop(
     client: openai.OpenAI,
 ) -> None:
@@ -1109,8 +1118,8 @@ BAD = [
     (_body(regex="a", choice=["b"]), "choice"),
     (_body(response_format={"type": "json_schema"}), "response_format.json_schema"),
     (_body(response_format={"type": "xml"}), "response_format.type"),
-    (_body(seed=-1), None),
-    (_body(top_p=0), "top_p"),  # checked by lcgen's options: the field still named
+    (_body(seed=2**64), "seed"),  # beyond OpenAI's int64 (and its unsigned reading)
+    (_body(top_p=-0.1), "top_p"),
     (_body(min_p=1), "min_p"),
     (_body(top_logprobs=99, logprobs=True), "top_logprobs"),
     (_body(num_draft=4), "num_draft"),  # without speculate it would do nothing

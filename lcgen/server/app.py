@@ -270,7 +270,7 @@ class _Server:
         except (TypeError, ValueError, lcgen.LcgenError) as exc:
             param = field_named(str(exc), type(req), req.model_fields_set)
             raise APIError(400, str(exc), param=param) from None
-        seeds = [None if req.seed is None else req.seed + i for i in range(req.n)]
+        seeds = [None if req.seed is None else (req.seed + i) % 2**64 for i in range(req.n)]
         return Job(
             [p for p in prompts for _ in seeds],
             [plan.with_seed(s) for _ in prompts for s in seeds],

@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 import lcgen
 import lcgen.tools
@@ -162,7 +162,7 @@ class _Common(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOPS)] | None = None
-    seed: int | None = None
+    seed: Annotated[int, Field(ge=-(2**63), le=2**64 - 1)] | None = None  # OpenAI's int64
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
     top_p: Probability | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -184,6 +184,12 @@ class _Common(_Strict):
     speculate: Literal["ngram", "draft"] | None = None
     num_draft: Annotated[int, Field(ge=1, le=64)] | None = None
     fast_forward: bool = True
+
+    @field_validator("seed")
+    @classmethod
+    def _unsigned(cls, seed: int | None) -> int | None:
+        """A negative seed (OpenAI's are int64; clients send -1) as the same 64 bits."""
+        return None if seed is None else seed % 2**64
 
     @model_validator(mode="after")
     def _stream_options(self) -> _Common:
@@ -363,8 +369,9 @@ def options(
         "seed": req.seed,
         # OpenAI's default temperature is 1; 0 is greedy.
         "temperature": 1.0 if req.temperature is None else req.temperature,
-        "top_p": req.top_p,
-        "top_k": req.top_k,
+        # top_p 0 (OpenAI allows it) keeps the most likely token alone.
+        "top_p": req.top_p or None,
+        "top_k": 1 if req.top_p == 0 else req.top_k,
         "min_p": req.min_p,
         "repeat_penalty": req.repeat_penalty,
         "frequency_penalty": req.frequency_penalty,
