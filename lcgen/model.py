@@ -10,6 +10,7 @@ from __future__ import annotations
 import codecs
 import functools
 import os
+import re
 from collections.abc import Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -474,7 +475,34 @@ class Model:
         """The prompt tokens for ``messages``, ending where the assistant's reply starts (see
         :meth:`format_chat`)."""
         plan = make_tool_plan(tools, tool_choice, parallel_tool_calls)
-        return self.tokenize(self._render_chat(messages, plan), special=True)
+        return self._chat_prompt(messages, plan)
+
+    def _chat_prompt(self, messages: Seq[Message], plan: ToolPlan | None) -> list[int]:
+        """The rendered chat's tokens: the template's own control-token text (``<|im_end|>``)
+        as those tokens, the same text inside a message's content as plain text (a message
+        could otherwise write a turn of another role, as OpenAI's API never lets it)."""
+        checked = check_messages(messages)
+        controls = self.vocab.control_texts
+        contents = [m["content"] for m in checked if isinstance(m.get("content"), str)]
+        found = [c for c in controls if any(c in text for text in contents)]
+        if not found:
+            return self.tokenize(self._render_chat(checked, plan), special=True)
+        marks = {c: f"\U000f0000{i}\U000f0001" for i, c in enumerate(found)}
+        pattern = re.compile("|".join(map(re.escape, found)))
+        masked = [
+            {**m, "content": pattern.sub(lambda hit: marks[hit.group()], m["content"])}
+            if isinstance(m.get("content"), str)
+            else m
+            for m in checked
+        ]
+        parts = re.split("\U000f0000([0-9]+)\U000f0001", self._render_chat(masked, plan))
+        if len(parts) == 1:  # the template wrote the content otherwise (escaped): as it is
+            return self.tokenize(self._render_chat(checked, plan), special=True)
+        tokens = self.tokenize(parts[0], special=True)
+        for i, part in enumerate(parts[1:]):
+            text, special = (found[int(part)], False) if i % 2 == 0 else (part, True)
+            tokens += self.tokenize(text, add_bos=False, special=special)
+        return tokens
 
     def chat(
         self,
@@ -571,7 +599,7 @@ class Model:
         check_options(plan, schema, options)
         if plan is not None:
             options["grammar"] = plan.grammar()  # check_options saw none given
-        return self.tokenize(self._render_chat(messages, plan), special=True)
+        return self._chat_prompt(messages, plan)
 
     # generation ------------------------------------------------------------------------
     def sequence(

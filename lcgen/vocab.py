@@ -214,6 +214,15 @@ class Vocab:
         return self._tables[0]
 
     @functools.cached_property
+    def control_texts(self) -> tuple[str, ...]:
+        """The texts of the control tokens (end-of-generation ones too), longest first: what
+        ``tokenize(special=True)`` reads as those tokens, and ``special=False`` as text."""
+        pieces = self.all_pieces()
+        special = np.flatnonzero(self.hidden).tolist() + sorted(self.eog_set)
+        texts = {pieces[t].decode("utf-8", "replace") for t in special}
+        return tuple(sorted((t for t in texts if t), key=len, reverse=True))
+
+    @functools.cached_property
     def hidden_set(self) -> frozenset[int]:
         return frozenset(int(t) for t in np.flatnonzero(self.hidden))
 
