@@ -1067,9 +1067,14 @@ def test_full_queue_answers_429(model_path: Path) -> None:
         for stream in streams:
             stream.close()
         wait_for(base, lambda q: q["running"] == q["waiting"] == 0)
-        # more choices than the queue holds could never be admitted: 400, not "retry later"
+        # Idle, two choices take the slots and one waits: a burst that fits is taken (it was
+        # a 429: every submitted choice counted as waiting).
+        burst = tiny.chat.completions.create(messages=USER, model=NAME, max_tokens=2, n=3)
+        assert len(burst.choices) == 3
+        # more choices than the slots and the queue hold could never be admitted: 400, not
+        # "retry later"
         with pytest.raises(openai.BadRequestError) as refused:
-            tiny.chat.completions.create(messages=USER, model=NAME, max_tokens=2, n=2)
+            tiny.chat.completions.create(messages=USER, model=NAME, max_tokens=2, n=4)
         assert refused.value.code == "too_many_choices" and "at most 1" in str(refused.value)
 
 

@@ -179,16 +179,21 @@ class Engine:
         """Queue a job.
 
         Raises:
-            ValueError: the job has more choices than ``max_queue``: it could never wait.
-            QueueFullError: more than ``max_queue`` choices would wait.
+            ValueError: the job has more choices than the slots and ``max_queue`` hold: it
+                could never wait.
+            QueueFullError: more than ``max_queue`` choices would wait for a slot.
         """
-        if job.n > self.max_queue:
+        slots = self.model.context.n_seq_max
+        if job.n > self.max_queue + slots:
             raise ValueError(
-                f"the request asks for {job.n} choices (prompts x n); this server queues at "
-                f"most {self.max_queue}: ask for fewer"
+                f"the request asks for {job.n} choices (prompts x n); this server runs "
+                f"{slots} at once and queues at most {self.max_queue}: ask for fewer"
             )
         with self._counts.lock:
-            if self._counts.waiting + job.n > self.max_queue:
+            # Those that find a slot free do not wait (submitted choices count as waiting
+            # until the engine thread starts them).
+            free = max(0, slots - self._counts.running)
+            if self._counts.waiting + job.n - free > self.max_queue:
                 raise QueueFullError(
                     f"the server is busy: {self._counts.waiting} choices wait for a slot "
                     f"(at most {self.max_queue}); retry later"
