@@ -173,6 +173,23 @@ def test_holdback_table() -> None:
     assert negative.find("The keeper slept well", 0, False) == 4
 
 
+def test_a_ban_of_the_first_token_samples_again_from_the_prompt_s_own_logits(
+    model: lcgen.Model,
+) -> None:
+    # The rewind to the prompt's end kept its logits, then the step's end dropped the last
+    # prompt token's cell: it was decoded again, alone (its logits a batch shape's rounding
+    # away from the prompt's).
+    prompt = "The capital of France is"
+    plain = model.generate(prompt, max_tokens=6)
+    model.cache.clear()
+    out = model.generate(prompt, max_tokens=6, banned=[model.detokenize(plain.tokens[:1])])
+    model.cache.clear()
+    ref = model.generate(prompt, max_tokens=6, logit_bias={plain.tokens[0]: float("-inf")})
+    assert out.tokens == ref.tokens and out.stats is not None and ref.stats is not None
+    assert (out.stats.rewinds, out.stats.redecoded) == (1, 0)
+    assert out.stats.decoded == ref.stats.decoded
+
+
 def test_regex_bans_with_a_lookahead(model: lcgen.Model) -> None:
     # The lookahead's text was released before the match was decided: it went out unbanned.
     story = "The keeper climbed the stairs at dusk, wiped the lens and lit the wick. "

@@ -125,8 +125,11 @@ def step(runs: Seq[Run]) -> list[Chunk | None]:
             raise
     for group in groups:
         for seq in group:
-            if seq.n_decoded == len(seq) and not seq.is_closed:
-                seq.resync()  # it ended without a new token (retries): keep the last pending
+            # It ended without a new token (retries): keep the last pending, unless the store
+            # kept the logits after it (a rewind to the prompt's end: the next step samples
+            # from them, as the first did).
+            if seq.n_decoded == len(seq) and not seq.is_closed and seq.kept_logits() is None:
+                seq.resync()
     return chunks
 
 
