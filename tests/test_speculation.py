@@ -199,6 +199,28 @@ def test_drafts_that_do_not_fit_the_cache_are_dropped_not_fatal(model_path: Path
     assert drafted.stats.accepted > 0
 
 
+def test_a_batch_drops_drafts_that_do_not_fit_instead_of_pausing_others(
+    model_path: Path,
+) -> None:
+    # The scheduler counted the drafts as cells the step needed: it paused the other element
+    # (dropped its prompt's cells, decoded again later) to make room for them.
+    story = "The keeper climbed the stairs at dusk, wiped the lens and lit the wick. "
+    with lcgen.load(model_path, n_ctx=512, n_threads=2, n_seq_max=4) as small:
+        prompts = [f"Repeat exactly:\n{story * 3}", f"Repeat this:\n{story * 3}"]
+        n = sum(len(small.tokenize(p)) for p in prompts)
+        filler = small.tokenize("Lorem ipsum dolor sit amet, sed do eiusmod tempor. " * 60)
+        with small.sequence(filler[: small.n_ctx - n - 2 * 16]) as other:
+            other.prefill()
+            runs = []
+            for spec in (None, "ngram"):
+                small.cache.clear()
+                options = {"max_tokens": 40, "stop": ["lit"], "speculate": spec}
+                runs.append(small.generate(prompts, **options))  # type: ignore[call-overload]
+    plain, drafted = runs
+    assert drafted == plain and all(o.finish_reason == "stop" for o in plain)
+    assert all(o.stats.redecoded == 0 and o.stats.accepted > 0 for o in drafted)
+
+
 @pytest.mark.parametrize("spec", [None, "ngram"])
 def test_a_hook_that_raises_mid_walk_loses_no_streamed_tokens(
     model: lcgen.Model, spec: str | None

@@ -120,7 +120,12 @@ class Scheduler:
         free = self.cache.free_cells()
         stepped: list[tuple[int, Run, int]] = []
         for job in self._running:
-            need = sum(seq.n_pending for seq in job[1].sequences())
+            seqs = job[1].sequences()
+            need = sum(seq.n_pending for seq in seqs)
+            if need > free:  # drafts only save time: dropped before anything waits for them
+                for seq in seqs:
+                    seq.drop_draft()
+                need = sum(seq.n_pending for seq in seqs)
             if not stepped and need > free:
                 free = self._make_room(need, free)
             if stepped and need > free:
