@@ -91,6 +91,18 @@ def test_beams_with_a_constraint(model: lcgen.Model) -> None:
         assert same.texts == [["Hi"]]
 
 
+@pytest.mark.parametrize("beams", [1, 2])
+def test_beams_under_a_constraint_that_forces_text(model: lcgen.Model, beams: int) -> None:
+    # The start forced the text ahead (fast-forward) into the generator, not the beams' texts:
+    # " Marseille" came back as " Mar", weight 0, no error.
+    prompt = "The second city of France is"
+    for option in [" Marseille", " Toulouse, in the south"]:
+        with continuous(generate.choice(model, [option], beams=beams))(prompt) as picked:
+            assert picked.texts == [[prompt + option]] and picked.weights[0][0] < 0
+    with continuous(generate.regex(model, r" Lyon-Villeurbanne", beams=beams))(prompt) as lyon:
+        assert lyon.texts == [[prompt + " Lyon-Villeurbanne"]]
+
+
 def test_beam_arguments(model: lcgen.Model) -> None:
     with pytest.raises(ValueError, match="n_seq_max=32"):
         generate.text(model, beams=33)

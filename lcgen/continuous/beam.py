@@ -11,6 +11,7 @@ beam can still beat the ``width``-th finished one. A beam with several kept chil
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from collections.abc import Sequence as Seq
@@ -228,7 +229,10 @@ def _finished(search: BeamSearch, beam: _Beam) -> Element:
 def _start(spec: GenerateSpec, root: Element, started: list[BeamSearch]) -> Run:
     """Start the search after ``root``: its sequence, decoded but for the last token."""
     seq = open_prefilled(spec.model, root.tokens)
-    gen = seq.run_plan(spec.element_plan(None)).generator
+    # Every token is a step's choice among the beams' candidates: forced text too (forcing
+    # it ahead would take tokens the beams' log-probabilities and texts do not hold).
+    plan = dataclasses.replace(spec.element_plan(None), fast_forward=False)
+    gen = seq.run_plan(plan).generator
     search = BeamSearch(spec, root, text_of(spec.model, root.tokens), [_Beam(seq, gen)])
     started.append(search)
     if gen.is_done:  # max_tokens=0: the root is the one result, as without beams
