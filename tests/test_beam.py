@@ -103,6 +103,17 @@ def test_beams_under_a_constraint_that_forces_text(model: lcgen.Model, beams: in
         assert lyon.texts == [[prompt + " Lyon-Villeurbanne"]]
 
 
+def test_beams_look_past_candidates_that_all_finish(model: lcgen.Model) -> None:
+    # Every one of the first 2 * width candidates hits the stop string (a space): the search
+    # kept none going and returned the prompt alone.
+    prompt = "The capital of France is"
+    with continuous(generate.text(model, max_tokens=5, beams=4, stop=[" "]))(prompt) as found:
+        texts = found.texts[0]
+        assert len(texts) == 4 and len(set(texts)) == 4
+        assert prompt in texts  # a space first: the stop string, at once
+        assert all(" " not in text[len(prompt) :] for text in texts)
+
+
 def test_beam_arguments(model: lcgen.Model) -> None:
     with pytest.raises(ValueError, match="n_seq_max=32"):
         generate.text(model, beams=33)

@@ -126,18 +126,42 @@ Kept = tuple[int, int, _Beam]  # (parent index, token, child)
 def _expand(search: BeamSearch, rows: list[np.ndarray], width: int, bans: list[int]) -> list[Kept]:
     """The best continuations, best first: all that finish among the first ``2 * width``
     candidates, and up to ``width`` that go on; of continuations with the same text (the
-    same words in other tokens, which a constraint allows as readily) only the best."""
+    same words in other tokens, which a constraint allows as readily) only the best. Where
+    the first candidates all finish (a stop string most tokens end in), later ones are looked
+    at for those that go on (width 1 is greedy: its one candidate)."""
+    per_beam = width
+    while True:
+        kept, n_live, short = _expand_among(search, rows, width, bans, per_beam)
+        if n_live == width or width == 1 or short or per_beam >= _MAX_CANDIDATES:
+            return kept
+        per_beam *= 4
+
+
+# The most candidates a beam's expansion looks at for continuations that go on.
+_MAX_CANDIDATES = 256
+
+
+def _expand_among(
+    search: BeamSearch, rows: list[np.ndarray], width: int, bans: list[int], per_beam: int
+) -> tuple[list[Kept], int, bool]:
+    """:func:`_expand` over each beam's ``per_beam`` best tokens; also how many of the kept go
+    on, and whether some beam has no more tokens than those."""
     candidates = []
+    short = False
     for i, (beam, row) in enumerate(zip(search.live, rows, strict=True)):
         log_norm = log_normalizer(row)
-        for tok in _best_tokens(beam, row, width, bans):
+        best = _best_tokens(beam, row, per_beam, bans)
+        short = short or len(best) < per_beam
+        for tok in best:
             logprob = float(row[tok]) - log_norm
             candidates.append((beam.score + logprob, i, tok, logprob))
     candidates.sort(key=lambda c: -c[0])
     kept: list[Kept] = []
     seen: set[tuple[bytes, bool]] = set()
     n_live = 0
-    for _, i, tok, logprob in candidates[: 2 * width]:
+    for at, (_, i, tok, logprob) in enumerate(candidates):
+        if n_live == width and at >= 2 * width:
+            break
         parent = search.live[i]
         child = _Beam(None, parent.gen.clone(), [*parent.logprobs, logprob], list(parent.parts))
         child.last = child.gen.accept(tok)
@@ -149,13 +173,16 @@ def _expand(search: BeamSearch, rows: list[np.ndarray], width: int, bans: list[i
         key = (text, child.gen.is_done)
         if key in seen:
             continue
-        if not child.gen.is_done:
+        if child.gen.is_done:
+            if at >= 2 * width:
+                continue
+        else:
             if n_live == width:
                 continue
             n_live += 1
         seen.add(key)
         kept.append((i, tok, child))
-    return kept
+    return kept, n_live, short
 
 
 def _step(search: BeamSearch, rows: list[np.ndarray]) -> None:
