@@ -353,6 +353,10 @@ def test_state_api_and_errors(model: lcgen.Model) -> None:
         continuous("text")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="num_samples"):
         text("x", num_samples=0)
+    # a bare TypeError from "1" + 0, and True taken as 1
+    for seed in ("1", True, -1):
+        with pytest.raises(ValueError, match=f"seed must be an int >= 0 or None, got {seed!r}"):
+            text("x", seed=seed)  # type: ignore[arg-type]
     # a million samples held 1.2 GB before the first decode
     with pytest.raises(ValueError, match="num_samples=1000000 makes 1,000,000 samples, over the"):
         text("x", num_samples=10**6)

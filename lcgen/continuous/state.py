@@ -33,6 +33,7 @@ from lcgen.continuous.elements import (
 )
 from lcgen.continuous.specs import GenerateSpec
 from lcgen.decoding.options import shown
+from lcgen.decoding.sampling import check_seed
 from lcgen.errors import BatchMismatchError, IncompleteOutputError, SampleMismatchError
 from lcgen.runtime.tokens import ModelLike
 
@@ -364,11 +365,12 @@ class Continuous:
                 as generated) is on the error's ``state``.
             SampleMismatchError: samples (or beams) were asked of a state that has several per
                 batch element already.
-            ValueError: ``num_samples`` < 1 or over :data:`MAX_SAMPLES` (with the batch), or
-                a state of another model.
+            ValueError: ``num_samples`` < 1 or over :data:`MAX_SAMPLES` (with the batch), a
+                ``seed`` that is not an int >= 0, or a state of another model.
         """
         model, spec = self.spec.model, self.spec
         num_samples = _check_num_samples(num_samples)  # before the prompts are tokenized
+        seed = check_seed(seed)
         state = self._as_state(prompt)
         _check_num_samples(num_samples, state.shape[0])
         if spec.beams is not None and num_samples != 1:
