@@ -911,6 +911,23 @@ def test_completion_echo_scores_the_prompt(client: openai.OpenAI, model: lcgen.M
         "text",
     )
     assert only == {0: prompt, 1: "Hi"}
+    # Token healing re-creates the prompt's last token: the generated token that does is its
+    # entry (it was echoed and scored too, and the joined tokens spelled its text twice).
+    healing = {"token_healing": True}
+    healed = client.completions.create(  # type: ignore[call-overload]
+        model=NAME,
+        prompt="The capital of Fra",
+        max_tokens=2,
+        temperature=0,
+        echo=True,
+        logprobs=0,
+        extra_body=healing,
+    ).choices[0]
+    lp = healed.logprobs
+    assert healed.text.startswith("The capital of Fra") and "".join(lp.tokens) == healed.text
+    assert all(
+        healed.text[at:].startswith(t) for at, t in zip(lp.text_offset, lp.tokens, strict=True)
+    )
 
 
 def test_frequency_and_presence_penalties(client: openai.OpenAI, model: lcgen.Model) -> None:

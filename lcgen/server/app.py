@@ -117,8 +117,9 @@ class _Server:
         echo = None
         if req.echo:
             top = n_logprobs(req)
+            heal = req.token_healing and req.max_tokens != 0  # (0: nothing is generated)
             echo = [
-                await run_in_threadpool(self._echo, text, tokens, top)
+                await run_in_threadpool(self._echo, text, tokens, top, heal)
                 for text, tokens in zip(texts, prompts, strict=True)
             ]
         return await self._generate(request, req, prompts, "text", echo=echo)
@@ -137,18 +138,21 @@ class _Server:
         except ValueError as exc:
             raise APIError(400, f"suffix: {exc}", param="suffix") from None
 
-    def _echo(self, text: str, tokens: list[int], top: int | None) -> Echo:
+    def _echo(self, text: str, tokens: list[int], top: int | None, heal: bool) -> Echo:
         """A prompt to echo: its text, and with log-probabilities each token's (the first has
-        none)."""
+        none); with ``heal``, the text of the last token, which the generation re-creates (as
+        :meth:`lcgen.Sequence.heal_last_token` takes it)."""
+        piece = self.model.vocab.piece(tokens[-1]) if heal and len(tokens) > 1 else b""
+        healed = piece.decode("utf-8", "replace")
         if top is None:
-            return text, None
+            return text, None, healed
         try:
             scored = self.model.prompt_logprobs(tokens, top=top)
         except lcgen.ContextFullError as exc:  # longer than the context
             raise APIError(400, str(exc), param="prompt", code="context_length_exceeded") from None
         except ValueError as exc:  # any other prompt it cannot score: still the request's
             raise APIError(400, f"prompt: {exc}", param="prompt") from None
-        return text, (tokens[0], scored)
+        return text, (tokens[0], scored), healed
 
     async def models(self, request: Request) -> Response:
         self._authorize(request)

@@ -29,7 +29,9 @@ FINISH_REASONS = {
 Kind = Literal["chat", "text"]
 # An echoed prompt (``echo`` on /v1/completions): its text and, with log-probabilities, its
 # first token and the log-probabilities of the others.
-Echo = tuple[str, tuple[int, list[TokenLogprob]] | None]
+# An echoed prompt: its text, its tokens' log-probabilities (the first token's id and the
+# others' entries), and the text of its last token where token healing re-creates it.
+Echo = tuple[str, tuple[int, list[TokenLogprob]] | None, str]
 
 
 @dataclass(slots=True)
@@ -50,6 +52,7 @@ class Output:
     # the text reaches them, dropped if a stop string cuts it first.
     held: list[dict[str, Any]] = field(default_factory=list)
     n_streamed: int = 0  # entries sent in stream chunks so far
+    healed: int = 0  # characters of an echoed prompt's end that token healing re-creates
 
     @property
     def text(self) -> str:
@@ -116,7 +119,11 @@ class Reply:
         choice that a stop string or token cut before it matched ends with ``"length"``, the
         reason OpenAI's clients read as cut short (``"stop"`` would pass it off as complete).
         """
-        held = out.held + (self._logprobs(chunk, out.token_chars) if self.with_logprobs else [])
+        new = self._logprobs(chunk, out.token_chars) if self.with_logprobs else []
+        if new and out.healed:  # the token that re-creates the healed text starts at it
+            new[0]["text_offset"] -= out.healed
+            out.healed = 0
+        held = out.held + new
         out.token_chars += sum(len(each.text) for each in chunk.logprobs)
         out.parts.append(chunk.text)
         out.n_chars += len(chunk.text)
@@ -145,14 +152,20 @@ class Reply:
             return True
         return False
 
-    def echo(self, out: Output, text: str, scored: tuple[int, list[TokenLogprob]] | None) -> None:
+    def echo(
+        self, out: Output, text: str, scored: tuple[int, list[TokenLogprob]] | None, healed: str
+    ) -> None:
         """Start a choice with its echoed prompt (text and, when asked, log-probabilities:
-        none for the first token)."""
+        none for the first token). ``healed``: the text of its last token, which token healing
+        has the generation re-create: the generated token that does is its entry (the text
+        stays the prompt's, the generated text goes on after it)."""
         out.parts.append(text)
         out.n_chars += len(text)
         out.start = out.token_chars = out.n_chars
+        out.healed = len(healed)
         if self.with_logprobs and scored is not None:
             first, rest = scored
+            rest = rest[: len(rest) - 1] if healed else rest
             lead = self.model.detokenize([first])
             entry = {**self._token((first,)), "logprob": None, "top_logprobs": None}
             out.logprobs += [{**entry, "text_offset": 0}, *self._entries(rest, len(lead))]
