@@ -376,10 +376,6 @@ def _special_token_hint(gbnf: str, vocab: Vocab) -> str:
     return ""
 
 
-# The most forced characters read to choose the tokens worth checking where the grammar forces
-# text (those that start it or extend it).
-_FORCED_PROBE = 64
-
 
 class GrammarState:
     """The live state of a grammar for one sequence, over one model's vocabulary.
@@ -524,19 +520,22 @@ class GrammarState:
         """llguidance's mask, made to read as llama.cpp's: end tokens only where the grammar
         can end, the text valid UTF-8 after a partial character. None where it has none.
         Where the grammar forces text, llguidance's mask allows that text's own tokenization
-        only, llama.cpp any split of it: then the tokens that start the text or extend it are
-        checked one by one (a grammar of thousands of alternatives took llama.cpp seconds a
-        token over them)."""
+        only, llama.cpp any split of it: then the tokens that spell a start of the text are
+        allowed, and those that go past it are checked one by one (llama.cpp took seconds a
+        mask where thousands of alternatives were open)."""
         matcher = self._synced_matcher()
         if matcher is None:
             return None
-        if matcher.forces_text():
-            forced = self.forced_text(_FORCED_PROBE)
-            if not forced:
+        forced = matcher.forced_bytes()
+        if forced:
+            text = forced[: next((i for i, b in enumerate(forced) if b >= 0x80), len(forced))]
+            if not text:  # (a character's bytes: llama.cpp checks a partial one otherwise)
                 return None
-            candidates = self._vocab.tokens_extending(forced.encode("ascii"))
             mask = np.zeros(self.n_vocab, dtype=bool)
-            mask[candidates[matcher.valid(candidates)]] = True
+            longer = self._vocab.tokens_starting_with(text)
+            # A token that spells a start of the forced text is allowed: no check needed.
+            mask[np.setdiff1d(self._vocab.tokens_extending(text), longer)] = True
+            mask[longer[matcher.valid(longer)]] = True
             return self._keep_valid_text(mask)
         allowed = matcher.allowed()
         if allowed is None:

@@ -122,10 +122,10 @@ class Matcher:
     def copy(self) -> Matcher:
         return Matcher(self._matcher.deep_copy(), self._n_vocab)
 
-    def forces_text(self) -> bool:
-        """Whether the grammar allows one text only next: llguidance's mask then holds that
-        text's own tokenization alone, narrower than the grammar allows."""
-        return bool(self._matcher.compute_ff_bytes())
+    def forced_bytes(self) -> bytes:
+        """The text the grammar allows next and nothing else (empty: none): llguidance's mask
+        then holds that text's own tokenization alone, narrower than the grammar allows."""
+        return bytes(self._matcher.compute_ff_bytes())
 
     def valid(self, tokens: np.ndarray) -> np.ndarray:
         """A bool per token of ``tokens``: whether it may come next (by its text, however the
