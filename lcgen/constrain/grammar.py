@@ -376,7 +376,6 @@ def _special_token_hint(gbnf: str, vocab: Vocab) -> str:
     return ""
 
 
-
 class GrammarState:
     """The live state of a grammar for one sequence, over one model's vocabulary.
 
