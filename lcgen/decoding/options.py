@@ -16,7 +16,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, Unpack
 
-from lcgen._numbers import plain
+from lcgen._numbers import check_bool, plain
 from lcgen.constrain import Grammar
 from lcgen.decoding.hooks import BannedPhrases, Hook, Validator
 from lcgen.decoding.results import SchemaLike, Text, check_complete
@@ -247,9 +247,8 @@ def _token_ids(name: str, value: object) -> frozenset[int]:
 
 
 def _bool(name: str, value: object) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{name} must be True or False, got {value!r}")
-    return value
+    check_bool(name, value)
+    return bool(value)
 
 
 def _int(name: str, value: object, low: int | None = None, high: int | None = None) -> int:
