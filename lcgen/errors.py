@@ -47,6 +47,12 @@ class GrammarError(LcgenError):
     """A grammar could not be parsed, or a token it forbids was forced."""
 
 
+class GrammarTooSlowError(GrammarError):
+    """One mask of the vocabulary by a grammar would take longer than lcgen's bound
+    (:data:`lcgen.constrain.grammar.MAX_MASK_SECONDS`): the model would wait that long for
+    each such token."""
+
+
 class NoCandidatesError(LcgenError):
     """Every token is ruled out at a position: exclusions, bans and the grammar together."""
 

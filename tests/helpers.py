@@ -39,6 +39,16 @@ def first_logits(model: lcgen.Model, prompt: str | list[int]) -> np.ndarray:
     return np.array(rows[0])
 
 
+def many_words_grammar(n: int) -> str:
+    """GBNF for a comma-separated list of words from a rule of about ``n`` alternatives (each
+    a distinct string of 3 to 9 letters): llguidance refuses 37,000 of them (a limit on its
+    grammar's symbols), where llama.cpp's check takes about 20 ms a token."""
+    rng = np.random.default_rng(0)
+    letters = np.array(list("abcdefghijklmnop"))
+    words = sorted({"".join(rng.choice(letters, rng.integers(3, 10))) for _ in range(n)})
+    return 'root ::= item ("," item)*\nitem ::= ' + " | ".join(f'"{w}"' for w in words) + "\n"
+
+
 def llama_cpp_python(model: lcgen.Model, path: Path, **options: Any) -> Any:
     """llama-cpp-python's ``Llama`` on ``path``, with the CPU buffers ``model`` uses (lcgen
     turns llama.cpp's extra buffers off where AMX crashes; the other side must too)."""

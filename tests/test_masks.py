@@ -21,8 +21,10 @@ from bench.constrained import COMPANY, GEMMA_MODEL, ORDER, PERSON
 from bench.masks import INSTANCE
 from bench.schema_compile import SUITE, suite_groups
 from lcgen.constrain import Grammar, GrammarState, llg
-from lcgen.errors import GrammarError
+from lcgen.constrain import grammar as grammar_module
+from lcgen.errors import GrammarError, GrammarTooSlowError
 from lcgen.registry import resolve
+from tests.helpers import many_words_grammar
 from tests.test_grammar import BUNDLED
 
 
@@ -202,7 +204,57 @@ def test_a_grammar_nested_deeper_than_the_translation_goes_masks_through_llama(
             assert allowed[a] and allowed.sum() < model.n_vocab
             state.accept(a)
             assert state.allowed()[spelled(model, "b")[0]]
-    assert llg._templates[model.vocab][grammar.gbnf, grammar.root] is None
+    assert "nests too deeply" in llg._templates[model.vocab][grammar.gbnf, grammar.root]
+
+
+def test_a_grammar_too_large_for_llguidance_raises_instead_of_masking_for_minutes(
+    model: lcgen.Model,
+) -> None:
+    # 37,000 alternatives: llguidance refuses the grammar, and llama.cpp's check of each of
+    # the 8,800 candidates takes about 20 ms (a mask took minutes, a generation hours). The
+    # mask stops once its work projects past the bound, and says what it would cost and why.
+    grammar = Grammar(many_words_grammar(40_000))
+    with grammar.state(model) as state, pytest.raises(GrammarTooSlowError) as raised:
+        state.allowed()
+    message = str(raised.value)
+    assert "tokens to check at" in message and "llguidance refused it" in message
+    with pytest.raises(GrammarTooSlowError):
+        model.generate("Words:", grammar=grammar, max_tokens=4, temperature=0)
+
+
+def test_a_rule_of_thousands_of_alternatives_masks_through_llguidance(model: lcgen.Model) -> None:
+    # 2,584 words, all open after each comma: past llguidance's default of 2,000 open
+    # alternatives it refused the grammar there and llama.cpp masked (1.4 s here).
+    text = many_words_grammar(2_600)
+    first = text.split("item ::= ")[1].split(" | ")[0].strip('"')
+    with Grammar(text).state(model) as state:
+        state.accept_tokens(spelled(model, first + ","))
+        allowed = state._allowed_by_matcher()
+        assert allowed is not None
+        by_llama = state._sampler.allowed(state._candidates(deadline=float("inf")))
+        assert np.array_equal(allowed, state._keep_valid_text(by_llama))
+
+
+@pytest.mark.parametrize(
+    ("gbnf", "why"),
+    [
+        ("root ::= " + "(" * 600 + '"a" [b-z]*' + ")" * 600 + "\n", "nests too deeply"),
+        ('root ::= [^"é]+\n', "negates a class with non-ASCII characters"),
+        ('root ::= "a" [b-z]*\n', "llguidance is not installed"),
+    ],
+)
+def test_a_mask_over_the_bound_says_why_llguidance_has_none(
+    model: lcgen.Model, monkeypatch: pytest.MonkeyPatch, gbnf: str, why: str
+) -> None:
+    grammar = Grammar(gbnf)
+    if why.endswith("not installed"):
+        monkeypatch.setattr(llg, "_llg", None)
+    monkeypatch.setattr(grammar_module, "MAX_MASK_SECONDS", 0.0)
+    with grammar.state(model) as state, pytest.raises(GrammarTooSlowError, match=why):
+        state.allowed()
+    monkeypatch.undo()
+    with grammar.state(model) as state:  # within the bound: the mask as ever
+        assert state.allowed().any()
 
 
 def test_threads_sharing_the_compiled_grammars_get_the_same_masks(model: lcgen.Model) -> None:

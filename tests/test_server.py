@@ -28,7 +28,7 @@ from typing import IO, Any
 import openai
 import pydantic
 import pytest
-from helpers import SET_UNIT, SET_VOLUME, running, validate
+from helpers import SET_UNIT, SET_VOLUME, many_words_grammar, running, validate
 
 import lcgen
 import lcgen.server
@@ -1351,6 +1351,21 @@ def test_a_server_with_a_draft_model(
 def test_a_bad_request_leaves_the_server_serving(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError):
         chat(client, max_tokens=4, extra_body={"grammar": "root ::= (("})
+    assert chat(client, max_tokens=4).choices[0].message.content
+
+
+def test_a_grammar_too_slow_to_mask_is_a_400_before_it_reaches_the_engine(
+    client: openai.OpenAI, url: str
+) -> None:
+    # llguidance refuses this grammar; llama.cpp's masks would take minutes a token, and the
+    # engine serves every client in one thread. The request is checked beside the engine: a
+    # 400 that says why, and the engine never saw it (no prompt token decoded, no lookup).
+    before = health(url)["cache"]
+    with pytest.raises(openai.BadRequestError, match="over the bound") as raised:
+        chat(client, max_tokens=4, extra_body={"grammar": many_words_grammar(40_000)})
+    assert raised.value.body["param"] == "grammar"  # type: ignore[index]
+    after = health(url)["cache"]
+    assert [after[k] - before[k] for k in ("tokens_decoded", "hits", "misses")] == [0, 0, 0]
     assert chat(client, max_tokens=4).choices[0].message.content
 
 

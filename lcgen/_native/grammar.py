@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import time
 
 import llama_cpp as C
 import numpy as np
@@ -80,6 +81,19 @@ def check_gbnf(gbnf: str, root: str) -> bool:
     return True
 
 
+# Seconds of work before a projection may end a check early (a shorter one is noise).
+_MIN_PROJECTED = 0.1
+
+
+class MaskDeadlineError(Exception):
+    """Checking a set of tokens would end past its deadline (caught, and explained, by
+    :class:`lcgen.GrammarState`)."""
+
+    def __init__(self, per_token: float, n_tokens: int) -> None:
+        super().__init__(f"{n_tokens} tokens at {per_token * 1e3:.1f} ms each")
+        self.per_token, self.n_tokens = per_token, n_tokens
+
+
 class GrammarSampler:
     """An owned llama.cpp grammar sampler: the parse state of one grammar over one model's
     vocabulary. Not thread-safe."""
@@ -139,16 +153,40 @@ class GrammarSampler:
             C.llama_sampler_accept(self._live(), token)
         return True
 
-    def allowed(self, ids: np.ndarray) -> np.ndarray:
+    def allowed(self, ids: np.ndarray, deadline: float | None = None) -> np.ndarray:
         """A bool array over the vocabulary: which of ``ids`` (int32) the grammar allows next;
-        tokens not in ``ids`` count as not allowed."""
+        tokens not in ``ids`` count as not allowed. See :meth:`allowed_among` for
+        ``deadline``."""
         result = np.zeros(self.model.n_vocab, dtype=bool)
-        result[ids] = self.allowed_among(ids)
+        result[ids] = self.allowed_among(ids, deadline)
         return result
 
-    def allowed_among(self, ids: np.ndarray) -> np.ndarray:
+    def allowed_among(self, ids: np.ndarray, deadline: float | None = None) -> np.ndarray:
         """Which of ``ids`` (int32, in the vocabulary) the grammar allows next: a bool array
-        beside them, in one call."""
+        beside them, in one call; with a ``deadline`` (``time.monotonic()``), in parts of
+        growing size.
+
+        Raises:
+            MaskDeadlineError: checking them all would end past ``deadline``, projected from
+                the parts checked (after a tenth of a second's work, or once past it).
+        """
+        if deadline is None:
+            return self._allowed_among(ids)
+        allowed = np.zeros(len(ids), dtype=bool)
+        start, done, size = time.monotonic(), 0, 16
+        while done < len(ids):
+            allowed[done : done + size] = self._allowed_among(ids[done : done + size])
+            done, size = done + size, min(size * 2, 4096)
+            now = time.monotonic()
+            per_token = (now - start) / done
+            if done < len(ids) and (
+                now > deadline
+                or (now - start > _MIN_PROJECTED and now + per_token * (len(ids) - done) > deadline)
+            ):
+                raise MaskDeadlineError(per_token, len(ids))
+        return allowed
+
+    def _allowed_among(self, ids: np.ndarray) -> np.ndarray:
         data = np.zeros(len(ids), dtype=_TOKEN_DATA)
         data["id"] = ids
         array = C.llama_token_data_array(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -19,16 +20,17 @@ from typing import Any, Literal
 import numpy as np
 
 from lcgen._files import read_bounded
-from lcgen._native.grammar import GrammarSampler, check_gbnf
+from lcgen._native.grammar import GrammarSampler, MaskDeadlineError, check_gbnf
 from lcgen._resources import resource_path
 from lcgen.constrain import gbnf as _gbnf
 from lcgen.constrain import regex as _regex
 from lcgen.constrain.chains import check_chains
 from lcgen.constrain.lark import bad_escape, redefined
 from lcgen.constrain.llg import Matcher
+from lcgen.constrain.llg import refusal as llg_refusal
 from lcgen.constrain.pydantic_schema import pydantic_schema
 from lcgen.constrain.tables import LITERALS_AND_COMMENTS, tables, traits, utf8_tail
-from lcgen.errors import GrammarError
+from lcgen.errors import GrammarError, GrammarTooSlowError
 from lcgen.vocab import HasVocab, Vocab, vocab_of
 
 _RULE_NAME = re.compile(r"[a-zA-Z0-9-]+")
@@ -260,6 +262,11 @@ class Grammar:
 # 20,000 parentheses) or take minutes (text nested 4,000 deep in JSON: 39 s), so refuse.
 MAX_GBNF_NESTING = 1000
 MAX_TEXT_NESTING = 512
+
+# The most seconds one mask of the vocabulary by llama.cpp's grammar may take (where llguidance
+# has no matcher): a grammar of tens of thousands of alternatives took minutes a mask, during
+# which a model, or a server's every client, waited. Such masks raise GrammarTooSlowError.
+MAX_MASK_SECONDS = 2.0
 
 
 def _max_depth(text: str, opening: str, closing: str) -> int:
@@ -545,9 +552,41 @@ class GrammarState:
         return self._keep_valid_text(allowed)
 
     def _allowed_by_llama(self) -> np.ndarray:
-        """The mask by llama.cpp's grammar, which checks each candidate token in turn."""
-        candidates = self._vocab.visible_ids if self._pending else self._candidates()
-        return self._keep_valid_text(self._sampler.allowed(candidates))
+        """The mask by llama.cpp's grammar, which checks each candidate token in turn.
+
+        Raises:
+            GrammarTooSlowError: the check would take over :data:`MAX_MASK_SECONDS` (it
+                stops as soon as its work so far projects that, a few tenths of a second).
+        """
+        deadline = time.monotonic() + MAX_MASK_SECONDS
+        try:
+            candidates = self._vocab.visible_ids if self._pending else self._candidates(deadline)
+            allowed = self._sampler.allowed(candidates, deadline)
+        except MaskDeadlineError as exc:
+            raise self._too_slow(
+                f"about {exc.per_token * exc.n_tokens:.0f} s ({exc.n_tokens} tokens to check at "
+                f"{exc.per_token * 1e3:.1f} ms each)"
+            ) from None
+        return self._keep_valid_text(allowed)
+
+    def _too_slow(self, cost: str) -> GrammarTooSlowError:
+        if traits(self.grammar.gbnf)[1]:
+            why = (
+                "llguidance's faster masks are not used for a grammar that negates a class "
+                "with non-ASCII characters (they differ from llama.cpp's there)"
+            )
+        else:
+            why = llg_refusal(self.grammar.gbnf, self.grammar.root, self._vocab)
+        return GrammarTooSlowError(
+            f"one mask of the vocabulary by this grammar would take {cost} through llama.cpp's "
+            f"token-by-token check, over the bound of {MAX_MASK_SECONDS:g} s a token; "
+            f"llguidance, which masks in microseconds, has none for it: {why}. Make the "
+            "grammar smaller (fewer alternatives in a rule)"
+        )
+
+    def _check_deadline(self, deadline: float) -> None:
+        if time.monotonic() > deadline:
+            raise self._too_slow(f"over {MAX_MASK_SECONDS:g} s")
 
     def _keep_valid_text(self, allowed: np.ndarray) -> np.ndarray:
         """``allowed`` less the tokens after which the text would not be valid UTF-8 (see
@@ -572,7 +611,7 @@ class GrammarState:
             raise ValueError(f"logits of shape {logits.shape}, expected ({self.n_vocab},)")
         return np.where(self.allowed(), logits, np.float32(-np.inf)).astype(np.float32)
 
-    def _candidates(self) -> np.ndarray:
+    def _candidates(self, deadline: float) -> np.ndarray:
         """The tokens worth asking llama.cpp about (it checks each in turn: milliseconds for
         a large vocabulary). A token whose first character (or its first byte, a partial
         character) the grammar rejects here is rejected too, and so is one whose first two
@@ -588,17 +627,18 @@ class GrammarState:
         for byte, token in vocab.byte_token.items():
             if byte < 0x80 or not negates_non_ascii:
                 first_ok[byte] = self.allows(token)
+                self._check_deadline(deadline)
         keep = first_ok[vocab.first]
         if first_ok[:128].mean() < 0.75:
             for byte in vocab.common_first:
                 if first_ok[byte]:
-                    second_ok = self._second_ok(byte, negates_non_ascii)
+                    second_ok = self._second_ok(byte, negates_non_ascii, deadline)
                     keep &= (vocab.first != byte) | second_ok[vocab.second]
         keep |= vocab.eog
         candidates: np.ndarray = vocab.visible[keep[vocab.visible]]
         return candidates
 
-    def _second_ok(self, byte: int, negates_non_ascii: bool) -> np.ndarray:
+    def _second_ok(self, byte: int, negates_non_ascii: bool, deadline: float) -> np.ndarray:
         """By second byte: whether the grammar allows that byte after ``byte``."""
         vocab = tables(self._vocab)
         second_ok = np.ones(257, dtype=bool)
@@ -607,6 +647,7 @@ class GrammarState:
             for second, token in vocab.byte_token.items():
                 if second < 0x80 or not negates_non_ascii:
                     second_ok[second] = after.allows(token)
+                    self._check_deadline(deadline)
         return second_ok
 
     def forced_text(self, limit: int) -> str:

@@ -33,12 +33,12 @@ except ImportError:  # pragma: no cover - a dependency; a platform without its w
     _llg = None
 
 # Compiled matchers kept per vocabulary, by grammar: a new state copies one (tens of
-# microseconds) instead of compiling the grammar again (a millisecond or a few); None where a
-# grammar has no matcher, so it is not translated again for each state.
+# microseconds) instead of compiling the grammar again (a millisecond or a few); where a
+# grammar has no matcher, why (a str), so it is not translated again for each state.
 _MAX_TEMPLATES = 32
 _UNCOMPILED = object()
 _tokenizers: weakref.WeakKeyDictionary[Vocab, Any] = weakref.WeakKeyDictionary()
-_templates: weakref.WeakKeyDictionary[Vocab, dict[tuple[str, str], Any | None]] = (
+_templates: weakref.WeakKeyDictionary[Vocab, dict[tuple[str, str], Any]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -76,14 +76,53 @@ def compile_matcher(gbnf: str, root: str, vocab: Vocab) -> Any | None:
     """llguidance's matcher at the start of the grammar over ``vocab``, compiled now (a
     millisecond or a few; :meth:`Matcher.new` keeps the result), or None: llguidance is not
     installed, the grammar does not translate, or llguidance refuses it (a limit of its own)."""
+    compiled = _compile(gbnf, root, vocab)
+    return None if isinstance(compiled, str) else compiled
+
+
+def _compile(gbnf: str, root: str, vocab: Vocab) -> Any:
+    """llguidance's matcher, or (a str) why there is none."""
     if _llg is None:
-        return None
+        return "llguidance is not installed"
     try:
         spec = _llg.LLMatcher.grammar_from_lark(to_lark(gbnf, root))
-    except (GrammarError, RecursionError):  # RecursionError: nested deeper than lark.parse goes
-        return None
-    matcher = _llg.LLMatcher(tokenizer(vocab), spec, log_level=0)
-    return None if matcher.is_error() else matcher
+    except GrammarError as exc:
+        return f"the grammar does not translate to llguidance's ({exc})"
+    except RecursionError:  # nested deeper than lark.parse goes
+        return "the grammar nests too deeply to translate to llguidance's"
+    matcher = _llg.LLMatcher(tokenizer(vocab), spec, log_level=0, limits=_limits())
+    if matcher.is_error():
+        reason = matcher.get_error().strip().split("\n", 1)[0][:200]
+        return f"llguidance refused it ({reason})"
+    return matcher
+
+
+def _limits() -> Any:
+    """llguidance's parser limits, with a rule's open alternatives raised from 2,000 to 100,000
+    (and the items a step may make with them): past 2,000 it refused the grammar, and llama.cpp
+    masked in seconds (a rule of 9,800 words: 4 s a mask there, 10 ms here)."""
+    return _llg.LLParserLimits(max_items_in_row=100_000, step_max_items=500_000)
+
+
+def refusal(gbnf: str, root: str, vocab: Vocab) -> str:
+    """Why the grammar has no llguidance matcher over ``vocab`` (empty: it has one)."""
+    if _llg is None:
+        return "llguidance is not installed"
+    compiled = _template(gbnf, root, vocab)
+    return compiled if isinstance(compiled, str) else ""
+
+
+def _template(gbnf: str, root: str, vocab: Vocab) -> Any:
+    """The grammar's compiled matcher (or why none), kept per vocabulary (the last 32)."""
+    templates = _templates.setdefault(vocab, {})
+    key = (gbnf, root)
+    template = templates.get(key, _UNCOMPILED)  # one lookup: another thread may clear it
+    if template is _UNCOMPILED:
+        template = _compile(gbnf, root, vocab)
+        if len(templates) >= _MAX_TEMPLATES:
+            templates.clear()
+        templates[key] = template
+    return template
 
 
 class Matcher:
@@ -104,15 +143,8 @@ class Matcher:
         compiled once per vocabulary and grammar (the last 32 kept), copied for each call."""
         if _llg is None:
             return None
-        templates = _templates.setdefault(vocab, {})
-        key = (gbnf, root)
-        template = templates.get(key, _UNCOMPILED)  # one lookup: another thread may clear it
-        if template is _UNCOMPILED:
-            template = compile_matcher(gbnf, root, vocab)
-            if len(templates) >= _MAX_TEMPLATES:
-                templates.clear()
-            templates[key] = template
-        return None if template is None else cls(template.deep_copy(), vocab.n_vocab)
+        template = _template(gbnf, root, vocab)
+        return None if isinstance(template, str) else cls(template.deep_copy(), vocab.n_vocab)
 
     def consume(self, tokens: list[int]) -> bool:
         """Advance past ``tokens``; False when llguidance refuses one (the matcher is then

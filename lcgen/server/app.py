@@ -271,6 +271,11 @@ class _Server:
             return None
         try:
             plan = lcgen.make_plan(max_tokens=limit, **options(req, self.model.n_vocab, self.draft))
+            if plan.constraint is not None:
+                # Here, beside the engine: a grammar llguidance refuses may take seconds to
+                # set up and then mask too slowly (GrammarTooSlowError): a 400, not a stall of
+                # every client; compiled grammars are kept, so the engine reuses this work.
+                plan.constraint.check(self.model)
         except (TypeError, ValueError, lcgen.LcgenError) as exc:
             param = field_named(str(exc), type(req), req.model_fields_set)
             raise APIError(400, str(exc), param=param) from None
