@@ -836,9 +836,10 @@ class Model:
     def close(self) -> None:
         """Free the context, then the weights. Idempotent; live sequences become unusable."""
         with self.context.lock:  # no decode is running; a later one raises ClosedError
+            self.context.start_closing()
+            self.cache.wake()  # threads waiting for a slot (in a step too) raise ClosedError
             self.context.close()
             self._handle.close()
-            self.cache.wake()  # threads waiting for a slot raise ClosedError
 
     def __enter__(self) -> Model:
         return self

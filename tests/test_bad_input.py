@@ -594,6 +594,12 @@ def test_bad_length_penalties_are_refused(
         lcgen.generate.text(model, beams=2, length_penalty=length_penalty)
 
 
+def test_beam_settings_take_numpy_numbers(model: lcgen.Model) -> None:
+    spec = lcgen.generate.text(model, beams=np.int64(2), length_penalty=np.float32(0.5))
+    assert (spec.beams, spec.length_penalty) == (2, 0.5)
+    assert type(spec.beams) is int and type(spec.length_penalty) is float
+
+
 def test_beam_search_refuses_a_logit_bias_that_is_no_mapping(model: lcgen.Model) -> None:
     with pytest.raises(TypeError, match="logit_bias takes a mapping"):
         lcgen.generate.text(model, beams=2, logit_bias=[(1, 2.0)])  # type: ignore[arg-type]

@@ -23,6 +23,7 @@ from helpers import PriorCosts
 
 import lcgen
 from lcgen.registry import resolve
+from lcgen.runtime import kvstore
 
 FEW_SHOT = "".join(
     f"Q: What is {a} plus {b}?\nA: {a + b}.\n\n" for a, b in [(2, 3), (7, 5), (10, 4), (6, 6)]
@@ -688,6 +689,34 @@ def test_closing_the_model_wakes_a_thread_waiting_for_a_slot(model_path: Path) -
         assert not waiter.is_alive() and len(errors) == 1
 
 
+def test_closing_the_model_wakes_a_beam_search_waiting_for_a_slot_inside_its_step(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A beam's fork waits for a slot inside a step, which close waits to end: close waited
+    until the waiter woke by itself to collect garbage (5 s; here never)."""
+    monkeypatch.setattr(kvstore, "COLLECT_EVERY", 3600.0)
+    small = lcgen.Model(model_path, n_ctx=512, n_seq_max=2)
+    errors: list[Exception] = []
+
+    def search() -> None:
+        try:
+            lcgen.continuous(lcgen.generate.text(small, beams=2, max_tokens=8))("Once upon")
+        except lcgen.ClosedError as exc:
+            errors.append(exc)
+
+    with held_by_another_thread(small):
+        searcher = threading.Thread(target=search)
+        searcher.start()
+        while not small.cache.stats.waiting:
+            time.sleep(0.01)
+        closer = threading.Thread(target=small.close, daemon=True)
+        closer.start()
+        closer.join(10)  # (the holder gives its slot back after 30 s, which woke it too)
+        assert not closer.is_alive()
+        searcher.join(10)
+        assert not searcher.is_alive() and len(errors) == 1
+
+
 def test_a_step_keeps_its_logits_while_other_threads_decode(cold_model: lcgen.Model) -> None:
     """A hook that waits on work in another thread (which decodes, here a prompt scored with
     more logit rows than llama.cpp's buffer held, so the buffer is reallocated), then asks
@@ -983,6 +1012,40 @@ def test_loading_waits_for_slots_other_threads_hold(model_path: Path, tmp_path: 
         with pytest.raises(lcgen.SlotsExhaustedError, match="2 of them pinned, and 1 of the 2"):
             other.cache.load(pins)
         assert other.cache.stats.entries == 1  # nothing loaded
+
+
+def test_loading_waits_slot_timeout_once_for_the_whole_file(
+    model_path: Path, tmp_path: Path
+) -> None:
+    """Each entry waited up to slot_timeout afresh: a file of k entries up to k times as long.
+    Two pinned entries, both slots held by other threads, given back at 0.8 s and 1.6 s: the
+    second is not free by the 1.2 s slot_timeout (it was by 0.8 + 1.2 s)."""
+    pins = tmp_path / "pins.lcc"
+    with lcgen.Model(model_path, n_seq_max=2, n_ctx=1024, slot_timeout=1.2) as small:
+        small.cache.pin("Doc 0: the first")
+        small.cache.pin("Doc 1: the second")
+        assert small.cache.save(pins, pinned_only=True) == 2
+        small.cache.clear(pinned=True)
+        opened = threading.Barrier(3)
+        releases = [threading.Event(), threading.Event()]
+
+        def hold(release: threading.Event) -> None:
+            with small.sequence("Some other text"):
+                opened.wait()
+                release.wait()
+
+        holders = [threading.Thread(target=hold, args=(r,)) for r in releases]
+        for holder in holders:
+            holder.start()
+        opened.wait()  # both slots are held now
+        timers = [threading.Timer(t, r.set) for t, r in zip((0.8, 1.6), releases, strict=True)]
+        for timer in timers:
+            timer.start()
+        with pytest.raises(lcgen.SlotsExhaustedError, match=r"slot_timeout=1\.2"):
+            small.cache.load(pins)
+        for holder in holders:
+            holder.join()
+        assert small.cache.stats.entries == 0  # nothing of the file stays loaded
 
 
 def test_the_cache_off_loads_only_the_pinned_entries_of_a_file(

@@ -17,6 +17,7 @@ import pytest
 
 import lcgen
 from lcgen.runtime import statefile as ckpt
+from lcgen.runtime.run import PlainRun
 
 PROMPT = "Once upon a time"
 
@@ -361,6 +362,19 @@ def test_generator_restore_needs_a_checkpoint_taken_with_it(model: lcgen.Model) 
             seq.rewind(1, gen)
         with_gen = seq.checkpoint(gen)
         assert with_gen.generation is not None and with_gen.generation.n_tokens == 0
+
+
+def test_a_checkpoint_taken_at_a_stop_restores_the_stop_string(model: lcgen.Model) -> None:
+    stop = str(model.generate(PROMPT, max_tokens=24, temperature=0)).split()[2]
+    with model.sequence(PROMPT) as seq:
+        run = seq.run(max_tokens=24, temperature=0, stop=[stop])
+        assert isinstance(run, PlainRun)
+        while not run.is_done:
+            run.step()
+        gen = run.generator
+        assert (gen.finish_reason, gen.stop_hit) == ("stop", stop)
+        run.rewind(run.checkpoint())
+        assert (gen.finish_reason, gen.stop_hit) == ("stop", stop)
 
 
 def test_threads_saving_to_one_path_all_succeed_and_orphans_are_removed(

@@ -21,6 +21,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Unpack
 
+from lcgen._numbers import plain
 from lcgen.constrain import Grammar
 from lcgen.decoding import GenerateOptions, Plan, SamplerConfig, make_plan
 from lcgen.decoding.results import SchemaLike
@@ -81,6 +82,7 @@ def _spec(
         TypeError: ``model`` is not a model.
     """
     check_model(model, "a generation spec's first argument is the model (an lcgen.Model)")
+    beams, length_penalty = plain(beams), plain(length_penalty)  # type: ignore[assignment]
     _check_length_penalty(length_penalty)
     if beams is not None:
         _check_beams(model, beams, options)

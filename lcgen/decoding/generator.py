@@ -44,6 +44,7 @@ class GeneratorState:
     finish_reason: FinishReason | None
     grammar: GrammarState | None = None
     generator: int = 0  # which generator it was taken from (restore checks it)
+    stop_hit: str | None = None  # the stop string that ended generation (finish "stop")
 
 
 class Generator:
@@ -132,6 +133,7 @@ class Generator:
             self.finish_reason,
             self.grammar.clone() if self.grammar is not None else None,
             self._id,
+            self.stop_hit,
         )
 
     def check_restorable(self, state: GeneratorState) -> None:
@@ -165,8 +167,7 @@ class Generator:
         del self.tokens[state.n_tokens :]
         self.text_state, self.heal = state.text, state.heal
         self.rng.bit_generator.state = state.rng
-        self.finish_reason = state.finish_reason
-        self.stop_hit = None
+        self.finish_reason, self.stop_hit = state.finish_reason, state.stop_hit
         if state.grammar is not None:
             self.grammar = state.grammar.clone()
         self.recent.clear()

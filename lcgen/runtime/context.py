@@ -438,15 +438,25 @@ class Context:
             ValueError: called from inside a step of this thread (a hook, a validator).
         """
         with self.lock:
+            self.start_closing()
+            while self._in_use:
+                self._idle.wait()
+            self._handle.close()
+
+    def start_closing(self) -> None:
+        """Let no new step start (the ones running end; a thread waiting inside one for a
+        slot raises :class:`~lcgen.ClosedError` once woken).
+
+        Raises:
+            ValueError: called from inside a step of this thread (a hook, a validator).
+        """
+        with self.lock:
             if threading.get_ident() in self._in_use:
                 raise ValueError(
                     "cannot close the model from inside a generation step (a hook or a "
                     "validator): close it after the generation"
                 )
-            self._closing = True  # no new step starts: the ones running end
-            while self._in_use:
-                self._idle.wait()
-            self._handle.close()
+            self._closing = True
 
 
 _Flat = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]

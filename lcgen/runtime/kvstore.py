@@ -425,9 +425,10 @@ class KVStore:
             self._cond.notify_all()
             raise
 
-    def _take_slot(self, keep: Entry | None) -> int:
-        """A slot as :meth:`_try_slot` finds one, waiting for other threads when none is."""
-        deadline = self._deadline()
+    def _take_slot(self, keep: Entry | None, deadline: float | None = None) -> int:
+        """A slot as :meth:`_try_slot` finds one, waiting for other threads when none is (up
+        to ``deadline``, else ``slot_timeout`` from now)."""
+        deadline = self._deadline() if deadline is None else deadline
         while True:
             self._park_dropped()
             if (slot := self._try_slot(keep)) is not None:
@@ -729,7 +730,7 @@ class KVStore:
             SlotsExhaustedError: the slots neither pinned prefixes nor this thread's live
                 sequences hold cannot take the file's pinned entries and one more (nothing is
                 loaded then); or, as for any open, none came free in time (slots other
-                threads hold are waited for, up to ``slot_timeout``).
+                threads hold are waited for, up to ``slot_timeout`` for the whole file).
         """
         header, kv = statefile.decode(statefile.read_file(path, statefile.CACHE), statefile.CACHE)
         if header.get("model") != self._fingerprint():
@@ -768,9 +769,10 @@ class KVStore:
                     "live sequences): unpin prefixes, close sequences, or load the model with "
                     f"a larger n_seq_max"
                 )
+            deadline = self._deadline()  # one slot_timeout for the whole file
             try:
                 for tokens, pinned, blob in todo:
-                    loaded.append(self._load_entry(tokens, blob))
+                    loaded.append(self._load_entry(tokens, blob, deadline))
                     loaded[-1].state = "pinned" if pinned else "parked"
             except BaseException:
                 for entry in loaded:
@@ -799,10 +801,10 @@ class KVStore:
             return other.state == "pinned" and other.tokens == tokens
         return other.tokens[: len(tokens)] == tokens
 
-    def _load_entry(self, tokens: list[int], blob: memoryview) -> Entry:
+    def _load_entry(self, tokens: list[int], blob: memoryview, deadline: float | None) -> Entry:
         """Restore one entry into a slot of its own, sharing the longest prefix that another
         entry holds (llama.cpp restores a sequence into cells of its own)."""
-        entry = Entry(self._take_slot(keep=None), tokens, "parked", next(self._clock))
+        entry = Entry(self._take_slot(None, deadline), tokens, "parked", next(self._clock))
         self._entries[entry.slot] = entry
         try:
             n = self._ctx.set_seq_state(entry.slot, blob)
