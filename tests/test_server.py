@@ -1095,6 +1095,20 @@ def test_full_queue_answers_429(model_path: Path) -> None:
         assert refused.value.code == "too_many_choices" and "at most 1" in str(refused.value)
 
 
+def test_n_up_to_openai_s_128(model_path: Path) -> None:
+    """It was capped at 16; 128 choices of one prompt, on 32 slots and a queue of 96."""
+    with (
+        lcgen.Model(model_path, n_seq_max=32, n_ctx=2048) as small,
+        running(create_app(small, model_name=NAME, max_queue=96)) as base,
+    ):
+        client = openai.OpenAI(base_url=base + "/v1", api_key="none", max_retries=0, timeout=120)
+        reply = client.completions.create(
+            model=NAME, prompt="Once upon a time", max_tokens=2, n=128, seed=7, temperature=1
+        )
+        assert sorted(c.index for c in reply.choices) == list(range(128))
+        assert reply.usage is not None and 128 <= reply.usage.completion_tokens <= 2 * 128
+
+
 def wait_for(url: str, ok: Callable[[dict[str, int]], bool], timeout: float = 10) -> None:
     """Wait until the server's /health queue satisfies ``ok``."""
     deadline = time.monotonic() + timeout
@@ -1120,6 +1134,7 @@ BAD = [
     (_body(temperature="hot"), "temperature"),
     (_body(temperature=9), "temperature"),
     (_body(n=0), "n"),
+    (_body(n=129), "n"),  # over OpenAI's bound
     (_body(stop=[1, 2]), "stop"),
     (_body(messages=[{"role": "wizard", "content": "hi"}]), "messages.0.role"),
     (_body(messages="hello"), "messages"),

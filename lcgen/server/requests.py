@@ -23,7 +23,7 @@ from lcgen.server import tools as tooling
 from lcgen.server.tools import Tool, ToolCall, ToolChoice
 
 MAX_STOPS = 16
-MAX_N = 16
+MAX_N = 128  # as OpenAI's API
 MAX_TOP_LOGPROBS = 20
 MAX_LIST = 1024  # banned phrases, choice options, prompts in one request
 
