@@ -3,6 +3,7 @@ transparent, counted fallback that re-decodes the kept tokens."""
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -10,6 +11,8 @@ import pytest
 
 import lcgen
 from lcgen.registry import resolve
+from lcgen.runtime import statefile
+from lcgen.runtime.context import _check_table
 
 TEXT = " ".join(f"Sentence number {i} is about the sea and the sky." for i in range(110))
 
@@ -152,3 +155,33 @@ def test_pausing_a_fork_counts_each_token_that_lost_its_cells_once(gemma_path: P
         assert fork.stats.fallbacks == 1  # the window no longer held the shared prefix
         assert lost == decoded - fork.n_decoded
         assert fork.stats.tokens_redecoded - counted == lost
+
+
+@pytest.mark.parametrize("position", [-1000, 10_000])
+def test_a_forged_position_in_the_window_s_own_table_is_refused(
+    small_swa: lcgen.Model, position: int
+) -> None:
+    """Gemma 3's state holds two KV tables, the full-attention layers' and the window's; only
+    the first was checked, so a window cell at -1000 loaded (and stayed in the slot)."""
+    with small_swa.sequence(TEXT) as seq:
+        seq.prefill()
+        data = seq.to_bytes()
+    header, kv = statefile.decode(data)
+    first_end = _check_table(memoryview(kv).cast("B"), 8, True)
+    assert first_end is not None and first_end < len(kv)  # a second table follows
+    _, count = struct.unpack_from("<II", kv, first_end)
+    assert count < seq.n_tokens  # the window's: fewer cells than positions
+    forged = bytearray(kv)
+    struct.pack_into("<i", forged, first_end + 8, position)  # its first cell's position
+    with pytest.raises(lcgen.StateFileError, match="not at consecutive positions"):
+        lcgen.Sequence.from_bytes(small_swa, _encoded(header, forged))
+    with lcgen.Sequence.from_bytes(small_swa, data) as loaded:  # the state as written loads
+        assert loaded.n_tokens == seq.n_tokens
+
+
+def _encoded(header: dict[str, object], kv: bytearray) -> bytearray:
+    def write_kv(out: bytearray, at: int, size: int) -> int:
+        out[at : at + size] = kv
+        return size
+
+    return statefile.encode(header, len(kv), write_kv)

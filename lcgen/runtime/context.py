@@ -515,36 +515,47 @@ def _flatten(requests: Sequence[DecodeRequest]) -> _Flat:
     return tokens, pos, seq, out, owner
 
 
-# A saved state's cell table: each cell's position, its count of sequence ids (1 in a
-# sequence's state) and, for models whose cells carry more (M-RoPE, per-layer embeddings),
-# 12 bytes of that; then the data, which opens with v_trans (0 or 1) and a layer count.
+# A saved state's KV table: a stream count (1), a cell count, each cell's position, its count of
+# sequence ids (1 in a sequence's state) and, for models whose cells carry more (M-RoPE,
+# per-layer embeddings), 12 bytes of that; then the data: v_trans (0 or 1), a layer count, and
+# each layer's keys and values. A model with sliding-window and full-attention layers (iSWA:
+# Gemma 3) writes two such tables, the full layers' and the window's.
 _CELL_SIZES = (12, 24)
 
 
 def check_cell_positions(data: bytes | bytearray | memoryview, *, sliding: bool) -> None:
     """Refuse a saved sequence state whose cells are not at consecutive positions from 0
-    (from where a sliding window starts, for a model that has one), in any order. llama.cpp
-    loads the positions as written: a forged state's cell at a negative position could never
-    be removed again (removals start at 0) and joined the attention of every later sequence in
-    the slot.
+    (from where a sliding window starts, for a model that has one), in any order, in each of
+    its KV tables. llama.cpp loads the positions as written: a forged state's cell at a
+    negative position could never be removed again (removals start at 0) and joined the
+    attention of every later sequence in the slot.
 
     Raises:
-        StateFileError: the positions are not such, or the cell table does not parse.
+        StateFileError: the positions are not such, or a cell table does not parse.
     """
     view = memoryview(data).cast("B")
-    if len(view) < 16:
-        return  # llama.cpp refuses it as too short
-    _magic, _seq, n_stream, count = struct.unpack_from("<IiII", view, 0)
+    at = 8  # after llama.cpp's magic and the sequence id
+    while len(view) >= at + 8:
+        end = _check_table(view, at, sliding)
+        if end is None or end >= len(view):
+            return
+        at = end
+
+
+def _check_table(view: memoryview, at: int, sliding: bool) -> int | None:
+    """Check the KV table at ``at``; returns where it ends (None: where its data does not
+    parse as one that a second table could follow, as llama.cpp would find)."""
+    n_stream, count = struct.unpack_from("<II", view, at)
     if n_stream != 1:
         raise StateFileError(f"the saved KV state has {n_stream} streams, not the 1 lcgen writes")
     if count == 0:
-        return
+        return at + 8
     for size in _CELL_SIZES:
-        end = 16 + count * size
-        if end + 8 > len(view):
+        cells_end = at + 8 + count * size
+        if cells_end + 8 > len(view):
             continue
-        v_trans, n_layer = struct.unpack_from("<II", view, end)
-        cells = np.frombuffer(view[16:end], dtype="<i4").reshape(count, size // 4)
+        v_trans, n_layer = struct.unpack_from("<II", view, cells_end)
+        cells = np.frombuffer(view[at + 8 : cells_end], dtype="<i4").reshape(count, size // 4)
         if v_trans > 1 or not 0 < n_layer <= 4096 or not (cells[:, 1] == 1).all():
             continue
         # In the order the cells lie in the pool, which is not the positions' order where a
@@ -556,5 +567,24 @@ def check_cell_positions(data: bytes | bytearray | memoryview, *, sliding: bool)
                 f"{'a window start' if sliding else 0} (lowest {int(pos[0])}): not a state "
                 "lcgen wrote"
             )
-        return
+        return _data_end(view, cells_end + 8, count, v_trans, n_layer)
     raise StateFileError(f"the saved KV state's table of {count} cells does not parse")
+
+
+def _data_end(view: memoryview, at: int, count: int, v_trans: int, n_layer: int) -> int | None:
+    """Where a table's data ends: each layer's keys (type, row size, a row per cell), then
+    its values (the same, or transposed: type, element size, width, the elements), as
+    llama.cpp writes them for a model whose every layer has values; None past the end."""
+    for values in (False, True):
+        for _ in range(n_layer):
+            if values and v_trans:
+                if at + 12 > len(view):
+                    return None
+                _type, size, width = struct.unpack_from("<iII", view, at)
+                at += 12 + size * width * count
+            else:
+                if at + 12 > len(view):
+                    return None
+                _type, row = struct.unpack_from("<iQ", view, at)
+                at += 12 + row * count
+    return at if at <= len(view) else None
