@@ -24,7 +24,7 @@ from lcgen._native.model import ModelHandle
 from lcgen.errors import ClosedError, ContextFullError, StateFileError
 from lcgen.runtime.cells import CellLedger
 from lcgen.runtime.costs import TILE, DecodeCosts
-from lcgen.runtime.threads import ThreadTuner
+from lcgen.runtime.threads import OVERLAPS, ThreadTuner, own_cpu
 
 PAD_TO = TILE  # llama.cpp's CPU flash attention works in tiles of rows from this many tokens
 PAD_MARGIN = 1.15  # a batch is padded when its rows are predicted this much slower than tiles
@@ -105,6 +105,7 @@ class Context:
             type_v,
         )
         self.pad_batches = pad_batches
+        self._n_threads = n_threads
         self.kv_types = (type_k, type_v)  # the cache's element types (saved states carry them)
         self.n_padded = 0  # padding tokens decoded (not in n_decoded)
         # With adaptive threads, each decode runs with the count measured fastest (at most
@@ -376,11 +377,16 @@ class Context:
             try:
                 if threads is not None:
                     threads.before(n)
+                n_threads = self._n_threads if threads is None else threads.applied
+                mark = OVERLAPS.start(n_threads)
                 wall, cpu = time.perf_counter(), time.process_time()
-                logits = decode()
+                try:
+                    logits = decode()
+                finally:
+                    thread_seconds = OVERLAPS.end(n_threads, mark)
                 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
                 if threads is not None:
-                    threads.after(n, wall, cpu)
+                    threads.after(n, wall, own_cpu(cpu, wall, n_threads, thread_seconds))
                 self._observe(n, wall)
                 return logits
             except ContextFullError:

@@ -22,6 +22,8 @@ and adds the parts up, so those logits move in their last bits with the count: a
 from __future__ import annotations
 
 import statistics
+import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable
 
@@ -38,6 +40,49 @@ PROBE_CALLS = 4  # decodes a probe measures
 FASTER = 0.9  # a probe wins when its decodes take less than this share of the current ones
 STALLED = 2.0  # a probe decode this many times slower than the current ones ends the probe
 LATEST = 3  # decodes whose CPU share says how many cores the threads get now
+
+
+class Overlaps:
+    """The decodes in flight in this process, of every context: the process's CPU time over a
+    decode is its own threads' only while it runs alone (two models decoding in two threads
+    each saw the other's threads as its own, and kept too many threads on busy cores)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._threads = 0  # threads of the decodes running now
+        self._total = 0.0  # thread-seconds of decoding so far
+        self._at = time.perf_counter()
+
+    def _advance(self) -> float:
+        now = time.perf_counter()
+        self._total += self._threads * (now - self._at)
+        self._at = now
+        return self._total
+
+    def start(self, n_threads: int) -> float:
+        """A decode of ``n_threads`` threads starts; returns a mark for :meth:`end`."""
+        with self._lock:
+            mark = self._advance()
+            self._threads += n_threads
+            return mark
+
+    def end(self, n_threads: int, mark: float) -> float:
+        """The decode ends; returns the thread-seconds of every decode since its mark."""
+        with self._lock:
+            total = self._advance() - mark
+            self._threads -= n_threads
+            return total
+
+
+OVERLAPS = Overlaps()
+
+
+def own_cpu(cpu: float, wall: float, n_threads: int, thread_seconds: float) -> float:
+    """A decode's share of the process's ``cpu`` seconds: its threads' part of the
+    ``thread_seconds`` of the decodes that overlapped it (all of it where it ran alone)."""
+    if thread_seconds <= 0:
+        return cpu
+    return cpu * min(1.0, n_threads * wall / thread_seconds)
 
 
 def _cores_used(decodes: Iterable[tuple[float, float]]) -> float:
@@ -76,6 +121,11 @@ class ThreadTuner:
         self._probe: list[tuple[int, float, float]] = []  # its decodes: (size, wall, cpu)
         self.probes = 0
         self.changes = 0
+
+    @property
+    def applied(self) -> int:
+        """The thread count decodes use now (a probe's, during one)."""
+        return self._applied
 
     @property
     def probing(self) -> bool:
