@@ -1,4 +1,5 @@
-"""Reading a file a user names (a schema, a grammar, a saved chat), with a bound.
+"""Reading a file a user names (a schema, a grammar, a saved chat), with a bound; and making a
+rename durable.
 
 Such files are kilobytes. Without a bound, a device (``/dev/zero``) or a huge file named by
 mistake was read whole into memory until the process was killed.
@@ -6,6 +7,7 @@ mistake was read whole into memory until the process was killed.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -35,3 +37,13 @@ def read_bounded(path: str | os.PathLike[str]) -> bytes:
     if len(data) > MAX_FILE_BYTES:
         raise ValueError(f"the file is over {MAX_FILE_BYTES // 2**20} MiB, the most lcgen reads")
     return data
+
+
+def sync_folder(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (best effort: some systems cannot open a folder)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

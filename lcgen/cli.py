@@ -414,7 +414,7 @@ def _check_chat_template(model: lcgen.Model, instead: str) -> None:
     Raises:
         ValueError: it has none (a base model; ``instead`` says what to do).
     """
-    if model.metadata("tokenizer.chat_template") is None:
+    if not model.has_chat_template:
         raise ValueError(f"{model.path.name} has no chat template (a base model): {instead}")
 
 
@@ -722,14 +722,18 @@ class ChatSession:
         if not path:
             raise ValueError("/load needs a file name")
         try:
-            self.messages = load_messages(Path(path))
+            messages = load_messages(Path(path))
         except OSError as exc:  # no such file, no permission: the file named
             raise ValueError(f"/load {exc.filename or path}: {_reason(exc)}") from None
+        try:  # messages the chat cannot take leave the conversation as it was
+            tokens = self.model.chat_tokens(messages) if messages else []
+        except (ValueError, TypeError, LcgenError) as exc:
+            raise ValueError(f"/load {path}: {exc}") from None
+        self.messages = messages
         note = "no KV cache file: the history is decoded at the next turn"
         if Path(path + ".kv").exists():
             try:
                 self.model.cache.load(path + ".kv")
-                tokens = self.model.chat_tokens(self.messages) if self.messages else []
                 note = f"{self.model.cache.cached(tokens)} of its {len(tokens)} tokens cached"
             except LcgenError as exc:
                 note = f"its KV cache was not restored ({exc})"
@@ -835,7 +839,7 @@ def cmd_info(args: argparse.Namespace) -> int:
         ("layers", model.metadata(f"{arch}.block_count") or "?"),
         ("vocabulary", f"{model.n_vocab:,} tokens"),
         ("context", f"{model.n_ctx:,} tokens (trained on {trained})"),
-        ("chat template", "yes" if model.metadata("tokenizer.chat_template") else "no"),
+        ("chat template", "yes" if model.has_chat_template else "no"),
         ("backend", model.backend),
         (
             "threads",

@@ -28,7 +28,7 @@ from lcgen.decoding.generator import logprobs_of
 from lcgen.decoding.options import shown
 from lcgen.decoding.results import SchemaLike, TokenLogprob, parse_structured
 from lcgen.decoding.sampling import check_seed
-from lcgen.errors import ContextFullError
+from lcgen.errors import ContextFullError, ModelLoadError
 from lcgen.runtime import Context, Run, Scheduler, Sequence
 from lcgen.runtime.kvstore import KVStore, check_slot_timeout, shared_prefixes
 from lcgen.runtime.run import decode
@@ -256,62 +256,72 @@ class Model:
             _check_int("cache", cache, 0, 2**31 - 1)
         # The most threads; with adaptive_threads, decodes use the count measured fastest.
         self.n_threads = _check_threads(n_threads) if n_threads is not None else _default_threads()
-        init(verbose)
+        init()
         self.path = Path(path)
         if n_gpu_layers is None:
             n_gpu_layers = -1 if supports_gpu_offload() else 0
         _check_int("n_gpu_layers", n_gpu_layers, -1, 2**31 - 1)  # -1: every layer
-        self._handle = ModelHandle(str(self.path), n_gpu_layers)
-        self.vocab = Vocab(self._handle)
-        self.n_vocab = self.vocab.n_vocab
-        self.bos, self.eos, self.eot, self.add_bos = (
-            self.vocab.bos,
-            self.vocab.eos,
-            self.vocab.eot,
-            self.vocab.add_bos,
-        )
-        # llama.cpp's description names a size class ("256M" for 135M parameters): the real
-        # count replaces it.
-        self.n_params = self._handle.n_params
-        self.description = describe(self._handle.description(), self.n_params)
-        # Where the layers run: "CPU", or the GPU backend and how many layers it holds.
-        self.n_gpu_layers = self._handle.n_offloaded
-        # With layers on a GPU, the CPU threads wait for it: their share of a decode's time
-        # says nothing about free cores.
-        self.adaptive_threads = n_threads is None and self.n_gpu_layers == 0
-        self.backend = backend_summary(
-            self._handle.devices, self.n_gpu_layers, self._handle.n_offloadable
-        )
-        # Whether llama.cpp's extra CPU buffers (AMX, repacked weights) are used: off where
-        # the CPU reports AMX that crashes (see lcgen._native.cpu).
-        self.extra_cpu_buffers = self._handle.extra_cpu_buffers
-        n_ctx = n_ctx or self._handle.n_ctx_train
-        self.flash_attn = flash_attn  # None: llama.cpp decides
-        if type_v == "auto":  # bf16 where llama.cpp's CPU flash attention reads the values
-            type_v = "bf16" if self.n_gpu_layers == 0 and flash_attn is not False else "f16"
-        self.context = Context(
-            self._handle,
-            n_ctx,
-            n_batch,
-            n_seq_max,
-            self.n_threads,
-            flash_attn,
-            swa_full,
-            adaptive_threads=self.adaptive_threads,
-            # Flash attention on the CPU: short batches are padded where that is faster (see
-            # Context._padding).
-            pad_batches=pad_batches and self.n_gpu_layers == 0 and flash_attn is not False,
-            type_k=type_k,
-            type_v=type_v,
-        )
-        self.cache = KVStore(
-            self.context,
-            self.vocab,
-            lambda: self.fingerprint,
-            enabled=cache is not False,
-            budget=None if isinstance(cache, bool) else cache,
-            slot_timeout=slot_timeout,
-        )
+        self._handle = ModelHandle(str(self.path), n_gpu_layers, verbose=verbose)
+        try:  # a load that fails frees what it loaded (a retry with a smaller n_ctx leaked it)
+            self.vocab = Vocab(self._handle)
+            self.n_vocab = self.vocab.n_vocab
+            self.bos, self.eos, self.eot, self.add_bos = (
+                self.vocab.bos,
+                self.vocab.eos,
+                self.vocab.eot,
+                self.vocab.add_bos,
+            )
+            # llama.cpp's description names a size class ("256M" for 135M parameters): the real
+            # count replaces it.
+            self.n_params = self._handle.n_params
+            self.description = describe(self._handle.description(), self.n_params)
+            # Where the layers run: "CPU", or the GPU backend and how many layers it holds.
+            self.n_gpu_layers = self._handle.n_offloaded
+            # With layers on a GPU, the CPU threads wait for it: their share of a decode's time
+            # says nothing about free cores.
+            self.adaptive_threads = n_threads is None and self.n_gpu_layers == 0
+            self.backend = backend_summary(
+                self._handle.devices, self.n_gpu_layers, self._handle.n_offloadable
+            )
+            # Whether llama.cpp's extra CPU buffers (AMX, repacked weights) are used: off where
+            # the CPU reports AMX that crashes (see lcgen._native.cpu).
+            self.extra_cpu_buffers = self._handle.extra_cpu_buffers
+            if not n_ctx:
+                n_ctx = self._handle.n_ctx_train
+                if not 0 < n_ctx <= _MAX_SIZE:  # (llama.cpp reads 2**31 and more as negative)
+                    raise ModelLoadError(
+                        f"{self.path.name} gives a training context of {n_ctx} tokens (its "
+                        "GGUF context_length), which is no context size: give n_ctx"
+                    )
+            self.flash_attn = flash_attn  # None: llama.cpp decides
+            if type_v == "auto":  # bf16 where llama.cpp's CPU flash attention reads the values
+                type_v = "bf16" if self.n_gpu_layers == 0 and flash_attn is not False else "f16"
+            self.context = Context(
+                self._handle,
+                n_ctx,
+                n_batch,
+                n_seq_max,
+                self.n_threads,
+                flash_attn,
+                swa_full,
+                adaptive_threads=self.adaptive_threads,
+                # Flash attention on the CPU: short batches are padded where that is faster (see
+                # Context._padding).
+                pad_batches=pad_batches and self.n_gpu_layers == 0 and flash_attn is not False,
+                type_k=type_k,
+                type_v=type_v,
+            )
+            self.cache = KVStore(
+                self.context,
+                self.vocab,
+                lambda: self.fingerprint,
+                enabled=cache is not False,
+                budget=None if isinstance(cache, bool) else cache,
+                slot_timeout=slot_timeout,
+            )
+        except BaseException:
+            self._handle.close()
+            raise
 
     @property
     def n_ctx(self) -> int:
@@ -445,12 +455,17 @@ class Model:
         plan = make_tool_plan(tools, tool_choice, parallel_tool_calls)
         return self._render_chat(messages, plan, add_generation_prompt)
 
+    @property
+    def has_chat_template(self) -> bool:
+        """Whether the model has a chat template (an empty one counts as none)."""
+        return bool(self._handle.chat_template())
+
     def _render_chat(
         self, messages: Seq[Message], plan: ToolPlan | None, add_generation_prompt: bool = True
     ) -> str:
         checked = check_messages(messages)
         template = self._handle.chat_template()
-        if template is None:
+        if not template:
             raise ValueError(f"{self.path.name} has no chat template; use generate() instead")
         written = plan.messages(checked) if plan else prompt_messages(checked)
         # (a piece that is not UTF-8, a byte token: as the text decoding would give it)

@@ -377,6 +377,19 @@ def test_a_checkpoint_taken_at_a_stop_restores_the_stop_string(model: lcgen.Mode
         assert (gen.finish_reason, gen.stop_hit) == ("stop", stop)
 
 
+def test_a_saved_file_replaced_keeps_its_permissions(model: lcgen.Model, tmp_path: Path) -> None:
+    # (the new file took the umask's: a private chat log became readable to all)
+    private, cache = tmp_path / "private.lcs", tmp_path / "private.lcc"
+    for path in (private, cache):
+        path.write_bytes(b"old")
+        path.chmod(0o600)
+    with model.sequence(PROMPT) as seq:
+        seq.save(private)
+        model.cache.save(cache)
+    assert [oct(p.stat().st_mode & 0o777) for p in (private, cache)] == ["0o600", "0o600"]
+    assert private.read_bytes() != b"old"
+
+
 def test_threads_saving_to_one_path_all_succeed_and_orphans_are_removed(
     model: lcgen.Model, tmp_path: Path
 ) -> None:

@@ -36,7 +36,7 @@ THREADS = ["--threads", "1"]
 def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
     threads = THREADS if args[0] in {"generate", "chat", "info", "demo"} else []
     return subprocess.run(
-        [sys.executable, "-m", "lcgen.cli", *args, *threads],
+        [sys.executable, "-m", "lcgen", *args, *threads],
         input=stdin,
         capture_output=True,
         text=True,
@@ -374,6 +374,15 @@ def test_chat_commands(
     err = capsys.readouterr().err
     assert "not a saved lcgen chat" in err and "No such file" in err and "/load needs" in err
     assert "unknown command /nope" in err and "/system TEXT" in err
+    # messages the chat cannot take: refused at /load, the conversation kept (it was replaced,
+    # and every turn after failed)
+    (tmp_path / "tool.json").write_text('{"messages": [{"role": "tool", "content": "x"}]}')
+    for kv in (False, True):
+        if kv:
+            (tmp_path / "tool.json.kv").write_bytes((tmp_path / "c.json.kv").read_bytes())
+        assert chat.handle("/load " + str(tmp_path / "tool.json")) is True
+        assert chat.messages == saved
+        assert "tool_call_id" in capsys.readouterr().err
     assert chat.handle("/exit") is False and chat.handle("/quit") is False
     failing = cli.ChatSession(cold_model, {"max_tokens": 4, "temperature": -1.0}, None)
     assert failing.handle("Hi!") is True and failing.messages == []  # the turn failed, not the chat
@@ -786,6 +795,18 @@ def test_chat_with_a_model_without_a_chat_template_fails_at_once(
     monkeypatch.setattr("sys.stdin", io.StringIO("Hi\n"))
     assert cli.main(["chat", "gemma3-270m", "--threads", "1"]) == 1
     assert "has no chat template" in capsys.readouterr().err
+
+
+def test_an_empty_chat_template_is_no_chat_template(
+    cold_model: lcgen.Model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # `lcgen info` said "no", and `lcgen chat` failed every turn and exited 0
+    monkeypatch.setattr(cold_model._handle, "chat_template", lambda: "")
+    assert not cold_model.has_chat_template
+    with pytest.raises(ValueError, match="has no chat template"):
+        cli._check_chat_template(cold_model, "use generate")
+    with pytest.raises(ValueError, match="has no chat template"):
+        cold_model.chat([{"role": "user", "content": "Hi"}])
 
 
 # from a tester's pass through the README ------------------------------------------------------

@@ -164,6 +164,83 @@ def test_model_closed_twice(model_path: Path, tmp_path: Path) -> None:
     seq.close()
 
 
+def _mappings_of(path: Path) -> int:
+    """How many of this process's memory mappings are of the file ``path`` (Linux)."""
+    return sum(str(path) in line for line in Path("/proc/self/maps").read_text().splitlines())
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="counts mappings in /proc")
+def test_a_failed_load_and_a_dropped_model_free_the_weights(
+    model_path: Path, tmp_path: Path
+) -> None:
+    """A load whose context failed kept the weights it had loaded (each retry with a smaller
+    n_ctx, as the error advises, leaked a whole model); a model dropped unclosed, too."""
+    import gc
+
+    copy = tmp_path / "m.gguf"
+    shutil.copy(model_path, copy)
+    for _ in range(3):
+        with pytest.raises(lcgen.ModelLoadError):
+            lcgen.Model(copy, n_ctx=2**31 - 1)  # over the memory check
+    gc.collect()
+    assert _mappings_of(copy) == 0
+    dropped = lcgen.Model(copy, n_ctx=256)
+    dropped.generate("Hi", max_tokens=2)
+    assert _mappings_of(copy) > 0
+    del dropped
+    gc.collect()
+    assert _mappings_of(copy) == 0
+
+
+def test_a_training_context_past_int32_is_refused_naming_it(
+    model_path: Path, tmp_path: Path
+) -> None:
+    """llama.cpp reads a context_length of 2**32 - 1 as -1: it tried to allocate a context of
+    n_ctx=-1 and failed on the memory."""
+    data = bytearray(model_path.read_bytes())
+    key = b"llama.context_length"
+    at = data.index(key) + len(key)
+    assert data[at : at + 4] == (4).to_bytes(4, "little")  # a uint32
+    data[at + 4 : at + 8] = (2**32 - 1).to_bytes(4, "little")
+    forged = tmp_path / "huge_ctx.gguf"
+    forged.write_bytes(data)
+    with pytest.raises(lcgen.ModelLoadError, match=r"training context of -1 tokens.*give n_ctx"):
+        lcgen.Model(forged, n_ctx=0)  # 0: the training context
+    with lcgen.Model(forged, n_ctx=256) as given:  # a given n_ctx loads it
+        assert given.n_ctx == 256
+
+
+def test_a_model_file_whose_name_is_not_utf8_loads(model_path: Path, tmp_path: Path) -> None:
+    # (UnicodeEncodeError: the name went to llama.cpp as UTF-8, which has no form of it)
+    import os
+
+    link = os.path.join(os.fsencode(tmp_path), b"bad\xffname.gguf")
+    os.symlink(os.fsencode(model_path), link)
+    with lcgen.load(os.fsdecode(link), n_ctx=256) as odd:
+        assert odd.generate("Hi", max_tokens=2, temperature=0).stats.tokens == 2
+
+
+def test_llama_cpp_s_log_shows_while_a_verbose_model_is_open_only(
+    model_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
+    # (once one model asked for it, every later model's log went to stderr too)
+    capfd.readouterr()
+    with lcgen.Model(model_path, n_ctx=256, verbose=True) as loud:
+        loud.generate("Hi", max_tokens=1)
+    assert "llama_" in capfd.readouterr().err
+    with lcgen.Model(model_path, n_ctx=256) as quiet:
+        quiet.generate("Hi", max_tokens=1)
+    assert capfd.readouterr().err == ""
+
+
+@pytest.mark.parametrize("ref", ["~no-such-user-here/m.gguf", "a" * 300, "a" * 300 + ".gguf"])
+def test_references_no_file_can_have_are_model_not_found(ref: str) -> None:
+    # RuntimeError (no such user's home) and OSError (a name too long) escaped
+    with pytest.raises(lcgen.ModelNotFoundError) as raised:
+        lcgen.load(ref)
+    assert len(str(raised.value)) < 600  # the long name shortened
+
+
 @pytest.mark.parametrize(
     ("cache", "error", "match"),
     [

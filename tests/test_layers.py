@@ -24,7 +24,7 @@ LAYERS = (
     ("lcgen.continuous",),
     ("lcgen.tools",),
     ("lcgen.model",),
-    ("lcgen.cli", "lcgen", "lcgen.server"),
+    ("lcgen.cli", "lcgen", "lcgen.__main__", "lcgen.server"),
 )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -306,6 +307,11 @@ def test_chunks_are_assembled_once_and_reused(chunked: ModelEntry) -> None:
     assert models.local_path(chunked) == path
     assert not models.is_assembly_pending(chunked)
     assert sorted(p.name for p in path.parent.iterdir()) == [chunked.filename]
+    # made as any file is, with the umask's permissions (mkstemp's 0600 kept a shared
+    # cache's model from its other users)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
 
 
 def test_stale_temp_files_are_removed_and_fresh_ones_kept(chunked: ModelEntry) -> None:

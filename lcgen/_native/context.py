@@ -3,6 +3,7 @@ KV cell pool shared by all sequence ids) and its per-sequence state."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 from collections.abc import Sequence
@@ -108,6 +109,8 @@ class ContextHandle:
             reason = log_errors_since(mark) or "no reason logged"
             raise ModelLoadError(f"llama.cpp could not create a context (n_ctx={n_ctx}): {reason}")
         self.ptr: ctypes.c_void_p | None = ptr
+        self._model = model  # freed after this context (see ModelHandle.close)
+        model.contexts.append(self)
         self.mem = C.llama_get_memory(ptr)
         self.name = model.name
         self.n_vocab = model.n_vocab
@@ -153,10 +156,19 @@ class ContextHandle:
         """The CPU threads of the next decodes (single tokens and batches alike)."""
         C.llama_set_n_threads(self.live(), n_threads, n_threads)
 
+    _free = C.llama_free  # held here: still callable while the interpreter exits
+
+    def __del__(self) -> None:
+        if getattr(self, "ptr", None) is not None:  # (not where __init__ raised)
+            self.close()
+
     def close(self) -> None:
+        """Free the context (idempotent)."""
         ptr, self.ptr = self.ptr, None
         if ptr:
-            C.llama_free(ptr)
+            self._free(ptr)
+            with contextlib.suppress(ValueError):
+                self._model.contexts.remove(self)
 
     def decode(
         self, tokens: np.ndarray, pos: np.ndarray, seq: np.ndarray, out: np.ndarray

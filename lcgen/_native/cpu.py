@@ -35,13 +35,13 @@ _known: dict[str, bool] = {}
 # Load the model with llama.cpp's defaults on the CPU and decode a batch and a single token:
 # the paths a generation takes. Exits 0 when that works; a broken AMX unit kills it.
 _PROBE = """
-import sys, llama_cpp as C
+import os, sys, llama_cpp as C
 quiet = C.llama_log_callback(lambda *args: None)  # referenced while llama.cpp may call it
 C.llama_log_set(quiet, None)
 C.llama_backend_init()
 params = C.llama_model_default_params()
 params.n_gpu_layers = 0
-model = C.llama_model_load_from_file(sys.argv[1].encode(), params)
+model = C.llama_model_load_from_file(os.fsencode(sys.argv[1]), params)
 if not model:
     sys.exit(3)
 cparams = C.llama_context_default_params()
@@ -104,7 +104,8 @@ def _machine_key() -> str:
 
 def _file_key(path: str) -> str:
     stat = os.stat(path)
-    return hashlib.sha256(f"{os.path.abspath(path)}:{stat.st_size}".encode()).hexdigest()[:16]
+    key = os.fsencode(os.path.abspath(path)) + f":{stat.st_size}".encode()
+    return hashlib.sha256(key).hexdigest()[:16]
 
 
 def _probe(path: str) -> bool | None:

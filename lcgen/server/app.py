@@ -69,7 +69,7 @@ class _Server:
     # endpoints -------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         req = await self._request(request, ChatRequest)
-        if self.model.metadata("tokenizer.chat_template") is None:
+        if not self.model.has_chat_template:
             raise APIError(
                 400,
                 f"messages: {self.name} has no chat template (a base model): send the text "
