@@ -1226,6 +1226,17 @@ def _equal(a: Any, b: Any) -> bool:
     return (numbers or type(a) is type(b)) and a == b
 
 
+@pytest.mark.parametrize("const", [12345678901234567890, -9223372036854775809, 1e300, 2.0**60])
+def test_a_constant_past_2_53_is_written_only_as_text_that_reads_back_equal(
+    model: lcgen.Model, const: float
+) -> None:
+    # 12345678901234567890.0 was allowed for the int: read back, 1.2345678901234567e+19
+    grammar = Grammar.from_json_schema({"const": const})
+    whole = str(int(Decimal(repr(const)))) if isinstance(const, float) else str(const)
+    accepted = [t for t in (whole, whole + ".0", whole + ".00") if grammar.accepts(model, t)]
+    assert accepted and all(json.loads(t) == const for t in accepted), accepted
+
+
 def test_unknown_keywords_are_ignored_and_misspellings_warn() -> None:
     with pytest.warns(UserWarning, match="'proprties' at # is ignored .did you mean 'properties'"):
         Grammar.from_json_schema({"type": "object", "proprties": {"a": {}}})

@@ -25,6 +25,7 @@ from pydantic import Field
 import lcgen
 import lcgen.tools
 from lcgen import Chunk, Tool, ToolCall
+from lcgen.decoding.results import parse_structured
 
 
 def get_weather(
@@ -492,6 +493,19 @@ def test_a_pasted_function_is_invoked_with_its_own_types() -> None:
     exec(compile(code, "snippet", "exec", dont_inherit=True), namespace)
     call = ToolCall.new("days", {"since": "2025-01-01"})
     assert Tool.of(namespace["days"]).invoke(call) == 1
+
+
+class StrictEvent(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(strict=True)
+    day: datetime.date
+
+
+def test_a_strict_model_takes_its_json_as_pydantic_reads_json() -> None:
+    # validated as Python values, a strict model refused "2025-01-01" for a date: always
+    call = ToolCall.new("StrictEvent", {"day": "2025-01-01"})
+    assert Tool.of(StrictEvent).invoke(call) == StrictEvent(day=datetime.date(2025, 1, 1))
+    parsed = parse_structured('{"day": "2025-01-01"}', StrictEvent)
+    assert parsed == StrictEvent(day=datetime.date(2025, 1, 1))
 
 
 class Search(pydantic.BaseModel):

@@ -306,12 +306,14 @@ def parse_structured(text: str, schema: SchemaLike, healed: str = "") -> Any:
             "raise max_tokens",
             text,
         ) from None
-    validate = getattr(schema, "model_validate", None)
-    return value if validate is None else _validated(validate, value, text, schema)
+    # From the JSON text, as pydantic validates JSON (a strict model takes "2024-01-31" for a
+    # date there, and refused the Python str).
+    validate = getattr(schema, "model_validate_json", None)
+    return value if validate is None else _validated(validate, text, text, schema)
 
 
 def _validated(validate: Any, value: Any, text: str, model: Any) -> Any:
-    """``model.model_validate(value)``, its pydantic ValidationError made an lcgen error."""
+    """``validate(value)``, its pydantic ValidationError made an lcgen error."""
     import pydantic
 
     from lcgen.errors import SchemaValidationError

@@ -131,9 +131,9 @@ class Tool:
                 "it from one, or give Tool(..., function=...)"
             )
         text = json.dumps(call.arguments, ensure_ascii=False)
-        model_validate = getattr(fn, "model_validate", None)
-        if model_validate is not None:  # a pydantic model class: its instance
-            return _validated(model_validate, call.arguments, text, fn)
+        model_validate = getattr(fn, "model_validate_json", None)
+        if model_validate is not None:  # a pydantic model class: its instance, as from JSON
+            return _validated(model_validate, text, text, fn)
         import pydantic
 
         check = pydantic.validate_call(_arguments(fn))
