@@ -14,7 +14,7 @@ import re
 from collections.abc import Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Any, TypeVar, Unpack, overload
+from typing import Any, ClassVar, TypeVar, Unpack, overload
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from lcgen._native.cpu import performance_cores
 from lcgen._native.log import init, supports_gpu_offload
 from lcgen._native.model import ModelHandle, render_chat_template
 from lcgen._numbers import check_bool
+from lcgen._unshared import Unshared
 from lcgen.decoding import Chunk, GenerateOptions, Plan, Text, make_plan
 from lcgen.decoding.generator import logprobs_of
 from lcgen.decoding.options import shown
@@ -170,7 +171,7 @@ def backend_summary(devices: Seq[tuple[str, str]], n_offloaded: int, n_layers: i
     return f"{backends}: {n_offloaded}/{n_layers} layers offloaded"
 
 
-class Model:
+class Model(Unshared):
     """A GGUF model loaded through llama.cpp, ready to generate.
 
     Args:
@@ -223,6 +224,10 @@ class Model:
         ValueError: a size argument is out of range.
         TypeError: an argument is of the wrong type (swa_full="x": a flag takes True or False).
     """
+
+    instead: ClassVar[str] = (
+        "share it (it is safe to use from several threads), or load the file again"
+    )
 
     def __init__(
         self,

@@ -390,6 +390,52 @@ def test_a_saved_file_replaced_keeps_its_permissions(model: lcgen.Model, tmp_pat
     assert private.read_bytes() != b"old"
 
 
+def test_what_owns_kv_slots_refuses_copies_and_pickles_saying_what_to_do(
+    model: lcgen.Model,
+) -> None:
+    # copy.copy(seq) made a second object on the same slot: generating on it broke the first
+    import copy
+    import pickle
+
+    with model.sequence(PROMPT) as seq:
+        state = lcgen.continuous(lcgen.generate.text(model, max_tokens=2))("Hi")
+        try:
+            for obj, advice in ((seq, "fork it"), (model, "share it"), (state, "texts")):
+                for act in (copy.copy, copy.deepcopy, pickle.dumps):
+                    with pytest.raises(TypeError, match=f"cannot be .*{advice}"):
+                        act(obj)
+        finally:
+            state.close()
+        assert seq.generate(max_tokens=3) == model.generate(PROMPT, max_tokens=3)
+
+
+def test_a_closed_model_s_cache_load_raises_closed_error(model_path: Path, tmp_path: Path) -> None:
+    # it answered with a count from the ledger that outlived the context
+    path = tmp_path / "c.lcc"
+    small = lcgen.Model(model_path, n_ctx=256, n_seq_max=2)
+    small.generate(PROMPT, max_tokens=2)
+    assert small.cache.save(path) == 1
+    small.close()
+    with pytest.raises(lcgen.ClosedError):
+        small.cache.load(path)
+
+
+def test_save_paths_no_file_can_have_raise_state_file_error(
+    model: lcgen.Model, tmp_path: Path
+) -> None:
+    loop = tmp_path / "loop.lcs"
+    loop.symlink_to(loop.name)  # RuntimeError: a loop of links
+    folder_like = str(tmp_path / "x.lcs") + "/"  # was saved as x.lcs, which then did not load
+    paths = [loop, tmp_path / ("a" * 300 + ".lcs"), folder_like]  # OSError: a name too long
+    with model.sequence(PROMPT) as seq:
+        for path in paths:
+            with pytest.raises(lcgen.StateFileError, match="cannot write"):
+                seq.save(path)
+            with pytest.raises(lcgen.StateFileError, match="cannot write"):
+                model.cache.save(path)
+    assert not (tmp_path / "x.lcs").exists()
+
+
 def test_threads_saving_to_one_path_all_succeed_and_orphans_are_removed(
     model: lcgen.Model, tmp_path: Path
 ) -> None:
@@ -434,6 +480,8 @@ def _forged(model: lcgen.Model, **changes: object) -> bytearray:
         ({"n_decoded": 10**6}, "have KV cells"),
         ({"tokens": [1, 2, -7]}, "not token ids"),
         ({"tokens": "hello"}, "not token ids"),
+        ({"tokens": [True, 2, 3]}, "not token ids"),  # (a TypeError escaped)
+        ({"n_decoded": True}, "have KV cells"),
         ({"rng": "x"}, "malformed"),
         ({"rng_log": [[1]]}, "malformed"),
         # loaded, then a rewind failed far from the file: "TypeError: state must be a dict"

@@ -18,11 +18,12 @@ import itertools
 import operator
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
-from typing import Any, SupportsIndex
+from typing import Any, ClassVar, SupportsIndex
 
 import numpy as np
 
 from lcgen._numbers import plain
+from lcgen._unshared import Unshared
 from lcgen.continuous import beam
 from lcgen.continuous.elements import (
     Element,
@@ -51,7 +52,7 @@ Index = int | slice
 
 
 # the state ---------------------------------------------------------------------------------
-class SequenceState:
+class SequenceState(Unshared):
     """Batch x samples sequences, each a text with the KV cache behind it.
 
     Made by a :func:`continuous` generator (or :meth:`from_text`). Index it as
@@ -67,6 +68,10 @@ class SequenceState:
     tokens. A state holds no slot: its elements' KV cells stay in the model's KV store
     (``model.cache``) until evicted, and ``state.n_cached`` says how many are held whole.
     """
+
+    instead: ClassVar[str] = (
+        "it holds live sequences in the model's KV cache; keep its texts or tokens instead"
+    )
 
     def __init__(self, model: ModelLike, elements: list[list[Element]]) -> None:
         if not elements or not elements[0] or any(len(r) != len(elements[0]) for r in elements):

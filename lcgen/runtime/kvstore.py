@@ -732,6 +732,7 @@ class KVStore:
                 loaded then); or, as for any open, none came free in time (slots other
                 threads hold are waited for, up to ``slot_timeout`` for the whole file).
         """
+        self._ctx.check_open()  # (a closed model's ledger answered: a count came back)
         header, kv = statefile.decode(statefile.read_file(path, statefile.CACHE), statefile.CACHE)
         if header.get("model") != self._fingerprint():
             raise StateFileError(

@@ -333,7 +333,8 @@ def _checked_header(header: dict[str, Any], model: ModelLike) -> tuple[list[int]
     statefile.check_kv_types(header, model.context.kv_types, "the sequence")
     tokens, n_decoded = header.get("tokens"), header.get("n_decoded")
     if not isinstance(tokens, list) or not all(
-        isinstance(t, int) and 0 <= t < model.vocab.n_vocab for t in tokens
+        type(t) is int and 0 <= t < model.vocab.n_vocab
+        for t in tokens  # (not a bool)
     ):
         raise StateFileError("the saved sequence's tokens are not token ids of this model")
     if len(tokens) > model.context.n_ctx:
@@ -341,7 +342,7 @@ def _checked_header(header: dict[str, Any], model: ModelLike) -> tuple[list[int]
             f"the saved sequence has {len(tokens)} tokens, more than the context of "
             f"{model.context.n_ctx}: load the model with a larger n_ctx"
         )
-    if not isinstance(n_decoded, int) or not 0 <= n_decoded < max(1, len(tokens)):
+    if type(n_decoded) is not int or not 0 <= n_decoded < max(1, len(tokens)):
         raise StateFileError(
             f"the saved sequence says {n_decoded!r} of its {len(tokens)} tokens have KV cells "
             "(the last one never has)"

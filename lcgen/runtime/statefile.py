@@ -150,17 +150,24 @@ def write_atomic(
             is not a regular one, a missing folder, no permission, a full disk...); no
             temporary file is left behind.
     """
+
+    def refused(reason: str) -> StateFileError:
+        return StateFileError(f"cannot write {kind[1]} file {str(path)!r}: {reason}")
+
+    if os.fspath(path).endswith(("/", os.sep)):  # (Path drops the slash: a file was written)
+        raise refused("the path ends in a separator, as a folder's does")
     target = Path(path)
-    if target.is_symlink():
-        target = target.resolve()
-    if target.is_dir():
-        raise StateFileError(f"cannot write {kind[1]} file {str(path)!r}: it is a directory")
-    if target.exists() and not target.is_file():
+    try:
+        if target.is_symlink():
+            target = target.resolve(strict=False)
+        is_dir, exists, is_file = target.is_dir(), target.exists(), target.is_file()
+    except (OSError, RuntimeError) as exc:  # a name too long, a loop of links
+        raise refused(getattr(exc, "strerror", None) or str(exc)) from None
+    if is_dir:
+        raise refused("it is a directory")
+    if exists and not is_file:
         # The rename would replace it: a device node (/dev/null as root), a pipe, a socket.
-        raise StateFileError(
-            f"cannot write {kind[1]} file {str(path)!r}: it is not a regular file (a device, "
-            "a pipe or a socket)"
-        )
+        raise refused("it is not a regular file (a device, a pipe or a socket)")
     _remove_orphans(target)
     tmp = target.with_name(
         f".{_stem(target)}.{os.getpid()}.{threading.get_ident()}.{secrets.token_hex(4)}.tmp"

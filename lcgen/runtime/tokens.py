@@ -25,11 +25,12 @@ import itertools
 import weakref
 from collections.abc import Sequence as Seq
 from pathlib import Path
-from typing import Protocol, Self, cast
+from typing import ClassVar, Protocol, Self, cast
 
 import numpy as np
 
 from lcgen._numbers import plain
+from lcgen._unshared import Unshared
 from lcgen.decoding import Generator
 from lcgen.decoding.sampling import new_rng
 from lcgen.errors import ClosedError, RewindError
@@ -71,7 +72,7 @@ def _check_generator(generator: object) -> None:
         )
 
 
-class TokenSequence:
+class TokenSequence(Unshared):
     """Tokens of one live generation in a KV slot, with O(1) checkpoints and rewinds.
 
     The slot comes from the model's KV store, starting from the longest prefix of ``tokens``
@@ -87,6 +88,11 @@ class TokenSequence:
         SlotsExhaustedError: every slot is held by a live sequence of this thread (with other
             threads holding some, it waits for one).
     """
+
+    instead: ClassVar[str] = (
+        "fork it (seq.fork(): a copy that shares its cells), or save it (seq.to_bytes(), "
+        "seq.save(path)) and load that"
+    )
 
     def __init__(self, model: ModelLike, tokens: Seq[int] = (), *, seed: int | None = None) -> None:
         entry, n_reused = model.cache.open(model.vocab.check_tokens(tokens))
