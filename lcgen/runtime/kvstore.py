@@ -191,6 +191,9 @@ class KVStore:
         self._free = list(range(context.n_seq_max - 1, -1, -1))
         self._entries: dict[int, Entry] = {}
         self._clock = itertools.count(1)
+        # Critical sections take the lock itself (a C lock: its exit cannot be interrupted by
+        # Ctrl-C, where a Condition's Python __exit__ could be, leaving it held for good).
+        self._lock = context.lock
         self._cond = threading.Condition(context.lock)
         self._hits = self._misses = self._reused = self._evictions = 0
         self._uncounted = threading.local()  # see uncounted()
@@ -228,13 +231,13 @@ class KVStore:
             # Waiting for the turn counts as waiting for a slot: a search that holds the turn
             # and waits for this thread's slots then sees that none will come (see _wait).
             me = threading.get_ident()
-            with self._cond:
+            with self._lock:
                 self._waiters.add(me)
                 self._cond.notify_all()
             try:
                 got = self._beam_turn.acquire(timeout=timeout)
             finally:
-                with self._cond:
+                with self._lock:
                     self._waiters.discard(me)
         if not got:
             raise SlotsExhaustedError(
@@ -267,7 +270,8 @@ class KVStore:
         """
         whole = limit is None
         limit = max(0, len(tokens) - 1) if limit is None else limit
-        with self._cond:
+        self._local.opened = self._local.taken = None
+        with self._lock:
             deadline = self._deadline()
             while True:  # the best source is chosen again after every wait: it may have changed
                 self._park_dropped()
@@ -281,11 +285,17 @@ class KVStore:
                         n_reused = 0
                     entry.cut(n_reused)
                     break
-                slot = self._try_slot(keep=src)
+                try:
+                    slot = self._try_slot(keep=src)
+                except BaseException:  # (Ctrl-C just after the slot was taken)
+                    self._give_back()
+                    raise
                 if slot is not None:
-                    entry = Entry(slot, [])
-                    if src is not None and n_reused:
-                        with self._returned_on_error(slot):
+                    # Until the entry is registered the slot is neither free nor held: an
+                    # exception (Ctrl-C) on the way gives it back.
+                    try:
+                        entry = Entry(slot, [])
+                        if src is not None and n_reused:
                             self._ctx.copy_slot(src.slot, entry.slot, n_reused)
                             if self._ctx.holds_window(entry.slot, n_reused):
                                 entry.end_logits = src.end_logits
@@ -293,26 +303,49 @@ class KVStore:
                             else:
                                 self._ctx.clear_slot(entry.slot)
                                 n_reused = 0
-                    break
+                        self._count(n_reused)
+                        self._register(entry, list(tokens))
+                    except BaseException:
+                        self._give_back()
+                        raise
+                    return entry, n_reused
                 self._wait(deadline)
-            entry.tokens, entry.state, entry.owner = list(tokens), "live", threading.get_ident()
-            entry.last_used = next(self._clock)
-            self._entries[entry.slot] = entry
             self._count(n_reused)
+            self._register(entry, list(tokens))  # (taken over: registered already, parked)
             return entry, n_reused
+
+    def _register(self, entry: Entry, tokens: list[int]) -> None:
+        """Make ``entry`` this thread's live one, registered; it goes live last, once
+        :meth:`abandon_opened` can find it."""
+        entry.tokens, entry.owner = tokens, threading.get_ident()
+        entry.last_used = next(self._clock)
+        self._entries[entry.slot] = entry
+        self._local.opened, self._local.taken = entry, None
+        entry.state = "live"
+
+    def abandon_opened(self) -> None:
+        """Park the entry this thread's last :meth:`open` or :meth:`fork` made live where an
+        exception (Ctrl-C) kept a sequence from taking it (the caller's ``except``): it would
+        be live for good, owned by none. Idempotent, as parking is."""
+        entry, self._local.opened = getattr(self._local, "opened", None), None
+        if entry is not None and entry.state == "live":
+            self.park(entry)
 
     def fork(self, entry: Entry) -> Entry:
         """A live entry sharing all of ``entry``'s cells (none are copied), same tokens."""
-        with self._cond:
-            slot = self._take_slot(keep=entry)
-            held = self._ctx.ledger.held(entry.slot)
-            if held:
-                with self._returned_on_error(slot):
+        self._local.opened = self._local.taken = None
+        with self._lock:
+            try:  # (see open)
+                slot = self._take_slot(keep=entry)
+                held = self._ctx.ledger.held(entry.slot)
+                if held:
                     self._ctx.copy_slot(entry.slot, slot, held)
-            child = Entry(slot, list(entry.tokens), "live", next(self._clock))
-            child.end_logits = entry.end_logits
-            child.owner = threading.get_ident()
-            self._entries[slot] = child
+                child = Entry(slot, [])
+                child.end_logits = entry.end_logits
+                self._register(child, list(entry.tokens))
+            except BaseException:
+                self._give_back()
+                raise
             return child
 
     def park(self, entry: Entry) -> None:
@@ -331,7 +364,7 @@ class KVStore:
         """Park the dropped entries now, unless this thread is inside the store's or the
         context's work (see :meth:`park`)."""
         if not self._ctx.lock._is_owned():  # type: ignore[attr-defined]  # as Condition uses it
-            with self._cond:
+            with self._lock:
                 self._park_dropped()
 
     def _park_dropped(self) -> None:
@@ -339,7 +372,7 @@ class KVStore:
             self._park(self._dropped.popleft())
 
     def _park(self, entry: Entry) -> None:
-        with self._cond:
+        with self._lock:
             if entry.state != "live" or self._entries.get(entry.slot) is not entry:
                 return
             held = self._ctx.ledger.held(entry.slot)
@@ -356,21 +389,21 @@ class KVStore:
     def cached(self, tokens: Seq[int]) -> int:
         """How many of ``tokens`` a sequence opened on them now would not decode (all of them
         where an entry kept the logits after exactly ``tokens``)."""
-        with self._cond:
+        with self._lock:
             return self._best(tokens, max(0, len(tokens) - 1), True)[1]
 
     def free_cells(self) -> int:
         """Cells a decode could have now: free ones and those only parked entries hold (they
         are evicted for it)."""
         self._park_dropped_outside()
-        with self._cond:
+        with self._lock:
             kept = {slot for slot, e in self._entries.items() if e.state != "parked"}
             return self._ctx.n_cells - self._ctx.ledger.n_cells(kept)
 
     def available_slots(self) -> int:
         """Slots a new sequence could have now: free ones and those of parked entries."""
         self._park_dropped_outside()
-        with self._cond:
+        with self._lock:
             return self._n_available()
 
     # choosing ------------------------------------------------------------------------------
@@ -411,19 +444,22 @@ class KVStore:
             if victim is None:
                 return None
             self._evict(victim)
-        return self._free.pop()
+        # No call between taking the slot and noting it (Ctrl-C lands only at calls):
+        # :meth:`_give_back` finds it there until the entry is registered.
+        slot = self._free[-1]
+        del self._free[-1]
+        self._local.taken = slot
+        return slot
 
-    @contextlib.contextmanager
-    def _returned_on_error(self, slot: int) -> Iterator[None]:
-        """Give ``slot``, taken for an entry not yet registered, back wiped if the block
-        raises (Ctrl-C after a copy): it would be neither free nor held, for good."""
-        try:
-            yield
-        except BaseException:
+    def _give_back(self) -> None:
+        """Give the slot this thread took last (:meth:`_try_slot`), where an exception
+        (Ctrl-C) kept its entry from being registered, back wiped: it would be neither free
+        nor held, for good."""
+        slot, self._local.taken = getattr(self._local, "taken", None), None
+        if slot is not None and self._entries.get(slot) is None and slot not in self._free:
             self._ctx.clear_slot(slot)
             self._free.append(slot)
             self._cond.notify_all()
-            raise
 
     def _take_slot(self, keep: Entry | None, deadline: float | None = None) -> int:
         """A slot as :meth:`_try_slot` finds one, waiting for other threads when none is (up
@@ -496,7 +532,7 @@ class KVStore:
     def wake(self) -> None:
         """Wake the threads waiting for a slot (the model was closed: they raise
         :class:`~lcgen.ClosedError`)."""
-        with self._cond:
+        with self._lock:
             self._cond.notify_all()
 
     def _exhausted_message(self) -> str:
@@ -529,7 +565,7 @@ class KVStore:
 
     def _evict_for_cells(self) -> bool:
         """The memory is full: evict the least recently used parked entry (False: none)."""
-        with self._cond:
+        with self._lock:
             victim = self._lru_parked()
             if victim is None:
                 return False
@@ -603,7 +639,7 @@ class KVStore:
         if not tokens:
             raise ValueError("nothing to pin: the prompt is empty")
         check_fits(len(tokens), self._ctx.n_ctx)
-        with self._cond:
+        with self._lock:
             for entry in self._entries.values():
                 if entry.state == "pinned" and entry.tokens == tokens:
                     return 0
@@ -624,7 +660,7 @@ class KVStore:
     def unpin(self, prompt: str | Seq[int], *, special: bool = False) -> bool:
         """Let a pinned prefix be evicted like any parked one. Returns whether it was pinned."""
         tokens = self._tokens_of(prompt, special)
-        with self._cond:
+        with self._lock:
             for entry in self._entries.values():
                 if entry.state == "pinned" and entry.tokens == tokens:
                     entry.state, entry.last_used = "parked", next(self._clock)
@@ -641,7 +677,7 @@ class KVStore:
     def stats(self) -> CacheStats:
         """What the store did and holds now (a value)."""
         self._park_dropped_outside()
-        with self._cond:
+        with self._lock:
             states = [e.state for e in self._entries.values()]
             return CacheStats(
                 hits=self._hits,
@@ -668,7 +704,7 @@ class KVStore:
         check_bool("pinned", pinned)
         self._ctx.check_open()
         self._park_dropped_outside()  # sequences closed where parking had to wait
-        with self._cond:
+        with self._lock:
             for entry in list(self._entries.values()):
                 if entry.state == "parked" or (pinned and entry.state == "pinned"):
                     self._drop(entry)
@@ -686,7 +722,7 @@ class KVStore:
         """
         check_bool("pinned_only", pinned_only)
         self._park_dropped_outside()
-        with self._cond:
+        with self._lock:
             kept = [
                 e
                 for e in self._entries.values()
@@ -743,7 +779,7 @@ class KVStore:
         items = _checked_entries(header, self._vocab, self._ctx.n_ctx)
         blobs = _split_blobs(kv, len(items))
         loaded: list[Entry] = []
-        with self._cond:
+        with self._lock:
             # What the cache holds already is not loaded again (a file saved from this cache:
             # its pinned entries would take the slots its parked ones need).
             todo = [
@@ -805,8 +841,13 @@ class KVStore:
     def _load_entry(self, tokens: list[int], blob: memoryview, deadline: float | None) -> Entry:
         """Restore one entry into a slot of its own, sharing the longest prefix that another
         entry holds (llama.cpp restores a sequence into cells of its own)."""
-        entry = Entry(self._take_slot(None, deadline), tokens, "parked", next(self._clock))
-        self._entries[entry.slot] = entry
+        self._local.taken = None
+        try:  # (Ctrl-C after the slot was taken: see open)
+            entry = Entry(self._take_slot(None, deadline), tokens, "parked", next(self._clock))
+            self._entries[entry.slot] = entry
+        except BaseException:
+            self._give_back()
+            raise
         try:
             n = self._ctx.set_seq_state(entry.slot, blob)
             if n != len(tokens):

@@ -67,7 +67,12 @@ class Sequence(TokenSequence):
         self._check_open()
         check_seed(seed)  # before a slot is taken
         child = Sequence.__new__(Sequence)
-        child._adopt(self.model, self.model.cache.fork(self._entry), self._n_decoded, None)
+        try:  # (as in TokenSequence.__init__)
+            entry = self.model.cache.fork(self._entry)
+            child._adopt(self.model, entry, self._n_decoded, None)
+        except BaseException:
+            self.model.cache.abandon_opened()
+            raise
         child._stamps = list(self._stamps)
         child._rng.bit_generator.state = self._rng.bit_generator.state
         child._rng_log = dict(self._rng_log)

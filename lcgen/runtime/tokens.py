@@ -95,8 +95,13 @@ class TokenSequence(Unshared):
     )
 
     def __init__(self, model: ModelLike, tokens: Seq[int] = (), *, seed: int | None = None) -> None:
-        entry, n_reused = model.cache.open(model.vocab.check_tokens(tokens))
-        self._adopt(model, entry, n_reused, seed)
+        checked = model.vocab.check_tokens(tokens)
+        try:
+            entry, n_reused = model.cache.open(checked)
+            self._adopt(model, entry, n_reused, seed)
+        except BaseException:  # (Ctrl-C) an entry made live but not adopted is parked
+            model.cache.abandon_opened()
+            raise
         self.stats.tokens_reused = n_reused
 
     def _adopt(self, model: ModelLike, entry: Entry, n_decoded: int, seed: int | None) -> None:
