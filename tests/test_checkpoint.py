@@ -524,6 +524,28 @@ def test_forged_cell_positions_are_refused_before_llama_cpp_loads_them(
             assert low >= -1
 
 
+def test_cells_that_give_nan_are_dropped_not_parked_for_other_calls(
+    model: lcgen.Model,
+) -> None:
+    """A forged state whose keys are NaN (its checksum made to fit): its own generation raises
+    DecodeError, and its cells were parked on close, so every later call sharing its prefix
+    raised too until cache.clear()."""
+    header, kv = ckpt.decode(_saved(model))
+    model.cache.clear()
+    forged = bytearray(kv)
+    (count,) = struct.unpack_from("<I", forged, 12)
+    at = 16 + 12 * count  # the data: v_trans, n_layer, then layer 0's key type and row size
+    (row,) = struct.unpack_from("<Q", forged, at + 12)
+    forged[at + 20 : at + 20 + count * row] = b"\xff\x7f" * (count * row // 2)
+    bad = lcgen.Sequence.from_bytes(model, _encode(header, memoryview(forged)))
+    with bad, pytest.raises(lcgen.DecodeError, match="NaN"):
+        bad.generate(max_tokens=3)
+    assert model.cache.stats.entries == 0
+    expected = model.generate(PROMPT + " jumps", max_tokens=3, temperature=0)
+    model.cache.clear()
+    assert model.generate(PROMPT + " jumps", max_tokens=3, temperature=0) == expected
+
+
 def test_states_whose_cells_lie_out_of_position_order_load(
     model: lcgen.Model, tmp_path: Path
 ) -> None:

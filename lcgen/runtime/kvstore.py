@@ -55,6 +55,8 @@ class Entry:
         owner: the thread that opened a live entry.
         end_logits: ``(n, logits)``: the logits after the first ``n`` tokens, kept from the
             decode that made their cells (read-only; None once those cells or tokens change).
+        broken: its cells gave logits with NaN (a forged saved state): dropped, not parked,
+            when the sequence closes (every call that reused them failed).
     """
 
     slot: int
@@ -63,6 +65,7 @@ class Entry:
     last_used: int = 0
     owner: int = 0
     end_logits: tuple[int, np.ndarray] | None = None
+    broken: bool = False
 
     def keep_logits(self, n: int, row: np.ndarray) -> None:
         """Keep a copy of ``row``, the logits after the first ``n`` tokens."""
@@ -376,7 +379,7 @@ class KVStore:
             if entry.state != "live" or self._entries.get(entry.slot) is not entry:
                 return
             held = self._ctx.ledger.held(entry.slot)
-            if not (self.enabled and held and self._ctx.is_open):
+            if not (self.enabled and held and self._ctx.is_open) or entry.broken:
                 self._drop(entry)
                 return
             entry.tokens, entry.state, entry.owner = entry.tokens[:held], "parked", 0

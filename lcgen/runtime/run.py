@@ -20,7 +20,7 @@ from lcgen.constrain import GrammarState
 from lcgen.decoding import Chunk, GenerationStats, Generator
 from lcgen.decoding.results import TokenLogprob
 from lcgen.decoding.speculation import Drafter
-from lcgen.errors import ContextFullError, RewindError
+from lcgen.errors import ContextFullError, DecodeError, RewindError
 from lcgen.runtime.checkpoint import Checkpoint
 from lcgen.runtime.tokens import TokenSequence
 
@@ -114,12 +114,15 @@ def step(runs: Seq[Run]) -> list[Chunk | None]:
     chunks: list[Chunk | None] = []
     with seqs[0].model.context.in_use():  # the model stays open while the runs advance
         rows = decode(seqs)
-        at = 0
+        at, group = 0, groups[0]
         try:
             for run, group in zip(runs, groups, strict=True):
                 chunks.append(run.advance(rows[at : at + len(group)]))
                 at += len(group)
-        except BaseException:
+        except BaseException as exc:
+            if isinstance(exc, DecodeError):  # NaN logits: that run's cells are broken
+                for seq in group:
+                    seq.mark_broken()
             for seq in seqs:
                 seq.resync()
             raise

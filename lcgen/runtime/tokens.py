@@ -127,6 +127,11 @@ class TokenSequence(Unshared):
         self.keep_next = False
         self.stats = SequenceStats()
 
+    def mark_broken(self) -> None:
+        """Its cells gave NaN logits: drop them when it closes, rather than park them for other
+        sequences to reuse."""
+        self._entry.broken = True
+
     # state -----------------------------------------------------------------------------
     @property
     def tokens(self) -> list[int]:
