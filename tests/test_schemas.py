@@ -1237,6 +1237,38 @@ def test_a_constant_past_2_53_is_written_only_as_text_that_reads_back_equal(
     assert accepted and all(json.loads(t) == const for t in accepted), accepted
 
 
+def test_an_enum_beside_a_format_keeps_the_values_the_format_allows(model: lcgen.Model) -> None:
+    # Checked by jsonschema, whose date-time, time, duration, hostname and uri checks need
+    # optional packages: without them "tomorrow" went out as a date-time.
+    dates = ["tomorrow", "2024-02-29T10:00:00Z", "2023-02-29T10:00:00Z"]
+    grammar = Grammar.from_json_schema({"type": "string", "format": "date-time", "enum": dates})
+    assert [grammar.accepts(model, json.dumps(d)) for d in dates] == [False, True, False]
+    for fmt, value in [("time", "bb"), ("duration", "P"), ("hostname", "-bb-"), ("uri", "b b")]:
+        with pytest.raises(lcgen.GrammarError, match="satisfies the other keywords"):
+            Grammar.from_json_schema({"const": value, "format": fmt})
+    names = Grammar.from_json_schema(
+        {"properties": {"bb": {"type": "integer"}}, "propertyNames": {"format": "date-time"}}
+    )
+    assert not names.accepts(model, '{"bb": 1}') and names.accepts(model, "{}")
+
+
+@pytest.mark.parametrize("lengths", [{}, {"maxLength": 40}])  # a rule; a bounded pattern
+def test_uris_follow_rfc_3986(model: lcgen.Model, lengths: dict[str, int]) -> None:
+    # Any URI character after a scheme passed: "http://x:y" (a port of letters), two "#".
+    # (With lengths, a pattern is cut to a part of its texts that fits them: the good ones
+    # are checked on the rule.)
+    uri = Grammar.from_json_schema({"type": "string", "format": "uri", **lengths})
+    good = ["a:b?c#d", "http://h:80/p", "mailto:me@x.org", "urn:isbn:0451450523", "file:///x"]
+    bad = ["http://x:y", "a:b#c#d", "a://u@v@w", "no scheme", "1a:b"]
+    assert all(uri.accepts(model, json.dumps(t)) for t in good[: 5 if not lengths else 1])
+    assert not any(uri.accepts(model, json.dumps(t)) for t in bad)
+    ref = Grammar.from_json_schema({"type": "string", "format": "uri-reference", **lengths})
+    good = [*good, "/a:b", "a/b:c", "?q", "#f", "", "//host/p", "../up"]
+    bad = [":x", ":", "a#b#c", "//x:y"]  # a first segment with ":" is a scheme's
+    assert all(ref.accepts(model, json.dumps(t)) for t in good if not lengths or len(t) < 4)
+    assert not any(ref.accepts(model, json.dumps(t)) for t in bad)
+
+
 def test_unknown_keywords_are_ignored_and_misspellings_warn() -> None:
     with pytest.warns(UserWarning, match="'proprties' at # is ignored .did you mean 'properties'"):
         Grammar.from_json_schema({"type": "object", "proprties": {"a": {}}})

@@ -109,7 +109,6 @@ def past_date(today: datetime.date) -> str:
 
 HOUR = '([01] [0-9] | "2" [0-3])'
 # URI characters that need no escape in a JSON string (RFC 3986: unreserved, reserved, %XX).
-URI_CHAR = '([a-zA-Z0-9._~:/?#@!$&\'()*+,;=-] | "%" ' + HEX + " " + HEX + ")"
 
 
 def _ipv6() -> str:
@@ -212,8 +211,22 @@ PRIMITIVES = {
     "hostname": 'hlabel ("." hlabel){0,7}',
     "hlabel": "[A-Za-z0-9] ([A-Za-z0-9-]{0,28} [A-Za-z0-9])?",
     "ipv6": _ipv6(),
-    "uri": f'[a-zA-Z] [a-zA-Z0-9+.-]* ":" {URI_CHAR}*',
-    "uri-reference": f"{URI_CHAR}*",
+    # RFC 3986's URI and URI-reference (an IP literal host left out): a port is digits, a
+    # "#" comes once, a relative path's first segment has no ":" (any URI character let through
+    # "http://x:y" and ":x").
+    "uri": 'uri-scheme ":" uri-hier uri-tail',
+    "uri-reference": "uri | uri-relative",
+    "uri-relative": '("//" uri-auth uri-abempty | "/" (uri-pchar+ uri-abempty)? '
+    '| (uri-unres | "@")+ uri-abempty)? uri-tail',
+    "uri-scheme": "[a-zA-Z] [a-zA-Z0-9+.-]*",
+    "uri-hier": '("//" uri-auth uri-abempty | "/" (uri-pchar+ uri-abempty)? '
+    "| uri-pchar+ uri-abempty)?",
+    "uri-tail": '("?" uri-query)? ("#" uri-query)?',
+    "uri-auth": '((uri-unres | ":")* "@")? uri-unres* (":" [0-9]*)?',
+    "uri-abempty": '("/" uri-pchar*)*',
+    "uri-pchar": "uri-unres | [:@]",
+    "uri-unres": f'[a-zA-Z0-9._~!$&\'()*+,;=-] | "%" {HEX} {HEX}',
+    "uri-query": "(uri-pchar | [/?])*",
     "duration": DURATION,
     "octet": '"25" [0-5] | "2" [0-4] [0-9] | "1" [0-9] [0-9] | [1-9] [0-9] | [0-9]',
     # pydantic's IPvAnyAddress: either address
@@ -250,6 +263,12 @@ DEPENDS = {"value": ("object", "array", "string", "number"), "object": ("ws", "s
            "array": ("ws", "value"), "string": ("char",), "date": ("year", "leap-year", "day28"),
            "date-time": ("date", "time"), "lcgen-naive-date-time": ("date", "naive-time"),
            "email": ("label",), "ipv4": ("octet",),
+           "uri": ("uri-scheme", "uri-hier", "uri-tail"),
+           "uri-reference": ("uri", "uri-relative"),
+           "uri-relative": ("uri-auth", "uri-abempty", "uri-pchar", "uri-unres", "uri-tail"),
+           "uri-hier": ("uri-auth", "uri-abempty", "uri-pchar"),
+           "uri-tail": ("uri-query",), "uri-auth": ("uri-unres",), "uri-abempty": ("uri-pchar",),
+           "uri-pchar": ("uri-unres",), "uri-query": ("uri-pchar",),
            "hostname": ("hlabel",), "ipv6": ("h16",), "ipvanyaddress": ("ipv4", "ipv6"),
            "duration": ("dur-date", "dur-time", "dur-n"), "dur-date": ("dur-n",),
            "dur-time": ("dur-n",), "ipv4network": ("octet",), "ipv6network": ("h16",),
@@ -261,10 +280,16 @@ DEPENDS = {"value": ("object", "array", "string", "number"), "object": ("ws", "s
 # Formats with no longest text, as patterns (the same strings as their rules above): with
 # minLength/maxLength they are bounded like a pattern is (lcgen.constrain.regex.within_lengths).
 _LABEL = "[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
-_URI_CHAR = "(?:[a-zA-Z0-9._~:/?#@!$&'()*+,;=-]|%[0-9A-Fa-f]{2})"
+_UNRES = "(?:[a-zA-Z0-9._~!$&'()*+,;=-]|%[0-9A-Fa-f]{2})"
+_PCHAR = f"(?:{_UNRES}|[:@])"
+_ABEMPTY = f"(?:/{_PCHAR}*)*"
+_AUTH = f"(?:(?:{_UNRES}|:)*@)?{_UNRES}*(?::[0-9]*)?"
+_TAIL = f"(?:\\?(?:{_PCHAR}|[/?])*)?(?:#(?:{_PCHAR}|[/?])*)?"
+_URI = f"[a-zA-Z][a-zA-Z0-9+.-]*:(?://{_AUTH}{_ABEMPTY}|/(?:{_PCHAR}+{_ABEMPTY})?|{_PCHAR}+{_ABEMPTY})?{_TAIL}"
+_RELATIVE = f"(?://{_AUTH}{_ABEMPTY}|/(?:{_PCHAR}+{_ABEMPTY})?|(?:{_UNRES}|@)+{_ABEMPTY})?{_TAIL}"
 FORMAT_PATTERNS = {
-    "uri": f"^[a-zA-Z][a-zA-Z0-9+.-]*:{_URI_CHAR}*$",
-    "uri-reference": f"^{_URI_CHAR}*$",
+    "uri": f"^{_URI}$",
+    "uri-reference": f"^(?:{_URI}|{_RELATIVE})$",
     "email": f"^[A-Za-z0-9_%+-]+(?:\\.[A-Za-z0-9_%+-]+)*@{_LABEL}(?:\\.{_LABEL})+$",
     **dict.fromkeys(["binary", "password", "path"], "^[\\x00-\\x7f]*$"),
 }

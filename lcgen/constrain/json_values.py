@@ -71,6 +71,53 @@ class _Members:
 _OLD_DRAFTS = ("Draft3Validator", "Draft4Validator", "Draft6Validator", "Draft7Validator")
 
 
+@functools.lru_cache(maxsize=2)
+def format_checker(today: datetime.date) -> jsonschema.FormatChecker:
+    """jsonschema's format checks, with lcgen's formats checked by the very language their
+    rules spell (an ``enum`` or ``const`` beside ``format`` keeps the values its rule would
+    write): jsonschema checks date-time, time, duration, hostname and uri only where optional
+    packages are installed, and kept ``"tomorrow"`` for a date-time without them."""
+    checker = jsonschema.FormatChecker()
+    for name in spec.FORMATS:
+        pattern = re.compile(format_regex(name, today))
+        checker.checks(name)(
+            lambda value, p=pattern: not isinstance(value, str) or p.fullmatch(value) is not None
+        )
+    return checker
+
+
+def format_regex(name: str, today: datetime.date) -> str:
+    """The Python regular expression of the texts format ``name``'s rule allows."""
+    rules: dict[str, str] = {}
+    todo = [name]
+    while todo:
+        rule = todo.pop()
+        if rule not in rules:
+            dated = spec.DATED.get(rule)
+            rules[rule] = dated(today) if dated else spec.PRIMITIVES[rule]
+            todo.extend(spec.DEPENDS.get(rule, ()))
+    parsed = lark.parse("".join(f"{k} ::= {v}\n" for k, v in rules.items()))
+    return _node_regex(parsed[name], parsed)
+
+
+def _node_regex(node: lark.Node, rules: dict[str, lark.Node]) -> str:
+    if isinstance(node, lark.Lit):
+        return re.escape(node.text)
+    if isinstance(node, lark.Cls):
+        ranges = "".join(f"\\U{lo:08x}-\\U{hi:08x}" for lo, hi in node.ranges)
+        if not ranges:
+            return "[\\s\\S]" if node.negated else "(?!)"
+        return f"[{'^' * node.negated}{ranges}]"
+    if isinstance(node, lark.Ref):
+        return f"(?:{_node_regex(rules[node.name], rules)})"
+    if isinstance(node, lark.Seq):
+        return "".join(_node_regex(item, rules) for item in node.items)
+    if isinstance(node, lark.Alt):
+        return "(?:" + "|".join(_node_regex(o, rules) for o in node.options) + ")"
+    high = "" if node.high is None else str(node.high)
+    return f"(?:{_node_regex(node.item, rules)}){{{node.low},{high}}}"
+
+
 class ValueCompiler:
     """The GBNF of values, per JSON type, of conjunctions of plain schemas; subschemas (items,
     properties) go back through :meth:`visit`, which the schema compiler defines.
@@ -92,7 +139,8 @@ class ValueCompiler:
             self.rules.define("ws", '""')
         base = root if isinstance(root, dict) else {}
         cls = jsonschema.validators.validator_for(base)
-        self.validator = cls(base, format_checker=cls.FORMAT_CHECKER)
+        today = datetime.datetime.now(datetime.UTC).date()
+        self.validator = cls(base, format_checker=format_checker(today))
 
     def visit(self, schema: Any, path: str) -> str:
         """The GBNF expression of the values ``schema`` allows."""
