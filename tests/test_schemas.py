@@ -1269,6 +1269,21 @@ def test_uris_follow_rfc_3986(model: lcgen.Model, lengths: dict[str, int]) -> No
     assert not any(ref.accepts(model, json.dumps(t)) for t in bad)
 
 
+def test_bounds_too_close_for_the_places_written_say_so() -> None:
+    # "no number satisfies the bounds": 1.5e-300 does; none with at most 20 places does
+    for schema in (
+        {"type": "number", "minimum": 1e-300, "maximum": 2e-300},
+        {"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1e-30},
+    ):
+        with pytest.raises(lcgen.GrammarError, match="at most 20 decimal places"):
+            Grammar.from_json_schema(schema)
+    with pytest.raises(lcgen.GrammarError, match="no number satisfies the bounds"):
+        Grammar.from_json_schema({"type": "number", "minimum": 2, "maximum": 1})
+    # an alternative that cannot be written still leaves the others
+    either = {"anyOf": [{"type": "number", "minimum": 1e-300, "maximum": 2e-300}, {"const": 1}]}
+    assert Grammar.from_json_schema(either)
+
+
 def test_unknown_keywords_are_ignored_and_misspellings_warn() -> None:
     with pytest.warns(UserWarning, match="'proprties' at # is ignored .did you mean 'properties'"):
         Grammar.from_json_schema({"type": "object", "proprties": {"a": {}}})

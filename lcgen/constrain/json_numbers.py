@@ -77,6 +77,14 @@ class NumberRules:
                     )
                 )
         if not options:
+            if not integer and (lo is None or hi is None or lo < hi):
+                # Numbers lie between: none with the places lcgen writes (1e-300 to 2e-300);
+                # as for no number, another alternative may still serve.
+                raise Unsatisfiable(
+                    f"no number between the bounds at {path} has at most "
+                    f"{places} decimal places, the most "
+                    "lcgen writes: widen the bounds"
+                )
             raise Unsatisfiable(
                 f"no {'integer' if integer else 'number'} satisfies the bounds at {path}"
             )
