@@ -1259,8 +1259,9 @@ def test_uris_follow_rfc_3986(model: lcgen.Model, lengths: dict[str, int]) -> No
     # are checked on the rule.)
     uri = Grammar.from_json_schema({"type": "string", "format": "uri", **lengths})
     good = ["a:b?c#d", "http://h:80/p", "mailto:me@x.org", "urn:isbn:0451450523", "file:///x"]
-    bad = ["http://x:y", "a:b#c#d", "a://u@v@w", "no scheme", "1a:b"]
+    bad = ["http://x:y", "a:b#c#d", "a://u@v@w", "no scheme", "1a:b", "a://[zz]", "a://[::1"]
     assert all(uri.accepts(model, json.dumps(t)) for t in good[: 5 if not lengths else 1])
+    assert uri.accepts(model, '"http://[2001:db8::7]:80/p"') != bool(lengths)  # an IP literal
     assert not any(uri.accepts(model, json.dumps(t)) for t in bad)
     ref = Grammar.from_json_schema({"type": "string", "format": "uri-reference", **lengths})
     good = [*good, "/a:b", "a/b:c", "?q", "#f", "", "//host/p", "../up"]

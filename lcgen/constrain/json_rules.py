@@ -211,7 +211,7 @@ PRIMITIVES = {
     "hostname": 'hlabel ("." hlabel){0,7}',
     "hlabel": "[A-Za-z0-9] ([A-Za-z0-9-]{0,28} [A-Za-z0-9])?",
     "ipv6": _ipv6(),
-    # RFC 3986's URI and URI-reference (an IP literal host left out): a port is digits, a
+    # RFC 3986's URI and URI-reference (IPvFuture hosts left out): a port is digits, a
     # "#" comes once, a relative path's first segment has no ":" (any URI character let through
     # "http://x:y" and ":x").
     "uri": 'uri-scheme ":" uri-hier uri-tail',
@@ -222,7 +222,8 @@ PRIMITIVES = {
     "uri-hier": '("//" uri-auth uri-abempty | "/" (uri-pchar+ uri-abempty)? '
     "| uri-pchar+ uri-abempty)?",
     "uri-tail": '("?" uri-query)? ("#" uri-query)?',
-    "uri-auth": '((uri-unres | ":")* "@")? uri-unres* (":" [0-9]*)?',
+    "uri-auth": '((uri-unres | ":")* "@")? uri-host (":" [0-9]*)?',
+    "uri-host": '"[" ipv6 "]" | uri-unres*',
     "uri-abempty": '("/" uri-pchar*)*',
     "uri-pchar": "uri-unres | [:@]",
     "uri-unres": f'[a-zA-Z0-9._~!$&\'()*+,;=-] | "%" {HEX} {HEX}',
@@ -267,7 +268,8 @@ DEPENDS = {"value": ("object", "array", "string", "number"), "object": ("ws", "s
            "uri-reference": ("uri", "uri-relative"),
            "uri-relative": ("uri-auth", "uri-abempty", "uri-pchar", "uri-unres", "uri-tail"),
            "uri-hier": ("uri-auth", "uri-abempty", "uri-pchar"),
-           "uri-tail": ("uri-query",), "uri-auth": ("uri-unres",), "uri-abempty": ("uri-pchar",),
+           "uri-tail": ("uri-query",), "uri-auth": ("uri-host",),
+           "uri-host": ("uri-unres", "ipv6"), "uri-abempty": ("uri-pchar",),
            "uri-pchar": ("uri-unres",), "uri-query": ("uri-pchar",),
            "hostname": ("hlabel",), "ipv6": ("h16",), "ipvanyaddress": ("ipv4", "ipv6"),
            "duration": ("dur-date", "dur-time", "dur-n"), "dur-date": ("dur-n",),
@@ -277,8 +279,9 @@ DEPENDS = {"value": ("object", "array", "string", "number"), "object": ("ws", "s
            "binary": ("char",), "password": ("char",), "path": ("char",),
            "lcgen-complex": ("real",), "lcgen-past-date": ("day28",),
            "lcgen-past-date-time": ("lcgen-past-date", "time")}  # fmt: skip
-# Formats with no longest text, as patterns (the same strings as their rules above): with
-# minLength/maxLength they are bounded like a pattern is (lcgen.constrain.regex.within_lengths).
+# Formats with no longest text, as patterns (the same strings as their rules above, but a
+# URI's host is no IP literal here): with minLength/maxLength they are bounded like a pattern
+# is (lcgen.constrain.regex.within_lengths).
 _LABEL = "[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
 _UNRES = "(?:[a-zA-Z0-9._~!$&'()*+,;=-]|%[0-9A-Fa-f]{2})"
 _PCHAR = f"(?:{_UNRES}|[:@])"
