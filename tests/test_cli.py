@@ -633,6 +633,24 @@ def test_a_file_option_may_be_a_pipe(capsys: pytest.CaptureFixture[str]) -> None
     assert json.loads(schema) == {"type": "integer"}
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize(
+    ("module", "flag"), [("lcgen", "--help"), ("lcgen", "--version"), ("lcgen.server", "--help")]
+)
+def test_help_that_cannot_be_written_is_an_error(module: str, flag: str) -> None:
+    # argparse drops a write that fails: `lcgen --help > /dev/full` exited 0, the help lost
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", module, flag],
+            stdout=full,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+    assert done.returncode == 1 and "No space left on device" in done.stderr, done.stderr
+
+
 # a reader that goes away (`| head`): a quiet exit with status 141 ----------------------------
 @pytest.mark.parametrize("command", ["generate", "chat"])
 def test_a_closed_stdout_ends_quietly(command: str) -> None:

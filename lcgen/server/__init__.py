@@ -250,6 +250,15 @@ class Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
+    def _print_message(self, message: str, file: Any = None) -> None:
+        # argparse drops a write that fails: `--help > /dev/full` exited 0, the help lost.
+        # Output on stdout (the help, the version) raises instead; messages on stderr do not.
+        if message and file is not None and file is sys.stdout:
+            file.write(message)
+            file.flush()
+            return
+        super()._print_message(message, file)
+
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """The model and how it loads, as every ``lcgen`` command that loads one takes them: its
@@ -434,7 +443,11 @@ def main(argv: list[str] | None = None) -> int:
     exit status."""
     p = Parser(prog="python -m lcgen.server", description=__doc__.split("\n")[0])
     add_arguments(p)
-    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    except OSError as exc:  # the help could not be written (stdout full or gone)
+        print(f"python -m lcgen.server: error: {exc}", file=sys.stderr)
+        return 1
     try:
         return command(args)
     except KeyboardInterrupt:  # while the model loads
