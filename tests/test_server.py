@@ -1379,6 +1379,7 @@ def test_a_grammar_too_slow_to_mask_is_a_400_before_it_reaches_the_engine(
     with pytest.raises(openai.BadRequestError, match="over the bound") as raised:
         chat(client, max_tokens=4, extra_body={"grammar": many_words_grammar(40_000)})
     assert raised.value.body["param"] == "grammar"  # type: ignore[index]
+    assert raised.value.code == "grammar_too_slow"
     after = health(url)["cache"]
     assert [after[k] - before[k] for k in ("tokens_decoded", "hits", "misses")] == [0, 0, 0]
     assert chat(client, max_tokens=4).choices[0].message.content

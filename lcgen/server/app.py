@@ -278,7 +278,8 @@ class _Server:
                 plan.constraint.check(self.model)
         except (TypeError, ValueError, lcgen.LcgenError) as exc:
             param = field_named(str(exc), type(req), req.model_fields_set)
-            raise APIError(400, str(exc), param=param) from None
+            code = "grammar_too_slow" if isinstance(exc, lcgen.GrammarTooSlowError) else None
+            raise APIError(400, str(exc), param=param, code=code) from None
         seeds = [None if req.seed is None else (req.seed + i) % 2**64 for i in range(req.n)]
         return Job(
             [p for p in prompts for _ in seeds],
@@ -442,6 +443,8 @@ def _failure(item: Failed) -> APIError:
         )
     if isinstance(exc, lcgen.ClosedError):  # the engine stopped: the server is stopping
         return APIError(503, str(exc), type="server_error", code="shutting_down")
+    if isinstance(exc, lcgen.GrammarTooSlowError):  # a mask past the bound, mid-reply
+        return APIError(400, str(exc), code="grammar_too_slow")
     if isinstance(exc, lcgen.GrammarError | lcgen.NoCandidatesError):
         # the request's own constraints (grammar, schema, bans) left no token to generate
         return APIError(400, str(exc), code="unsatisfiable_constraints")
