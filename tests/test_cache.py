@@ -672,13 +672,35 @@ def test_a_slot_held_by_garbage_in_a_cycle_is_collected_for_a_waiting_thread(
             gc.enable()
 
 
-def test_closing_the_model_wakes_a_thread_waiting_for_a_slot(model_path: Path) -> None:
-    small = lcgen.Model(model_path, n_ctx=512, n_seq_max=1)
+def _generate(model: lcgen.Model) -> object:
+    return model.generate("Hello", max_tokens=2)
+
+
+def _beam_search(model: lcgen.Model) -> object:
+    return lcgen.continuous(lcgen.generate.text(model, beams=2, max_tokens=8))("Once upon")
+
+
+@pytest.mark.parametrize(
+    ("n_seq_max", "work"),
+    [(1, _generate), (2, _beam_search)],
+    ids=["waiting to open", "a beam's fork waiting inside its step"],
+)
+def test_closing_the_model_wakes_a_thread_waiting_for_a_slot(
+    model_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    n_seq_max: int,
+    work: Callable[[lcgen.Model], object],
+) -> None:
+    """A waiter woke when another thread happened to close a sequence; a beam's fork waits
+    inside a step, which close waits to end: close waited until the waiter woke by itself to
+    collect garbage (5 s; here never)."""
+    monkeypatch.setattr(kvstore, "COLLECT_EVERY", 3600.0)
+    small = lcgen.Model(model_path, n_ctx=512, n_seq_max=n_seq_max)
     errors: list[Exception] = []
 
     def wait_for_a_slot() -> None:
         try:
-            small.generate("Hello", max_tokens=2)
+            work(small)
         except lcgen.ClosedError as exc:
             errors.append(exc)
 
@@ -687,37 +709,12 @@ def test_closing_the_model_wakes_a_thread_waiting_for_a_slot(model_path: Path) -
         waiter.start()
         while not small.cache.stats.waiting:
             time.sleep(0.01)
-        small.close()
-        waiter.join(10)  # it waited until another thread happened to close a sequence
-        assert not waiter.is_alive() and len(errors) == 1
-
-
-def test_closing_the_model_wakes_a_beam_search_waiting_for_a_slot_inside_its_step(
-    model_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A beam's fork waits for a slot inside a step, which close waits to end: close waited
-    until the waiter woke by itself to collect garbage (5 s; here never)."""
-    monkeypatch.setattr(kvstore, "COLLECT_EVERY", 3600.0)
-    small = lcgen.Model(model_path, n_ctx=512, n_seq_max=2)
-    errors: list[Exception] = []
-
-    def search() -> None:
-        try:
-            lcgen.continuous(lcgen.generate.text(small, beams=2, max_tokens=8))("Once upon")
-        except lcgen.ClosedError as exc:
-            errors.append(exc)
-
-    with held_by_another_thread(small):
-        searcher = threading.Thread(target=search)
-        searcher.start()
-        while not small.cache.stats.waiting:
-            time.sleep(0.01)
         closer = threading.Thread(target=small.close, daemon=True)
         closer.start()
         closer.join(10)  # (the holder gives its slot back after 30 s, which woke it too)
         assert not closer.is_alive()
-        searcher.join(10)
-        assert not searcher.is_alive() and len(errors) == 1
+        waiter.join(10)
+        assert not waiter.is_alive() and len(errors) == 1
 
 
 _INTERRUPTED = """
