@@ -275,28 +275,24 @@ class KVStore:
         limit = max(0, len(tokens) - 1) if limit is None else limit
         self._local.opened = self._local.taken = None
         with self._lock:
-            deadline = self._deadline()
-            while True:  # the best source is chosen again after every wait: it may have changed
-                self._park_dropped()
-                src, n_reused = self._best(tokens, limit, whole)
-                if src is not None and self._takes_over(src, n_reused):
-                    entry = src
-                    if n_reused < self._ctx.ledger.held(entry.slot):
-                        self._evictions += 1  # its tail is lost
-                    if not self._ctx.truncate(entry.slot, n_reused):
-                        self._ctx.clear_slot(entry.slot)  # the window lost what it needs
-                        n_reused = 0
-                    entry.cut(n_reused)
-                    break
-                try:
+            # Until the entry is registered a slot taken for it is neither free nor held: an
+            # exception (Ctrl-C) on the way gives it back (see _give_back).
+            try:
+                deadline = self._deadline()
+                while True:  # the best source is chosen again after every wait: it may change
+                    self._park_dropped()
+                    src, n_reused = self._best(tokens, limit, whole)
+                    if src is not None and self._takes_over(src, n_reused):
+                        entry = src  # (registered already, parked)
+                        if n_reused < self._ctx.ledger.held(entry.slot):
+                            self._evictions += 1  # its tail is lost
+                        if not self._ctx.truncate(entry.slot, n_reused):
+                            self._ctx.clear_slot(entry.slot)  # the window lost what it needs
+                            n_reused = 0
+                        entry.cut(n_reused)
+                        break
                     slot = self._try_slot(keep=src)
-                except BaseException:  # (Ctrl-C just after the slot was taken)
-                    self._give_back()
-                    raise
-                if slot is not None:
-                    # Until the entry is registered the slot is neither free nor held: an
-                    # exception (Ctrl-C) on the way gives it back.
-                    try:
+                    if slot is not None:
                         entry = Entry(slot, [])
                         if src is not None and n_reused:
                             self._ctx.copy_slot(src.slot, entry.slot, n_reused)
@@ -306,15 +302,13 @@ class KVStore:
                             else:
                                 self._ctx.clear_slot(entry.slot)
                                 n_reused = 0
-                        self._count(n_reused)
-                        self._register(entry, list(tokens))
-                    except BaseException:
-                        self._give_back()
-                        raise
-                    return entry, n_reused
-                self._wait(deadline)
-            self._count(n_reused)
-            self._register(entry, list(tokens))  # (taken over: registered already, parked)
+                        break
+                    self._wait(deadline)
+                self._count(n_reused)
+                self._register(entry, list(tokens))
+            except BaseException:
+                self._give_back()
+                raise
             return entry, n_reused
 
     def _register(self, entry: Entry, tokens: list[int]) -> None:
