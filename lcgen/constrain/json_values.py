@@ -86,8 +86,9 @@ def format_checker(today: datetime.date) -> jsonschema.FormatChecker:
     return checker
 
 
-def format_regex(name: str, today: datetime.date) -> str:
-    """The Python regular expression of the texts format ``name``'s rule allows."""
+def primitive_rules(name: str, today: datetime.date) -> dict[str, str]:
+    """The GBNF of primitive ``name`` and of the primitives it refers to, by name (a dated
+    one's as of ``today``)."""
     rules: dict[str, str] = {}
     todo = [name]
     while todo:
@@ -96,6 +97,12 @@ def format_regex(name: str, today: datetime.date) -> str:
             dated = spec.DATED.get(rule)
             rules[rule] = dated(today) if dated else spec.PRIMITIVES[rule]
             todo.extend(spec.DEPENDS.get(rule, ()))
+    return rules
+
+
+def format_regex(name: str, today: datetime.date) -> str:
+    """The Python regular expression of the texts format ``name``'s rule allows."""
+    rules = primitive_rules(name, today)
     parsed = lark.parse("".join(f"{k} ::= {v}\n" for k, v in rules.items()))
     return _node_regex(parsed[name], parsed)
 
@@ -139,8 +146,9 @@ class ValueCompiler:
             self.rules.define("ws", '""')
         base = root if isinstance(root, dict) else {}
         cls = jsonschema.validators.validator_for(base)
-        today = datetime.datetime.now(datetime.UTC).date()
-        self.validator = cls(base, format_checker=format_checker(today))
+        # (one day for the whole schema: the dated rules and the format checks)
+        self.today = datetime.datetime.now(datetime.UTC).date()
+        self.validator = cls(base, format_checker=format_checker(self.today))
 
     def visit(self, schema: Any, path: str) -> str:
         """The GBNF expression of the values ``schema`` allows."""
@@ -152,11 +160,9 @@ class ValueCompiler:
 
     def prim(self, name: str) -> str:
         if name not in self.rules.rules:
-            dated = spec.DATED.get(name)
-            today = datetime.datetime.now(datetime.UTC).date()
-            self.rules.define(name, dated(today) if dated else spec.PRIMITIVES[name])
-            for dep in spec.DEPENDS.get(name, ()):
-                self.prim(dep)
+            for rule, text in primitive_rules(name, self.today).items():
+                if rule not in self.rules.rules:
+                    self.rules.define(rule, text)
         return name
 
     # one conjunction, per type ------------------------------------------------------------------
