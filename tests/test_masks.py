@@ -29,11 +29,14 @@ from tests.test_grammar import BUNDLED
 
 
 def _compare(state: GrammarState, where: object) -> bool:
-    """Whether llguidance gave the mask here; asserts it equals llama.cpp's."""
+    """Whether llguidance gave the mask here; asserts it equals llama.cpp's, and so does the
+    text it forces."""
     fast = state._allowed_by_matcher()
     slow = state._allowed_by_llama()
     if fast is None:
         return False
+    forced = state.forced_text(64)
+    assert forced == state._forced_by_llama(64, float("inf")), (where, forced)
     differ = np.flatnonzero(fast != slow)
     assert not differ.size, (where, differ[:8].tolist(), int(fast.sum()), int(slow.sum()))
     return True
@@ -252,6 +255,9 @@ def test_a_mask_over_the_bound_says_why_llguidance_has_none(
     monkeypatch.setattr(grammar_module, "MAX_MASK_SECONDS", 0.0)
     with grammar.state(model) as state, pytest.raises(GrammarTooSlowError, match=why):
         state.allowed()
+    if "negates" not in why:  # (such a grammar forces no text)
+        with grammar.state(model) as state, pytest.raises(GrammarTooSlowError, match=why):
+            state.forced_text(8)
     monkeypatch.undo()
     with grammar.state(model) as state:  # within the bound: the mask as ever
         assert state.allowed().any()
