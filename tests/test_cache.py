@@ -521,6 +521,38 @@ def test_a_thread_that_holds_every_slot_gets_an_error_not_a_hang(model_path: Pat
         assert small.generate("three", max_tokens=1).stats.tokens == 1
 
 
+def test_sequences_handed_to_a_worker_are_the_workers_once_it_steps_them(
+    model_path: Path,
+) -> None:
+    """A thread that opened every slot and handed the sequences to a worker waits for the
+    worker to close one (it was told no slot would come: the check took the opener as the
+    one that closes)."""
+    with lcgen.Model(model_path, n_ctx=512, n_seq_max=2) as small:
+        handed, done = [small.sequence("one"), small.sequence("two")], threading.Event()
+        stepped = threading.Event()
+
+        def worker() -> None:
+            for seq in handed:
+                seq.generate(max_tokens=1)
+            stepped.set()
+            for _ in range(300):  # close once the opener waits for a slot (or gave up)
+                if small.cache.stats.waiting or done.is_set():
+                    break
+                time.sleep(0.1)
+            for seq in handed:
+                seq.close()
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        try:
+            stepped.wait(30)
+            assert small.generate("three", max_tokens=1).stats.tokens == 1
+        finally:
+            done.set()
+            thread.join(60)
+        assert small.cache.stats.live == 0
+
+
 @contextlib.contextmanager
 def held_by_another_thread(model: lcgen.Model) -> Iterator[None]:
     """A sequence that another thread holds open until the block ends."""

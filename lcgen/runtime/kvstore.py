@@ -52,7 +52,7 @@ class Entry:
         state: ``"live"`` (a sequence uses it), ``"parked"`` (kept until evicted),
             ``"pinned"`` (kept until unpinned) or ``"dropped"`` (its slot is gone).
         last_used: a clock value, for least-recently-used eviction.
-        owner: the thread that opened a live entry.
+        owner: the thread that opened a live entry, or decoded it last.
         end_logits: ``(n, logits)``: the logits after the first ``n`` tokens, kept from the
             decode that made their cells (read-only; None once those cells or tokens change).
         broken: its cells gave logits with NaN (a forged saved state): dropped, not parked,

@@ -56,6 +56,8 @@ def decode(seqs: Seq[TokenSequence]) -> list[np.ndarray]:
     """
     if not seqs:
         return []
+    for seq in seqs:
+        seq.claim()
     drafted = any(seq.n_pending > len(seq) - seq.n_decoded for seq in seqs)
     try:
         return _decode(seqs)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import threading
 import weakref
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -131,6 +132,12 @@ class TokenSequence(Unshared):
         """Its cells gave NaN logits: drop them when it closes, rather than park them for other
         sequences to reuse."""
         self._entry.broken = True
+
+    def claim(self) -> None:
+        """Count the sequence as the calling thread's: the one that drives it, and so will
+        give its slot back (the store's deadlock check asks; a sequence handed to another
+        thread is that thread's from its first step there)."""
+        self._entry.owner = threading.get_ident()
 
     # state -----------------------------------------------------------------------------
     @property
