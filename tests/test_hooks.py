@@ -136,6 +136,30 @@ def test_streaming_holds_back_only_what_could_still_be_banned(model: lcgen.Model
         assert released > 20
 
 
+def test_text_before_a_reachable_rewind_is_held_where_a_phrase_could_start_after_it(
+    model: lcgen.Model,
+) -> None:
+    """With "\\nT" banned, ".\\n\\n" released its first "\\n" (only the second could start
+    the phrase); the second was banned for the "The" after it, the model wrote ".\\nThe",
+    and the match started in released text: RewindError from a plain generate."""
+    prompts = ["The quick brown fox", "Wow!!! That is", "Hmm... let me think", "Tell me a story."]
+    cases = []
+    for prompt in prompts:  # a newline token, another, then a word: ban the newline + letter
+        out = model.generate(prompt, max_tokens=40)
+        pieces = [model.vocab.piece(t) for t in out.tokens]
+        for a, b, c in zip(pieces, pieces[1:], pieces[2:], strict=False):
+            if a.endswith(b"\n") and b == b"\n" and c[:1].isalpha():
+                cases.append((prompt, "\n" + c[:1].decode()))
+                break
+    assert len(cases) >= 2, cases
+    for prompt, phrase in cases:
+        model.cache.clear()
+        out = model.generate(prompt, max_tokens=40, banned=[phrase])
+        assert phrase not in out and out.stats.rewinds >= 1, (prompt, out)
+        streamed = model.stream(prompt, max_tokens=40, banned=[phrase])
+        assert "".join(chunk.text for chunk in streamed) == out
+
+
 def test_released_chunks_carry_the_summed_logprob_of_their_tokens(model: lcgen.Model) -> None:
     plain = list(model.chat_stream(ROME, max_tokens=30, logprobs=0))
     held = list(model.chat_stream(ROME, max_tokens=30, logprobs=0, banned=["zqxj", "a testament"]))

@@ -270,15 +270,16 @@ class BannedPhrases:
         match = self._literal.match(text, start) if self._literal is not None else None
         return None if match is None else match.group()
 
-    def hold_from(self, text: str) -> int:
-        """The first character that could still become part of a banned match."""
-        hold = len(text)
+    def hold_from(self, text: str, end: int | None = None) -> int:
+        """The first character that could still become part of a banned match (of the text
+        cut to its first ``end`` characters, when given)."""
+        n = hold = len(text) if end is None else end
         if self._prefix is not None:
-            match = self._prefix.search(text, max(0, len(text) - self.max_literal + 1))
+            match = self._prefix.search(text, max(0, n - self.max_literal + 1), n)
             if match is not None:
                 hold = match.start()
         for _, width, ahead in self.patterns:
-            hold = min(hold, max(0, len(text) - width - ahead))
+            hold = min(hold, max(0, n - width - ahead))
         return hold
 
 

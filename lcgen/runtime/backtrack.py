@@ -341,11 +341,24 @@ class Backtracker(SequenceRun):
         if self.hooks or self.validators:
             final = max(0, final - self.lookback)
         if self.banned:
-            final = min(final, self._token_of(self.banned.hold_from(self._visible())))
+            final = min(final, self._banned_hold())
         for mark in self._marks[self._emitted_tokens : final]:
             mark.checkpoint = None
         end = self._marks[final].out_len if final < len(self._marks) else len(self._out)
         return self._chunk(max(end, self._emitted), final, None)
+
+    def _banned_hold(self) -> int:
+        """The first generated token a banned match could still start in: after the text so
+        far, or after the text before any token a rewind can still reach (a rewind changes
+        what follows there: with "\\nT" banned, ".\\n\\n" released its first "\\n", the
+        second was banned for the "The" after it, and the model wrote ".\\nThe")."""
+        text = self._visible()
+        hold = self.banned.hold_from(text)
+        index = len(self._marks) - 1
+        while index >= max(self._emitted_tokens, self._token_of(hold)):
+            hold = min(hold, self.banned.hold_from(text, self._visible_at[index]))
+            index -= 1
+        return self._token_of(hold)
 
     def _end(self, reason: FinishReason) -> Chunk:
         """Finish early; first cut any banned match that counts now that the text ends."""
