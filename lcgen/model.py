@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import codecs
 import functools
+import itertools
 import os
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar, Unpack, overload
@@ -468,11 +469,17 @@ class Model(Unshared):
     def _render_chat(
         self, messages: Seq[Message], plan: ToolPlan | None, add_generation_prompt: bool = True
     ) -> str:
+        return self._render_written(self._written(messages, plan), add_generation_prompt)
+
+    def _written(self, messages: Seq[Message], plan: ToolPlan | None) -> list[dict[str, Any]]:
+        """The messages as the template gets them: checked, tools and calls written as text."""
         checked = check_messages(messages)
+        return plan.messages(checked) if plan else prompt_messages(checked)
+
+    def _render_written(self, written: list[dict[str, Any]], add_generation_prompt: bool) -> str:
         template = self._handle.chat_template()
         if not template:
             raise ValueError(f"{self.path.name} has no chat template; use generate() instead")
-        written = plan.messages(checked) if plan else prompt_messages(checked)
         # (a piece that is not UTF-8, a byte token: as the text decoding would give it)
         bos = self.vocab.special_piece(self.bos).decode(errors="replace") if self.bos >= 0 else ""
         eos = self.vocab.special_piece(self.eos).decode(errors="replace") if self.eos >= 0 else ""
@@ -499,25 +506,25 @@ class Model(Unshared):
 
     def _chat_prompt(self, messages: Seq[Message], plan: ToolPlan | None) -> list[int]:
         """The rendered chat's tokens: the template's own control-token text (``<|im_end|>``)
-        as those tokens, the same text inside a message's content as plain text (a message
-        could otherwise write a turn of another role, as OpenAI's API never lets it)."""
-        checked = check_messages(messages)
-        controls = self.vocab.control_texts
-        contents = [m["content"] for m in checked if isinstance(m.get("content"), str)]
-        found = [c for c in controls if any(c in text for text in contents)]
+        as those tokens, the same text anywhere in the messages (a content, a role, a call's
+        arguments) as plain text (a message could otherwise write a turn of another role, as
+        OpenAI's API never lets it)."""
+        written = self._written(messages, plan)
+        texts = list(_strings(written))
+        found = [c for c in self.vocab.control_texts if any(c in text for text in texts)]
         if not found:
-            return self.tokenize(self._render_chat(checked, plan), special=True)
-        marks = {c: f"\U000f0000{i}\U000f0001" for i, c in enumerate(found)}
+            return self.tokenize(self._render_written(written, True), special=True)
+        # Each control text is replaced by a mark: two characters that no message holds
+        # around its index; the rendered text is split at the marks.
+        used = set().union(*map(set, texts))
+        open_, close = itertools.islice((c for c in map(chr, _PRIVATE_USE) if c not in used), 2)
         pattern = re.compile("|".join(map(re.escape, found)))
-        masked = [
-            {**m, "content": pattern.sub(lambda hit: marks[hit.group()], m["content"])}
-            if isinstance(m.get("content"), str)
-            else m
-            for m in checked
-        ]
-        parts = re.split("\U000f0000([0-9]+)\U000f0001", self._render_chat(masked, plan))
+        index = {c: f"{open_}{i}{close}" for i, c in enumerate(found)}
+        masked = _map_strings(written, lambda text: pattern.sub(lambda m: index[m[0]], text))
+        rendered = self._render_written(masked, True)
+        parts = re.split(f"{open_}([0-9]+){close}", rendered)
         if len(parts) == 1:  # the template wrote the content otherwise (escaped): as it is
-            return self.tokenize(self._render_chat(checked, plan), special=True)
+            return self.tokenize(self._render_written(written, True), special=True)
         tokens = self.tokenize(parts[0], special=True)
         for i, part in enumerate(parts[1:]):
             text, special = (found[int(part)], False) if i % 2 == 0 else (part, True)
@@ -866,3 +873,30 @@ class Model(Unshared):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# Planes 15 and 16: private use; the chat's marks are taken from them (see Model._chat_prompt).
+_PRIVATE_USE = range(0xF0000, 0x10FFFE)
+
+
+def _strings(value: object) -> Iterator[str]:
+    """Every string inside ``value`` (dicts' values, lists, tuples)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _strings(item)
+    elif isinstance(value, list | tuple):
+        for item in value:
+            yield from _strings(item)
+
+
+def _map_strings(value: Any, change: Callable[[str], str]) -> Any:
+    """``value`` with ``change`` applied to every string inside it (dict values, lists)."""
+    if isinstance(value, str):
+        return change(value)
+    if isinstance(value, Mapping):
+        return {key: _map_strings(item, change) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_map_strings(item, change) for item in value]
+    return value
