@@ -141,6 +141,36 @@ def test_a_restored_window_serves_its_end(gemma_path: Path, tmp_path: Path) -> N
             assert m.context.n_decoded - before == n_prompt
 
 
+def test_an_entry_whose_window_moved_past_a_prompt_does_not_stand_in_for_one_that_serves_it(
+    gemma_path: Path, tmp_path: Path
+) -> None:
+    # A restored entry of the prompt and 40 more tokens holds the prompt's tokens, but its
+    # window starts past what the prompt's next token needs. It was counted as holding them:
+    # the entry each call parked was dropped as covered by it (every call decoded the whole
+    # prompt), and a file of the prompt alone was skipped on load as held already.
+    prompt = f"System: {TEXT[:2400]}\nQ: what is above the sea?\nA:"
+    with lcgen.Model(gemma_path) as m:
+        n_prompt = len(m.tokenize(prompt))
+        assert n_prompt > 512 + 40  # longer than the window
+        m.generate(prompt, max_tokens=1)
+        m.cache.save(tmp_path / "prompt.lcc")
+        m.cache.clear()
+        longer = m.tokenize(prompt) + list(m.generate(prompt, max_tokens=40).tokens)
+        m.cache.save(tmp_path / "longer.lcc")
+    with lcgen.Model(gemma_path) as m:
+        assert m.cache.load(tmp_path / "longer.lcc") == 1
+        with m.sequence(longer[: n_prompt + 5]) as seq:  # (the restored entry cannot serve)
+            assert seq.generate(max_tokens=1).stats.decoded == n_prompt + 5
+        assert m.cache.stats.entries == 2  # parked, not dropped as covered
+        with m.sequence(longer[: n_prompt + 5]) as seq:
+            assert seq.generate(max_tokens=1).stats.decoded <= 1
+    with lcgen.Model(gemma_path) as m:
+        assert m.cache.load(tmp_path / "longer.lcc") == 1
+        assert m.cache.load(tmp_path / "prompt.lcc") == 1
+        assert m.cache.stats.entries == 2
+        assert m.generate(prompt, max_tokens=5).stats.decoded <= 5
+
+
 def test_pausing_a_fork_counts_each_token_that_lost_its_cells_once(gemma_path: Path) -> None:
     """drop_cells (how the scheduler pauses a generation) on a fork whose window lost the
     shared prefix: the trim falls back, and its shared prefix was counted twice."""

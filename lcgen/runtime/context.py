@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import math
 import struct
 import threading
 import time
@@ -177,11 +178,20 @@ class Context:
         (see :meth:`holds_window`): a sliding-window cache that is not full size, or a state
         restored from bytes (llama.cpp saves only a window's last positions), may have lost
         the start of it."""
+        return self.first_served(seq_id) <= n_keep
+
+    def first_served(self, seq_id: int) -> float:
+        """The fewest positions [0, n) the sequence's cells serve (see :meth:`serves`; it
+        serves every longer prefix it holds): 0 with position 0 held, else, with a sliding
+        window, the first whose next token attends to nothing before the cells; ``inf`` for
+        none (no cells, or the start lost without a window)."""
         with self.lock:
             pos_min = self._handle.seq_pos_range(seq_id)[0]
-            # The next token (position n_keep) attends to positions > n_keep - n_swa.
-            needed = max(0, n_keep - self._handle.n_swa + 1) if self._handle.n_swa else 0
-            return 0 <= pos_min <= needed
+            n_swa = self._handle.n_swa
+        if pos_min == 0:
+            return 0
+        # The next token (position n) attends to positions > n - n_swa.
+        return pos_min + n_swa - 1 if pos_min > 0 and n_swa else math.inf
 
     def clear_slot(self, seq_id: int) -> None:
         with self.lock:

@@ -574,7 +574,7 @@ class KVStore:
         itself when it is parked and a parked or pinned one covers it, or pinned and another
         pinned one holds the same tokens (a pinned entry that a longer one covers stays: it
         was asked for)."""
-        mine = entry.tokens
+        mine, first = entry.tokens, self._ctx.first_served(entry.slot)
         for other in list(self._entries.values()):
             if other is entry or other.state == "live":
                 continue
@@ -583,9 +583,10 @@ class KVStore:
                 other.state == "parked"
                 and len(theirs) <= len(mine)
                 and mine[: len(theirs)] == theirs
+                and first <= self._ctx.first_served(other.slot)
             ):
                 self._drop(other)
-            elif self._covered_by(other, mine, entry.state == "pinned"):
+            elif self._covered_by(other, mine, entry.state == "pinned", first):
                 self._drop(entry)
                 return
 
@@ -822,14 +823,20 @@ class KVStore:
     def _covered(self, tokens: list[int], pinned: bool) -> bool:
         """Whether an entry holds ``tokens`` already, as :meth:`_dedupe` would keep it over a
         new one: a parked or pinned entry that starts with them (for a pinned one, a pinned
-        entry of exactly them)."""
-        return any(self._covered_by(entry, tokens, pinned) for entry in self._entries.values())
+        entry of exactly them), and serves what an entry restored from a file of them would
+        (with a sliding window, llama.cpp's file holds the positions the last one needs)."""
+        first = max(0, len(tokens) - 1)
+        return any(self._covered_by(e, tokens, pinned, first) for e in self._entries.values())
 
-    def _covered_by(self, other: Entry, tokens: list[int], pinned: bool) -> bool:
+    def _covered_by(self, other: Entry, tokens: list[int], pinned: bool, first: float) -> bool:
         """Whether ``other`` holds ``tokens`` as a new entry of them would be kept for: a
-        parked or pinned entry that starts with them, or for a pinned one, a pinned entry of
-        exactly them."""
+        parked or pinned entry that starts with them and serves every prefix from ``first``
+        tokens on (see :meth:`Context.first_served`: with a sliding window, an entry restored
+        from a file or whose old cells another sequence took serves its longer prefixes
+        only), or for a pinned one, a pinned entry of exactly them."""
         if other.state == "live" or self._ctx.ledger.held(other.slot) < len(tokens):
+            return False
+        if self._ctx.first_served(other.slot) > first:
             return False
         if pinned:
             return other.state == "pinned" and other.tokens == tokens
