@@ -158,6 +158,10 @@ def test_text_before_a_reachable_rewind_is_held_where_a_phrase_could_start_after
         assert phrase not in out and out.stats.rewinds >= 1, (prompt, out)
         streamed = model.stream(prompt, max_tokens=40, banned=[phrase])
         assert "".join(chunk.text for chunk in streamed) == out
+    # Held one level back only: a regular expression's hold (its width) does not chain back
+    # mark by mark to the start, which held every stream's text to its end.
+    chunks = list(model.stream(cases[0][0], max_tokens=40, banned=[re.compile(r"\bzqxj\b")]))
+    assert sum(bool(chunk.text) for chunk in chunks[:-1]) > 20
 
 
 def test_released_chunks_carry_the_summed_logprob_of_their_tokens(model: lcgen.Model) -> None:

@@ -153,8 +153,9 @@ class Backtracker(SequenceRun):
             if start is not None and start >= len(text):
                 return self._rewind_to(index, ban=True)
             if start is not None:
-                at = self._token_of(start)
-                return self._rewind_to(at, ban=True, also=self._spellings(at, ahead, start))
+                at = self._match_token(start)
+                also = self._spellings(at, ahead, start) if at == self._token_of(start) else ()
+                return self._rewind_to(at, ban=True, also=frozenset(also))
             self._scan_from = self.banned.hold_from(text)
         return self._emit()
 
@@ -351,13 +352,13 @@ class Backtracker(SequenceRun):
         """The first generated token a banned match could still start in: after the text so
         far, or after the text before any token a rewind can still reach (a rewind changes
         what follows there: with "\\nT" banned, ".\\n\\n" released its first "\\n", the
-        second was banned for the "The" after it, and the model wrote ".\\nThe")."""
+        second was banned for the "The" after it, and the model wrote ".\\nThe"). One level:
+        a rewind after a rewind may still find a match that starts in released text (see
+        :meth:`_match_token`)."""
         text = self._visible()
         hold = self.banned.hold_from(text)
-        index = len(self._marks) - 1
-        while index >= max(self._emitted_tokens, self._token_of(hold)):
+        for index in range(max(self._emitted_tokens, self._token_of(hold)), len(self._marks)):
             hold = min(hold, self.banned.hold_from(text, self._visible_at[index]))
-            index -= 1
         return self._token_of(hold)
 
     def _end(self, reason: FinishReason) -> Chunk:
@@ -369,7 +370,16 @@ class Backtracker(SequenceRun):
                 return self._chunk(
                     len(self._out), len(self.generator.tokens), self.generator.finish_reason
                 )
-            self._rewind_quietly(self._token_of(start))
+            at = self._match_token(start)
+            if at >= len(self.generator.tokens):
+                raise RewindError(f"a banned phrase at character {start} is in released text")
+            self._rewind_quietly(at)
+
+    def _match_token(self, start: int) -> int:
+        """The token to rewind to for a banned match at character ``start``: the one holding
+        its first byte, or where that is released text already (a chain of rewinds changed
+        what followed it), the first token a rewind can reach, which the match runs into."""
+        return max(self._token_of(start), self._emitted_tokens)
 
     def _chunk(self, end: int, n_tokens: int, reason: FinishReason | None) -> Chunk:
         text = self._out[self._emitted : end]
