@@ -154,8 +154,9 @@ class Backtracker(SequenceRun):
                 return self._rewind_to(index, ban=True)
             if start is not None:
                 at = self._match_token(start)
-                also = self._spellings(at, ahead, start) if at == self._token_of(start) else ()
-                return self._rewind_to(at, ban=True, also=frozenset(also))
+                own = at == self._token_of(start)  # (else: the first token a rewind reaches)
+                also = self._spellings(at, ahead, start) if own else frozenset()
+                return self._rewind_to(at, ban=True, also=also)
             self._scan_from = self.banned.hold_from(text)
         return self._emit()
 
