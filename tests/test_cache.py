@@ -553,6 +553,26 @@ def test_sequences_handed_to_a_worker_are_the_workers_once_it_steps_them(
         assert small.cache.stats.live == 0
 
 
+def test_slots_held_by_threads_that_ended_are_reported_not_waited_for(model_path: Path) -> None:
+    """A worker that opened every slot and ended without closing its sequences will not give
+    one back: a thread asking for a slot is told so (it waited forever), and can close them."""
+    with lcgen.Model(model_path, n_ctx=512, n_seq_max=2, slot_timeout=None) as small:
+        kept: list[lcgen.Sequence] = []
+        worker = threading.Thread(target=lambda: kept.extend(small.sequence(p) for p in "ab"))
+        worker.start()
+        worker.join(60)
+        watchdog = threading.Timer(60, small.close)  # a wait ends in ClosedError, not a hang
+        watchdog.start()
+        try:
+            with pytest.raises(lcgen.SlotsExhaustedError, match="threads that have ended"):
+                small.generate("c", max_tokens=1)
+        finally:
+            watchdog.cancel()
+        for seq in kept:
+            seq.close()
+        assert small.generate("c", max_tokens=1).stats.tokens == 1
+
+
 @contextlib.contextmanager
 def held_by_another_thread(model: lcgen.Model) -> Iterator[None]:
     """A sequence that another thread holds open until the block ends."""

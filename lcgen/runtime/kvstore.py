@@ -22,6 +22,7 @@ import os
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -41,6 +42,26 @@ _BLOB_LEN = struct.Struct("<Q")
 COLLECT_EVERY = 5.0
 
 
+class _ThreadMark:
+    """One per thread, gone when its thread ends (with the thread's locals)."""
+
+    __slots__ = ("__weakref__",)
+
+
+ThreadRef = weakref.ref[_ThreadMark]
+_marks = threading.local()
+
+
+def this_thread() -> ThreadRef:
+    """The calling thread, as a reference that dies when the thread ends (a thread's ident
+    does not tell: the next thread gets it again)."""
+    ref: ThreadRef | None = getattr(_marks, "ref", None)
+    if ref is None:
+        _marks.mark = mark = _ThreadMark()
+        _marks.ref = ref = weakref.ref(mark)
+    return ref
+
+
 @dataclass(eq=False, slots=True)
 class Entry:
     """What one slot holds.
@@ -52,7 +73,7 @@ class Entry:
         state: ``"live"`` (a sequence uses it), ``"parked"`` (kept until evicted),
             ``"pinned"`` (kept until unpinned) or ``"dropped"`` (its slot is gone).
         last_used: a clock value, for least-recently-used eviction.
-        owner: the thread that opened a live entry, or decoded it last.
+        owner: the thread that opened a live entry, or decoded it last (:func:`this_thread`).
         end_logits: ``(n, logits)``: the logits after the first ``n`` tokens, kept from the
             decode that made their cells (read-only; None once those cells or tokens change).
         broken: its cells gave logits with NaN (a forged saved state): dropped, not parked,
@@ -63,7 +84,7 @@ class Entry:
     tokens: list[int]
     state: EntryState = "live"
     last_used: int = 0
-    owner: int = 0
+    owner: ThreadRef | None = None
     end_logits: tuple[int, np.ndarray] | None = None
     broken: bool = False
 
@@ -200,7 +221,7 @@ class KVStore:
         self._cond = threading.Condition(context.lock)
         self._hits = self._misses = self._reused = self._evictions = 0
         self._uncounted = threading.local()  # see uncounted()
-        self._waiters: set[int] = set()  # threads waiting for a slot
+        self._waiters: set[ThreadRef] = set()  # threads waiting for a slot
         self._dropped: collections.deque[Entry] = collections.deque()  # see dropped
         self._collected_at = -math.inf  # when a waiting thread last ran the garbage collector
         # Beam searches take turns: each holds slots while it forks more, and two in different
@@ -233,7 +254,7 @@ class KVStore:
         if not got:
             # Waiting for the turn counts as waiting for a slot: a search that holds the turn
             # and waits for this thread's slots then sees that none will come (see _wait).
-            me = threading.get_ident()
+            me = this_thread()
             with self._lock:
                 self._waiters.add(me)
                 self._cond.notify_all()
@@ -314,7 +335,7 @@ class KVStore:
     def _register(self, entry: Entry, tokens: list[int]) -> None:
         """Make ``entry`` this thread's live one, registered; it goes live last, once
         :meth:`abandon_opened` can find it."""
-        entry.tokens, entry.owner = tokens, threading.get_ident()
+        entry.tokens, entry.owner = tokens, this_thread()
         entry.last_used = next(self._clock)
         self._entries[entry.slot] = entry
         self._local.opened, self._local.taken = entry, None
@@ -376,7 +397,7 @@ class KVStore:
             if not (self.enabled and held and self._ctx.is_open) or entry.broken:
                 self._drop(entry)
                 return
-            entry.tokens, entry.state, entry.owner = entry.tokens[:held], "parked", 0
+            entry.tokens, entry.state, entry.owner = entry.tokens[:held], "parked", None
             entry.cut(held)
             entry.last_used = next(self._clock)
             self._dedupe(entry)
@@ -475,14 +496,16 @@ class KVStore:
         """Wait for another thread to give a slot back (the caller then chooses again).
 
         Raises:
-            SlotsExhaustedError: no other thread holds a live sequence, or every thread that
-                holds one waits for a slot too (each would wait for the others forever), or
-                ``slot_timeout`` passed.
+            SlotsExhaustedError: no other running thread holds a live sequence, or every
+                thread that holds one waits for a slot too (each would wait for the others
+                forever), or ``slot_timeout`` passed.
             SlotBusyError: within :meth:`without_waiting`.
         """
         self._ctx.check_open()  # closed while this thread waited: ClosedError
-        me = threading.get_ident()
-        holders = {e.owner for e in self._entries.values() if e.state == "live"} - {me}
+        me = this_thread()
+        owners = [e.owner for e in self._entries.values() if e.state == "live"]
+        # A thread that ended holding a sequence will not close it: count running ones only.
+        holders = {o for o in owners if o is not None and o() is not None} - {me}
         stuck = not holders or holders <= self._waiters
         now = time.monotonic()
         # A sequence dropped inside a reference cycle keeps its slot until the cyclic garbage
@@ -491,7 +514,14 @@ class KVStore:
         if (stuck or now - self._collected_at >= COLLECT_EVERY) and self._collect(now):
             return
         if not holders:
-            raise SlotsExhaustedError(self._exhausted_message())
+            ended = sum(o is not None and o() is None for o in owners)
+            prefix = (
+                f"{ended} sequence slots are held by threads that have ended without closing "
+                "their sequences, so none would come free: "
+                if ended
+                else ""
+            )
+            raise SlotsExhaustedError(prefix + self._exhausted_message())
         if getattr(self._local, "no_wait", False):
             raise SlotBusyError(self._exhausted_message())
         if stuck:
@@ -651,7 +681,7 @@ class KVStore:
             except BaseException:
                 self._drop(entry)
                 raise
-            entry.state, entry.owner = "pinned", 0
+            entry.state, entry.owner = "pinned", None
             self._dedupe(entry)
             return len(tokens) - n_reused
 
@@ -792,9 +822,9 @@ class KVStore:
             # Slots other threads' live sequences hold come back (loading waits for them as
             # any open does); pinned ones and this thread's own do not.
             n_pinned = sum(pinned for _, pinned, _ in todo)
-            me = threading.get_ident()
+            me = this_thread()
             pinned_now = sum(e.state == "pinned" for e in self._entries.values())
-            mine = sum(e.state == "live" and e.owner == me for e in self._entries.values())
+            mine = sum(e.state == "live" and e.owner is me for e in self._entries.values())
             room = self._ctx.n_seq_max - pinned_now - mine
             if todo and n_pinned + (n_pinned < len(todo)) > room:
                 raise SlotsExhaustedError(

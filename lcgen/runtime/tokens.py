@@ -22,7 +22,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-import threading
 import weakref
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -37,7 +36,7 @@ from lcgen.decoding.sampling import new_rng
 from lcgen.errors import ClosedError, RewindError
 from lcgen.runtime.checkpoint import Checkpoint, RngState, SequenceStats
 from lcgen.runtime.context import Context, DecodeRequest
-from lcgen.runtime.kvstore import Entry, KVStore, common_prefix
+from lcgen.runtime.kvstore import Entry, KVStore, common_prefix, this_thread
 from lcgen.vocab import Vocab
 
 _stamps = itertools.count(1)
@@ -137,7 +136,7 @@ class TokenSequence(Unshared):
         """Count the sequence as the calling thread's: the one that drives it, and so will
         give its slot back (the store's deadlock check asks; a sequence handed to another
         thread is that thread's from its first step there)."""
-        self._entry.owner = threading.get_ident()
+        self._entry.owner = this_thread()
 
     # state -----------------------------------------------------------------------------
     @property
