@@ -17,6 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 
@@ -29,6 +30,8 @@ from lcgen.runtime.threads import OVERLAPS, ThreadTuner, own_cpu
 
 PAD_TO = TILE  # llama.cpp's CPU flash attention works in tiles of rows from this many tokens
 PAD_MARGIN = 1.15  # a batch is padded when its rows are predicted this much slower than tiles
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +52,18 @@ class DecodeRequest:
     pos: int
     want_logits: bool = True
     n_outputs: int = 1
+
+
+def finished(edit: Callable[[], T]) -> T:
+    """``edit()``, an idempotent edit of the memory and the ledger, made once more where an
+    exception interrupted it: Ctrl-C during a llama.cpp call is raised as the call returns,
+    before the ledger hears of it (the ledger would be out of step with the cells for good).
+    """
+    try:
+        return edit()
+    except BaseException:
+        edit()
+        raise
 
 
 def check_fits(n_tokens: int, n_ctx: int) -> None:
@@ -161,10 +176,16 @@ class Context:
             not full size drops old positions, yet ``llama_memory_seq_rm`` still succeeds).
         """
         with self.lock:
-            if not self._handle.seq_rm(seq_id, n_keep, -1):
+            if not finished(lambda: self._remove(seq_id, n_keep)):
                 return False
-            self.ledger.removed(seq_id, n_keep)
             return n_keep == 0 or self.holds_window(seq_id, n_keep)
+
+    def _remove(self, seq_id: int, pos: int) -> bool:
+        """Drop a sequence's positions >= pos, in llama.cpp and in the ledger (idempotent)."""
+        if not self._handle.seq_rm(seq_id, pos, -1):
+            return False
+        self.ledger.removed(seq_id, pos)
+        return True
 
     def holds_window(self, seq_id: int, n_keep: int) -> bool:
         """Whether the sequence holds exactly [0, n_keep) as the next token needs it: every
@@ -196,8 +217,9 @@ class Context:
     def clear_slot(self, seq_id: int) -> None:
         with self.lock:
             if self.is_open:
-                self._handle.seq_rm(seq_id, -1, -1)
-            self.ledger.removed(seq_id, 0)
+                finished(lambda: self._remove(seq_id, 0))
+            else:
+                self.ledger.removed(seq_id, 0)
 
     def copy_slot(self, src: int, dst: int, n_keep: int) -> None:
         """Make ``dst`` (empty) share the first ``n_keep`` positions of ``src`` (no KV bytes
@@ -227,14 +249,20 @@ class Context:
             )
             if not low_src <= low_dst <= n:
                 n = min(n, low_src, low_dst)
-            if self._recurrent or n <= 0 or not self._handle.seq_rm(dst, 0, n):
+            if self._recurrent or n <= 0:
                 return 0
-            self._handle.seq_cp(src, dst, 0, n)
-            # As if ``dst`` had copied the prefix and decoded the rest (its own cells).
-            self.ledger.removed(dst, 0)
-            self.ledger.copied(src, dst, n)
-            self.ledger.decoded(dst, n, held - n)
-            return n
+            return n if finished(lambda: self._share(src, dst, n, held)) else 0
+
+    def _share(self, src: int, dst: int, n: int, held: int) -> bool:
+        """:meth:`share_prefix`'s edit, in llama.cpp and in the ledger (idempotent)."""
+        if not self._handle.seq_rm(dst, 0, n):
+            return False
+        self._handle.seq_cp(src, dst, 0, n)
+        # As if ``dst`` had copied the prefix and decoded the rest (its own cells).
+        self.ledger.removed(dst, 0)
+        self.ledger.copied(src, dst, n)
+        self.ledger.decoded(dst, n, held - n)
+        return True
 
     def pos_range(self, seq_id: int) -> tuple[int, int]:
         with self.lock:

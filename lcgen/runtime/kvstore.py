@@ -33,7 +33,7 @@ import numpy as np
 from lcgen._numbers import check_bool
 from lcgen.errors import SlotBusyError, SlotsExhaustedError, StateFileError
 from lcgen.runtime import statefile
-from lcgen.runtime.context import Context, DecodeRequest, check_fits
+from lcgen.runtime.context import Context, DecodeRequest, check_fits, finished
 from lcgen.vocab import Vocab
 
 EntryState = Literal["live", "parked", "pinned", "dropped"]
@@ -577,14 +577,19 @@ class KVStore:
 
     # dropping ------------------------------------------------------------------------------
     def _drop(self, entry: Entry) -> None:
-        """Wipe a slot and make it free."""
+        """Wipe a slot and make it free (finished where Ctrl-C interrupts it)."""
+        finished(lambda: self._wipe(entry))
+        self._cond.notify_all()
+
+    def _wipe(self, entry: Entry) -> None:
+        """:meth:`_drop`'s edit (idempotent)."""
         self._ctx.clear_slot(entry.slot)
         entry.end_logits = None
         if self._entries.get(entry.slot) is entry:
+            if entry.slot not in self._free:
+                self._free.append(entry.slot)
             del self._entries[entry.slot]
-            self._free.append(entry.slot)
         entry.state = "dropped"
-        self._cond.notify_all()
 
     def _evict(self, entry: Entry) -> None:
         self._drop(entry)

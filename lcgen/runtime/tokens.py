@@ -35,7 +35,7 @@ from lcgen.decoding import Generator
 from lcgen.decoding.sampling import new_rng
 from lcgen.errors import ClosedError, RewindError
 from lcgen.runtime.checkpoint import Checkpoint, RngState, SequenceStats
-from lcgen.runtime.context import Context, DecodeRequest
+from lcgen.runtime.context import Context, DecodeRequest, finished
 from lcgen.runtime.kvstore import Entry, KVStore, common_prefix, this_thread
 from lcgen.vocab import Vocab
 
@@ -228,13 +228,20 @@ class TokenSequence(Unshared):
         """Keep the KV cells of the first ``kv_keep`` tokens only."""
         self._draft, self._ahead = [], []
         self._entry.cut(kv_keep)
-        if not self._ctx.truncate(self._slot, kv_keep):
-            # The memory cannot keep a partial range (sliding window, recurrent): start over.
-            self._ctx.clear_slot(self._slot)
+        # Finished where Ctrl-C interrupts it: the count of decoded tokens must stay the
+        # cells' (the next decode would start past them, and llama.cpp refuse it).
+        if not finished(lambda: self._cut_cells(kv_keep)):
             self.stats.fallbacks += 1
             self.stats.tokens_redecoded += kv_keep
-            kv_keep = 0
-        self._n_decoded = kv_keep
+
+    def _cut_cells(self, kv_keep: int) -> bool:
+        """Keep the cells of the first ``kv_keep`` tokens, or none where the memory cannot
+        keep a partial range (sliding window, recurrent: False). Idempotent."""
+        kept = self._ctx.truncate(self._slot, kv_keep)
+        if not kept:
+            self._ctx.clear_slot(self._slot)
+        self._n_decoded = kv_keep if kept else 0
+        return kept
 
     def reuse(self, tokens: Seq[int]) -> int:
         """Make the sequence equal ``tokens``, keeping the KV cache of the common prefix.
