@@ -359,18 +359,27 @@ def _prompt(args: argparse.Namespace) -> str:
 
 
 def _read_stdin() -> str:
-    """stdin's text, at most :data:`~lcgen._files.MAX_FILE_BYTES` characters of it (each at
-    least a byte): ``- < /dev/zero`` grew without bound until the process was killed.
+    """stdin's text, at most :data:`~lcgen._files.MAX_FILE_BYTES` bytes of it (as UTF-8):
+    ``- < /dev/zero`` grew without bound until the process was killed.
 
     Raises:
         UsageError: stdin holds more (the bound named).
     """
     _tolerant_stdin()
-    text = sys.stdin.read(MAX_FILE_BYTES + 1)
-    if len(text) > MAX_FILE_BYTES:
-        raise UsageError(
-            f"the prompt on stdin is over {MAX_FILE_BYTES // 2**20} MiB, the most lcgen reads"
-        )
+    return _bounded(sys.stdin.read(MAX_FILE_BYTES + 1), "the prompt on stdin")
+
+
+def _bounded(text: str, what: str) -> str:
+    """``text``, read as at most ``MAX_FILE_BYTES + 1`` characters, checked to be at most
+    :data:`~lcgen._files.MAX_FILE_BYTES` bytes (a character is up to 4).
+
+    Raises:
+        UsageError: it is longer (the bound named).
+    """
+    if len(text) > MAX_FILE_BYTES // 4 and (
+        len(text) > MAX_FILE_BYTES or len(text.encode("utf-8", "surrogateescape")) > MAX_FILE_BYTES
+    ):
+        raise UsageError(f"{what} is over {MAX_FILE_BYTES // 2**20} MiB, the most lcgen reads")
     return text
 
 
@@ -581,8 +590,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def _read_line(interactive: bool) -> str | None:
     """The next line of input without its newline; None at the end of input (Ctrl-D)."""
-    if not interactive:
-        line = sys.stdin.readline()
+    if not interactive:  # a line of ``< /dev/zero`` has no end: bounded
+        line = _bounded(sys.stdin.readline(MAX_FILE_BYTES + 1), "a line on stdin")
         return line.removesuffix("\n") if line else None
     try:
         return input("> ")

@@ -731,16 +731,36 @@ def test_a_prompt_on_stdin_is_read_with_a_bound(tmp_path: Path) -> None:
     at_bound = tmp_path / "prompt.txt"
     at_bound.write_bytes(b"a" * MAX_FILE_BYTES)
     outs = []
-    for source in ("/dev/zero", at_bound):
+    # The bound is in bytes: 8 Mi + 1 two-byte characters were read whole.
+    over_in_bytes = tmp_path / "wide.txt"
+    over_in_bytes.write_bytes("é".encode() * (MAX_FILE_BYTES // 2 + 1))
+    for source in ("/dev/zero", at_bound, over_in_bytes):
         with open(source, "rb") as stdin:
             outs.append(
                 subprocess.run(command, stdin=stdin, capture_output=True, text=True, timeout=300)
             )
-    over, at = outs
-    assert over.returncode == 2 and over.stderr == (
-        "lcgen: error: the prompt on stdin is over 16 MiB, the most lcgen reads\n"
-    )
+    over, at, wide = outs
+    for refused in (over, wide):
+        assert refused.returncode == 2 and refused.stderr == (
+            "lcgen: error: the prompt on stdin is over 16 MiB, the most lcgen reads\n"
+        )
     assert at.returncode == 1 and at.stderr.startswith("lcgen: error: unknown model")
+
+
+def test_a_chat_line_on_stdin_is_read_with_a_bound() -> None:
+    # a line of `lcgen chat MODEL < /dev/zero` has no end: it grew until the process was killed
+    with open("/dev/zero", "rb") as stdin:
+        out = subprocess.run(
+            [sys.executable, "-m", "lcgen", "chat", "smollm2-135m", *ARGS, *THREADS],
+            stdin=stdin,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+    assert out.returncode == 2 and out.stderr.endswith(
+        "lcgen: error: a line on stdin is over 16 MiB, the most lcgen reads\n"
+    ), out.stderr[-2000:]
 
 
 # lcgen serve ---------------------------------------------------------------------------------
