@@ -8,12 +8,16 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from helpers import assert_same_up_to_a_near_tie
 
 import lcgen
 from lcgen.registry import resolve
 from lcgen.runtime import statefile
 from lcgen.runtime.context import _check_table
 
+# The most two best candidates' log-probabilities may part by where a rounding difference
+# swapped them (see the README's Exactness).
+NEAR_TIE = 0.5
 TEXT = " ".join(f"Sentence number {i} is about the sea and the sky." for i in range(110))
 
 
@@ -122,17 +126,18 @@ def test_a_restored_window_serves_its_end(gemma_path: Path, tmp_path: Path) -> N
     with lcgen.Model(gemma_path, n_ctx=2048, n_seq_max=2, cache=False) as m:
         n_system, n_prompt = len(m.tokenize(system)), len(m.tokenize(prompt))
         assert n_system > 512  # longer than the window
-        cold = m.generate(prompt, max_tokens=6)
+        cold = m.generate(prompt, max_tokens=6, logprobs=2)
         m.cache.pin(system)
         m.cache.save(tmp_path / "system.lcc", pinned_only=True)
     with lcgen.Model(gemma_path, n_ctx=2048, n_seq_max=2) as m:
         assert m.cache.load(tmp_path / "system.lcc") == 1
         out = m.generate(prompt, max_tokens=6)
         assert out.stats.decoded == n_prompt - n_system + 5
-        assert out == cold
+        # (its end decoded apart from the restored prefix: the last bits of logits move)
+        assert_same_up_to_a_near_tie(out, cold, NEAR_TIE)
         # A rewind into what the file did not hold falls back to decoding all again.
         with m.sequence(prompt) as seq:
-            assert seq.generate(max_tokens=6) == cold
+            assert_same_up_to_a_near_tie(seq.generate(max_tokens=6), cold, NEAR_TIE)
             seq.rewind(seq.n_tokens - n_system + 20)
             assert seq.stats.fallbacks == 1
             seq.append_tokens(m.tokenize(prompt)[n_system - 20 :])
