@@ -71,6 +71,7 @@ from lcgen.errors import (
     SlotBusyError,
     SlotsExhaustedError,
     StateFileError,
+    UnsupportedSchemaError,
 )
 from lcgen.model import KV_CACHE_TYPES, Model
 from lcgen.runtime import (
@@ -161,6 +162,7 @@ __all__ = [
     "Tool",
     "ToolCall",
     "TopLogprob",
+    "UnsupportedSchemaError",
     "check_draft_model",
     "continuous",
     "generate",

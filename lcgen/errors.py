@@ -53,6 +53,13 @@ class GrammarTooSlowError(GrammarError):
     each such token."""
 
 
+class UnsupportedSchemaError(GrammarError):
+    """A valid JSON Schema that uses what lcgen cannot enforce (a keyword or a combination of
+    them, a format, a size past lcgen's bounds). An invalid schema, or one no value validates,
+    is a plain :class:`GrammarError`: a caller may fall back to a looser grammar for this one
+    only (``lcgen serve`` does, for a ``response_format`` that is not strict)."""
+
+
 class NoCandidatesError(LcgenError):
     """Every token is ruled out at a position: exclusions, bans and the grammar together."""
 

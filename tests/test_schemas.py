@@ -1437,3 +1437,42 @@ def test_recursion_that_never_ends_names_its_ref() -> None:
     for schema, message in cases:
         with pytest.raises(lcgen.GrammarError, match=re.escape(message)):
             Grammar.from_json_schema(schema)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 3},
+        {"type": "string", "format": "regex", "minLength": 2},
+        {"type": "string", "pattern": "a(?=b)"},
+        {"type": "array", "contains": {"type": "integer"}, "maxContains": 2},
+        {"type": "array", "minItems": 100000},
+        {"type": ["object", "null"], "$ref": "#"},
+    ],
+)
+def test_what_lcgen_cannot_enforce_is_unsupported(schema: dict[str, Any]) -> None:
+    """A valid schema lcgen cannot enforce is an UnsupportedSchemaError: a caller may fall
+    back to a looser grammar (lcgen serve does where a response_format is not strict)."""
+    with pytest.raises(lcgen.UnsupportedSchemaError):
+        Grammar.from_json_schema(schema)
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "integer", "minimum": 5, "maximum": 3},
+        False,
+        {"enum": []},
+        {"$ref": "#/$defs/nope"},
+        {"$ref": "#"},
+        {"type": "foo"},
+        {"type": "string", "minLength": 3, "maxLength": 2},
+        {"type": "string", "pattern": "(a"},
+    ],
+)
+def test_an_invalid_schema_or_one_no_value_validates_is_not_unsupported(
+    schema: dict[str, Any] | bool,
+) -> None:
+    with pytest.raises(lcgen.GrammarError) as info:
+        Grammar.from_json_schema(schema)
+    assert not isinstance(info.value, lcgen.UnsupportedSchemaError), info.value

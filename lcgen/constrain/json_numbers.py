@@ -12,7 +12,7 @@ from decimal import Decimal
 from lcgen.constrain import gbnf as g
 from lcgen.constrain import json_rules as spec
 from lcgen.constrain.json_rules import Conj, Unsatisfiable
-from lcgen.errors import GrammarError
+from lcgen.errors import GrammarError, UnsupportedSchemaError
 
 MAX_LISTED = 256  # multiples within bounds written out as literals
 MAX_STEP_STATES = 256  # divisibility states (residues times places) of one multipleOf
@@ -126,7 +126,9 @@ class NumberRules:
         if lo > hi:
             return None
         if step * len(str(hi)) > MAX_RANGE_STATES:
-            raise GrammarError(f"multipleOf {step} with these bounds (at {path}) is not supported")
+            raise UnsupportedSchemaError(
+                f"multipleOf {step} with these bounds (at {path}) is not supported"
+            )
         rules = self.rules
 
         def grouped(options: dict[str, list[int]]) -> str:
@@ -200,7 +202,7 @@ class NumberRules:
         try:
             return self.multiples(unit // math.gcd(unit, 10**scale), lo_int, hi_int, path)
         except GrammarError:
-            raise GrammarError(
+            raise UnsupportedSchemaError(
                 f"multipleOf {step} with these bounds (at {path}) is not supported"
             ) from None
 
@@ -209,7 +211,7 @@ class NumberRules:
         times 10**scale is a multiple of ``unit``, digit by digit: the state is the value of
         the digits so far mod ``unit`` and how many of them follow the point (None: none yet)."""
         if unit * (scale + 1) > MAX_STEP_STATES:
-            raise GrammarError(
+            raise UnsupportedSchemaError(
                 f"multipleOf {Decimal(unit).scaleb(-scale)} at {path} is not supported"
             )
         names: dict[tuple[int, int | None], str] = {}

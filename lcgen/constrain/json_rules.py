@@ -13,7 +13,7 @@ from decimal import Decimal
 from typing import Any
 
 from lcgen.constrain import gbnf as g
-from lcgen.errors import GrammarError
+from lcgen.errors import GrammarError, UnsupportedSchemaError
 
 Conj = list[dict[str, Any]]  # a conjunction of plain (applicator-free) schemas
 
@@ -421,5 +421,5 @@ def as_float(bound: g.Bound | None, upper: bool) -> g.Bound | None:
     if (exact > value if upper else exact < value) or (exclusive and exact == value):
         d = math.nextafter(d, -math.inf if upper else math.inf)
     if math.isinf(d):
-        raise GrammarError(f"the bound {value} is beyond the range of a double")
+        raise UnsupportedSchemaError(f"the bound {value} is beyond the range of a double")
     return Decimal(repr(d)), False

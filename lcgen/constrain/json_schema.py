@@ -43,7 +43,7 @@ from lcgen.constrain.json_values import (
     count,
     first_satisfiable,
 )
-from lcgen.errors import GrammarError
+from lcgen.errors import GrammarError, UnsupportedSchemaError
 
 MAX_ALTERNATIVES = 256
 # Marks a schema made by negating a plain schema in part (its value: what was left out).
@@ -90,12 +90,14 @@ def schema_to_gbnf(
     except Unsatisfiable as exc:  # internal: users see a plain GrammarError
         raise GrammarError(str(exc)) from None
     except RecursionError:
-        raise GrammarError(
+        raise UnsupportedSchemaError(
             "the JSON Schema nests too deeply to compile (or has too many properties in one "
             "object, each compiled in turn): flatten it"
         ) from None
     except ArithmeticError as exc:
-        raise GrammarError(f"a numeric bound of the JSON Schema is out of range: {exc!r}") from None
+        raise UnsupportedSchemaError(
+            f"a numeric bound of the JSON Schema is out of range: {exc!r}"
+        ) from None
 
 
 def _shape(schema: dict[str, Any]) -> tuple[Any, ...]:
@@ -386,7 +388,7 @@ class _Compiler(ValueCompiler):
     def join(self, left: list[Conj], right: list[Conj]) -> list[Conj]:
         joined = [a + b for a in left for b in right]
         if len(joined) > MAX_ALTERNATIVES:
-            raise GrammarError(
+            raise UnsupportedSchemaError(
                 f"the schema branches into over {MAX_ALTERNATIVES} alternatives (anyOf, oneOf, "
                 "if/then/else and dependencies multiply): simplify it"
             )
@@ -397,7 +399,7 @@ class _Compiler(ValueCompiler):
 
     def expand_ref(self, ref: str, path: str) -> list[Conj]:
         if ref in self.expanding:
-            raise GrammarError(
+            raise UnsupportedSchemaError(
                 f"$ref {ref!r} at {path} is not supported: it refers to itself with no property "
                 "or item in between (through $ref beside other keywords, allOf, anyOf, oneOf, "
                 "not, if/then/else or dependencies), a recursion that never ends (validating "
@@ -436,12 +438,12 @@ class _Compiler(ValueCompiler):
             return fragment
         for ident, where in self.embedded.items():
             if uri == urldefrag(urljoin(base, ident))[0]:
-                raise GrammarError(
+                raise UnsupportedSchemaError(
                     f"$ref {ref!r} (at {path}) names the schema at {where} by its {self.id_key} "
                     f"{ident!r}: embedded resources (an {self.id_key} inside a subschema) are not "
                     f"supported; drop that {self.id_key} and refer to it as '{where}'"
                 )
-        raise GrammarError(
+        raise UnsupportedSchemaError(
             f"$ref {ref!r} (at {path}) refers to another document: only local references "
             "('#/...' pointers, '#name' anchors) are supported"
         )
@@ -485,14 +487,16 @@ class _Compiler(ValueCompiler):
                             f"{type(name).__name__}: property names are strings"
                         )
             if key in spec.UNSUPPORTED:
-                raise GrammarError(f"unsupported JSON Schema keyword {key!r} at {path}")
+                raise UnsupportedSchemaError(f"unsupported JSON Schema keyword {key!r} at {path}")
             self.check_number(key, schema[key], path)
             nested_id = schema is not self.root and (
                 key == "$id" or (key == "id" and self.draft4 and isinstance(schema[key], str))
             )
             if nested_id and not (self.old_draft and str(schema[key]).startswith("#")):
                 # (drafts 4 to 7 write an anchor as an $id that is a bare fragment)
-                raise GrammarError(f"{key!r} inside a subschema (at {path}) is not supported")
+                raise UnsupportedSchemaError(
+                    f"{key!r} inside a subschema (at {path}) is not supported"
+                )
             if key not in spec.KNOWN and key not in spec.QUIET and not key.startswith("x-"):
                 close = difflib.get_close_matches(key, spec.KNOWN, n=1, cutoff=0.85)
                 if close:
@@ -542,7 +546,7 @@ class _Compiler(ValueCompiler):
                 or inside an ``if``, whose ``else`` is its negation).
         """
         if PARTIAL in member:
-            raise GrammarError(
+            raise UnsupportedSchemaError(
                 f"not at {path} negates a not of {member[PARTIAL]}, which lcgen negates only "
                 "in part (the values it leaves out would come back negated twice, allowing "
                 "invalid ones): a not inside a not or inside an if is not supported there"
@@ -599,7 +603,7 @@ class _Compiler(ValueCompiler):
             )
         if not out and set(member) & spec.CONSTRAINING:
             keys = ", ".join(sorted(set(member) & spec.CONSTRAINING))
-            raise GrammarError(f"not of {keys} (at {path}) is not supported")
+            raise UnsupportedSchemaError(f"not of {keys} (at {path}) is not supported")
         if left_out:
             return [{**n, PARTIAL: ", ".join(left_out)} for n in out]
         return out
@@ -633,7 +637,7 @@ class _Compiler(ValueCompiler):
         for i in range(len(resolved)):
             for j in range(i + 1, len(resolved)):
                 if not self.disjoint(resolved[i], resolved[j]):
-                    raise GrammarError(
+                    raise UnsupportedSchemaError(
                         f"oneOf at {path}: alternatives {i} and {j} may both match a value, and "
                         "lcgen cannot exclude that (use anyOf, or tell them apart by type or by a "
                         "required property with different constants)"

@@ -25,7 +25,7 @@ from lcgen.constrain import json_rules as spec
 from lcgen.constrain.json_numbers import NumberRules
 from lcgen.constrain.json_rules import Conj, Unsatisfiable
 from lcgen.constrain.regex import json_string_literal, json_string_rules, regex_to_gbnf
-from lcgen.errors import GrammarError
+from lcgen.errors import GrammarError, UnsupportedSchemaError
 
 FALSE: dict[str, Any] = {"not": {}}  # "no value", in every draft
 # Keys of the plain schemas lcgen writes itself (validators ignore unknown keys): strings
@@ -300,7 +300,9 @@ class ValueCompiler:
         for member in conj:
             why = spec.REFUSED_FORMATS.get(member.get("format", ""))
             if why is not None:
-                raise GrammarError(f"format {member['format']!r} at {path} is not supported: {why}")
+                raise UnsupportedSchemaError(
+                    f"format {member['format']!r} at {path} is not supported: {why}"
+                )
         content = [m.get("contentSchema", True) for m in conj if spec.holds_json(m)]
         low = max((count(m, "minLength") for m in conj), default=0)
         highs = [count(m, "maxLength") for m in conj if "maxLength" in m]
@@ -314,7 +316,9 @@ class ValueCompiler:
             used = [*sorted(formats), *sorted(patterns)]
             used += ["minLength/maxLength"] * lengths + ["not enum"] * bool(excluded)
             used += ["contentSchema"] * bool(content)
-            raise GrammarError(f"{' with '.join(used)} on one string (at {path}) is not supported")
+            raise UnsupportedSchemaError(
+                f"{' with '.join(used)} on one string (at {path}) is not supported"
+            )
         if high is not None and low > high:
             raise Unsatisfiable(f"no string satisfies minLength {low} / maxLength {high} at {path}")
         if high is not None and high > g.MAX_REPEAT >= low:
@@ -325,7 +329,7 @@ class ValueCompiler:
         if fmt is not None:
             least, most = spec.FORMAT_LENGTHS.get(fmt, (0, None))
             if low > least or (high is not None and (most is None or most > high)):
-                raise GrammarError(
+                raise UnsupportedSchemaError(
                     f"{fmt} with minLength/maxLength on one string (at {path}) is not "
                     f"supported (its texts have {least} to {most} characters)"
                 )
@@ -339,7 +343,7 @@ class ValueCompiler:
                     lengths=(low, high) if lengths else None,
                 )
             except GrammarError as exc:
-                raise GrammarError(f"pattern at {path}: {exc}") from None
+                raise _kind_of(exc)(f"pattern at {path}: {exc}") from None
             return f'"\\"" {body} "\\""'
         if excluded:
             return self.key_not_in(excluded)
@@ -350,7 +354,7 @@ class ValueCompiler:
         try:
             chars = g.repeat(self.prim("char"), low, high)
         except GrammarError as exc:
-            raise GrammarError(f"minLength/maxLength at {path}: {exc}") from None
+            raise _kind_of(exc)(f"minLength/maxLength at {path}: {exc}") from None
         return f'"\\"" {chars} "\\""'
 
     def json_content(self, schema: Any, path: str) -> str:
@@ -365,7 +369,7 @@ class ValueCompiler:
                 lark.parse(f"root ::= {inner}\n{defined}"), self.rules, self.in_string
             )
         except KeyError:
-            raise GrammarError(
+            raise UnsupportedSchemaError(
                 f"contentSchema at {path} is not supported: its JSON refers back to the schema "
                 "around it (a Json field of its own model)"
             ) from None
@@ -402,9 +406,11 @@ class ValueCompiler:
         if rest_all is False:
             high = length if high is None else min(high, length)
         if any(m.get("uniqueItems") for m in conj) and (high is None or high > 1):
-            raise GrammarError(f"uniqueItems at {path} is not supported (unless maxItems <= 1)")
+            raise UnsupportedSchemaError(
+                f"uniqueItems at {path} is not supported (unless maxItems <= 1)"
+            )
         if max(low, high or 0) > g.MAX_REPEAT:
-            raise GrammarError(f"minItems/maxItems at {path} are over {g.MAX_REPEAT}")
+            raise UnsupportedSchemaError(f"minItems/maxItems at {path} are over {g.MAX_REPEAT}")
         if high is not None and low > high:
             raise Unsatisfiable(f"no array satisfies minItems {low} / maxItems {high} at {path}")
         self.prim("ws")
@@ -429,13 +435,13 @@ class ValueCompiler:
         """Arrays with at least ``minContains`` items matching ``contains`` (and no bound
         on how many may match, nor on the length: else it raises)."""
         if len(members) > 1 or elems or high is not None or "maxContains" in members[0]:
-            raise GrammarError(
+            raise UnsupportedSchemaError(
                 f"contains with maxContains, prefixItems, maxItems or another contains (at "
                 f"{path}) is not supported"
             )
         need = count(members[0], "minContains", 1)
         if low > need or need > g.MAX_REPEAT:
-            raise GrammarError(
+            raise UnsupportedSchemaError(
                 f"contains with minItems above minContains (at {path}) is not supported"
             )
         match = self.named(
@@ -514,7 +520,7 @@ class ValueCompiler:
             chain = self.member_chain(members, 0, True, 0)
         except Unsatisfiable:
             if members.undistinct:
-                raise GrammarError(
+                raise UnsupportedSchemaError(
                     f"minProperties {low} on extra properties (at {path}) is not supported where "
                     "patternProperties or propertyNames spell their keys: the grammar cannot keep "
                     "those keys distinct"
@@ -679,7 +685,7 @@ class ValueCompiler:
         key is any text that does not end in a digit, then the k-th number (its trailing digits
         tell it apart) that is no name's trailing digits."""
         if n > g.MAX_REPEAT:
-            raise GrammarError(f"minProperties at {path} is over {g.MAX_REPEAT}")
+            raise UnsupportedSchemaError(f"minProperties at {path} is over {g.MAX_REPEAT}")
         taken = {name[len(name.rstrip("0123456789")) :] for name in names}
         numbers = itertools.islice((str(k) for k in itertools.count(1) if str(k) not in taken), n)
         non_digit = g.char_class(g.subtract(spec.RAW_RANGES, ((0x30, 0x39),)))
@@ -726,3 +732,12 @@ def _key_patterns(rules: list[Any]) -> list[str] | None:
         if "pattern" in rule:
             patterns.append(rule["pattern"])
     return patterns
+
+
+def _kind_of(exc: GrammarError) -> type[GrammarError]:
+    """The error a pattern's or a length's ``exc`` is in a schema: unsupported where it names
+    a regex construct or a bound past llama.cpp's, else invalid or unsatisfiable."""
+    text = str(exc)
+    if text.startswith("unsupported") or "over llama.cpp's limit" in text:
+        return UnsupportedSchemaError
+    return GrammarError

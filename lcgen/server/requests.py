@@ -441,25 +441,7 @@ def _logit_bias(bias: dict[str, float] | None, n_vocab: int) -> dict[int, float]
 def _constraint(req: ChatRequest | CompletionRequest) -> dict[str, Any]:
     """The one constraint given (response_format, grammar, regex or choice) as a grammar;
     tools may come with a response_format (it shapes a reply that is not calls)."""
-    callable_tools, required, parallel = [], False, False
-    if isinstance(req, ChatRequest):
-        callable_tools, required, parallel = (
-            req.callable_tools(),
-            req.tool_required,
-            req.tool_parallel,
-        )
-    reply_format = _format_schema(req)
-    given: list[tuple[str, Any]] = [
-        (name, value)
-        for name, value in (
-            ("tools", (callable_tools, required, parallel) if callable_tools else None),
-            ("response_format", reply_format),
-            ("grammar", req.grammar),
-            ("regex", req.regex),
-            ("choice", req.choice),
-        )
-        if value is not None
-    ]
+    given = _given_constraints(req)
     names = [name for name, _ in given]
     if len(given) > 1 and names != ["tools", "response_format"]:
         raise APIError(400, f"give at most one constraint; got {names}", param=names[1])
@@ -471,6 +453,35 @@ def _constraint(req: ChatRequest | CompletionRequest) -> dict[str, Any]:
         return {"grammar": _checked("tools", lambda: lcgen.tools.grammar(*value))}
     name, value = given[0]
     return {"grammar": _checked(name, lambda: _compile(name, value))}
+
+
+def constraint_field(req: ChatRequest | CompletionRequest) -> str | None:
+    """The field the request's constraint comes from (tools, where a response_format comes
+    with them); None without one."""
+    given = _given_constraints(req)
+    return given[0][0] if given else None
+
+
+def _given_constraints(req: ChatRequest | CompletionRequest) -> list[tuple[str, Any]]:
+    """The constraint fields the request set, with their values, in a fixed order."""
+    callable_tools, required, parallel = [], False, False
+    if isinstance(req, ChatRequest):
+        callable_tools, required, parallel = (
+            req.callable_tools(),
+            req.tool_required,
+            req.tool_parallel,
+        )
+    return [
+        (name, value)
+        for name, value in (
+            ("tools", (callable_tools, required, parallel) if callable_tools else None),
+            ("response_format", _format_schema(req)),
+            ("grammar", req.grammar),
+            ("regex", req.regex),
+            ("choice", req.choice),
+        )
+        if value is not None
+    ]
 
 
 T = TypeVar("T")
@@ -507,13 +518,15 @@ def _format_fallback(schema: Any, strict: bool) -> tuple[Any, lcgen.Grammar]:
     names (an object where it names none), with that type's schema.
 
     Raises:
-        lcgen.GrammarError: the schema is invalid, or strict and unsupported.
+        lcgen.GrammarError: the schema is invalid, no value validates it, or it is strict
+            and unsupported.
     """
     try:
         return schema, lcgen.Grammar.from_json_schema(schema)
-    except lcgen.GrammarError as exc:
-        # Not strict falls back for a schema lcgen cannot enforce, never for an invalid one.
-        if strict or str(exc).startswith("invalid JSON Schema"):
+    except lcgen.UnsupportedSchemaError:
+        # Not strict falls back for a schema lcgen cannot enforce, never for an invalid one
+        # or one no value validates.
+        if strict:
             raise
         named = schema.get("type") if isinstance(schema, dict) else None
         kinds = [named] if isinstance(named, str) else named
