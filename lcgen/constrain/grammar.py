@@ -569,7 +569,9 @@ class GrammarState:
             ) from None
         return self._keep_valid_text(allowed)
 
-    def _too_slow(self, cost: str) -> GrammarTooSlowError:
+    def _too_slow(
+        self, cost: str, work: str = "one mask of the vocabulary by this grammar"
+    ) -> GrammarTooSlowError:
         if traits(self.grammar.gbnf)[1]:
             why = (
                 "llguidance's faster masks are not used for a grammar that negates a class "
@@ -578,7 +580,7 @@ class GrammarState:
         else:
             why = llg_refusal(self.grammar.gbnf, self.grammar.root, self._vocab)
         return GrammarTooSlowError(
-            f"one mask of the vocabulary by this grammar would take {cost} through llama.cpp's "
+            f"{work} would take {cost} through llama.cpp's "
             f"token-by-token check, over the bound of {MAX_MASK_SECONDS:g} s a token; "
             f"llguidance, which masks in microseconds, has none for it: {why}. Make the "
             "grammar smaller (fewer alternatives in a rule)"
@@ -678,8 +680,9 @@ class GrammarState:
             return self._forced_by_llama(limit, deadline)
         except MaskDeadlineError as exc:
             raise self._too_slow(
-                f"about {exc.per_token * exc.n_tokens:.0f} s a character ({exc.n_tokens} tokens "
-                f"to check at {exc.per_token * 1e3:.1f} ms each)"
+                f"over {MAX_MASK_SECONDS:g} s ({exc.n_tokens} tokens to check for each "
+                f"character, at {exc.per_token * 1e3:.1f} ms each)",
+                work="following the text this grammar forces",
             ) from None
 
     def _forced_by_llama(self, limit: int, deadline: float) -> str:

@@ -33,6 +33,7 @@ from lcgen.server.requests import (
     CompletionRequest,
     check_api_key,
     check_cors_origins,
+    constraint_field,
     field_named,
     max_tokens,
     n_logprobs,
@@ -275,10 +276,12 @@ class _Server:
                 # Here, beside the engine: a grammar llguidance refuses may take seconds to
                 # set up and then mask too slowly (GrammarTooSlowError): a 400, not a stall of
                 # every client; compiled grammars are kept, so the engine reuses this work.
-                plan.constraint.check(self.model)
+                _check_constraint(plan.constraint, self.model, constraint_field(req))
         except (TypeError, ValueError, lcgen.LcgenError) as exc:
             param = field_named(str(exc), type(req), req.model_fields_set)
-            code = "grammar_too_slow" if isinstance(exc, lcgen.GrammarTooSlowError) else None
+            code = None
+            if isinstance(exc, lcgen.GrammarTooSlowError):
+                param, code = constraint_field(req), "grammar_too_slow"
             raise APIError(400, str(exc), param=param, code=code) from None
         seeds = [None if req.seed is None else (req.seed + i) % 2**64 for i in range(req.n)]
         return Job(
@@ -428,6 +431,20 @@ class _Count:
     def usage(self, outputs: list[Output]) -> dict[str, Any]:
         cached = sum(outputs[k * self.n].cached_tokens for k in range(len(self.prompts)))
         return usage(sum(map(len, self.prompts)), sum(o.n_tokens for o in outputs), cached)
+
+
+def _check_constraint(grammar: lcgen.Grammar, model: lcgen.Model, field: str | None) -> None:
+    """:meth:`lcgen.Grammar.check`: a grammar llama.cpp rejects is a plain 400 (raised), one
+    that no token can start a 400 ``unsatisfiable_constraints`` naming ``field``."""
+    with grammar.state(model) as state:
+        if state.is_complete:
+            return
+        try:
+            state.allowed()
+        except lcgen.GrammarTooSlowError:
+            raise
+        except lcgen.GrammarError as exc:
+            raise APIError(400, str(exc), param=field, code="unsatisfiable_constraints") from None
 
 
 def _failure(item: Failed) -> APIError:

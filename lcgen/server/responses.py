@@ -115,7 +115,8 @@ class Reply:
 
         A stop string cuts the text, not the tokens: an entry is returned once the text
         reaches its token, and entries of tokens that start past the returned text are
-        dropped (they describe text the reply does not have). A constrained
+        dropped where a stop string ended it (they describe text the reply does not have;
+        else they are tokens with no text, a special token's, returned at the end). A constrained
         choice that a stop string or token cut before it matched ends with ``"length"``, the
         reason OpenAI's clients read as cut short (``"stop"`` would pass it off as complete).
         """
@@ -131,7 +132,9 @@ class Reply:
         entries = [e for e in held if e["text_offset"] < out.n_chars]  # offsets only grow
         out.held = held[len(entries) :]
         if chunk.finish_reason is not None:
-            out.held = []  # their text was cut
+            if chunk.stop is None:  # no stop string cut the text: tokens with none stand
+                entries = held
+            out.held = []  # else their text was cut
             out.finish_reason = FINISH_REASONS[chunk.finish_reason]
             if chunk.finish_reason == "stop" and self._cut_short(out, chunk, healed):
                 out.finish_reason = "length"
