@@ -172,6 +172,12 @@ def _ready_server(
             # the server, silently, for minutes. They end now (503 shutting_down).
             await asyncio.to_thread(stop_requests)
             await super().shutdown(sockets=sockets)
+            ended = getattr(self.lifespan, "shutdown_event", None)
+            if ended is not None and not ended.is_set():
+                # A second Ctrl-C: uvicorn skips the app's own shutdown, whose task then dies
+                # cancelled with the loop (a traceback logged as an error). The requests are
+                # stopped already: it ends at once.
+                await self.lifespan.shutdown()
 
     return Server(config)
 
