@@ -823,15 +823,22 @@ def test_ctrl_c_anywhere_in_open_fork_load_or_save_loses_no_slot_and_leaves_no_l
     forked or loaded lost its slot for good, 1 to 4 interrupts in: none free and none held,
     or an entry live and owned by no sequence; in a cache save it could leave the model's
     lock held (another thread's call then hung)."""
+    # interrupts that landed inside those calls
+    assert _interrupts(_INTERRUPTED, model_path, tmp_path / "s.lcs") > 100
+
+
+def _interrupts(script: str, *args: Path) -> int:
+    """Run ``script`` (a harness of timer interrupts) with ``args``; the interrupts it counted,
+    once it found nothing wrong (else its message fails the test)."""
     done = subprocess.run(
-        [sys.executable, "-c", _INTERRUPTED, str(model_path), str(tmp_path / "s.lcs")],
+        [sys.executable, "-c", script, *map(str, args)],
         capture_output=True,
         text=True,
         timeout=300,
         check=False,
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert int(done.stdout) > 100  # interrupts that landed inside those calls
+    return int(done.stdout)
 
 
 _INTERRUPTED_EDITS = """
@@ -888,15 +895,7 @@ def test_ctrl_c_in_a_cache_clear_or_a_rewind_leaves_the_cell_ledger_in_step(
     cells and the ledger apart for good (eviction, budgets and reuse read the ledger); and a
     rewind so interrupted left the sequence counting cells it no longer had (its next
     generate failed: llama.cpp refused positions past its cells)."""
-    done = subprocess.run(
-        [sys.executable, "-c", _INTERRUPTED_EDITS, str(model_path)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert int(done.stdout) > 20  # interrupts that landed inside those calls
+    assert _interrupts(_INTERRUPTED_EDITS, model_path) > 20  # that landed inside those calls
 
 
 def test_a_step_keeps_its_logits_while_other_threads_decode(cold_model: lcgen.Model) -> None:
