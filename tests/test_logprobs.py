@@ -121,6 +121,23 @@ def test_backtracking_runs_carry_them_per_token(model: lcgen.Model) -> None:
     assert tuple(e for c in chunks for e in c.logprobs) == banned.logprobs
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"banned": ["zebra"]}, {"hooks": [lambda step: None]}, {"speculate": "ngram"}],
+    ids=["plain", "banned", "hook", "speculate"],
+)
+def test_a_chunk_of_one_token_carries_its_top_logprobs(
+    model: lcgen.Model, options: dict[str, object]
+) -> None:
+    """Backtracking and speculative runs' chunks carried none (their entries did)."""
+    chunks = list(model.stream(PROMPT * 3, max_tokens=12, logprobs=2, **options))  # type: ignore[call-overload]
+    one = [c for c in chunks if len(c.tokens) == 1]
+    assert one or "hooks" in options  # (a hook's lookback releases tokens several at once)
+    assert all(len(c.top_logprobs) == 2 for c in one)
+    assert all(c.top_logprobs == c.logprobs[0].top for c in one)
+    assert all(c.top_logprobs == () for c in chunks if len(c.tokens) > 1)
+
+
 def test_a_token_put_in_by_a_hook_has_its_logprob(model: lcgen.Model) -> None:
     plain = model.generate(PROMPT, max_tokens=4, logprobs=3)
     assert plain.logprobs is not None

@@ -109,8 +109,9 @@ class Chunk:
         stop: the stop string that ended generation, if one did.
         logprob: with ``logprobs`` set, the sampled token's log-probability under the model
             (log-softmax of the raw logits, before temperature and filters).
-        top_logprobs: with ``logprobs=n``, the n most likely tokens at this step's position,
-            best first, as :class:`TopLogprob` ``(token, text, logprob)``.
+        top_logprobs: with ``logprobs=n``, the n most likely tokens at the position of the
+            chunk's one token, best first, as :class:`TopLogprob` ``(token, text, logprob)``
+            (a chunk of several tokens carries each one's in ``logprobs``).
         logprobs: with ``logprobs`` set, one :class:`TokenLogprob` per token of this chunk
             (with speculation, hooks, validators or banned phrases a chunk can release several
             tokens; ``logprob`` is then their sum).

@@ -389,11 +389,12 @@ class Backtracker(SequenceRun):
         logprob, entries = None, tuple(self.token_entries[n_tokens - len(tokens) : n_tokens])
         if self.generator.logprobs is not None and tokens:
             logprob = math.fsum(e.logprob for e in entries)
+        top = entries[0].top if len(entries) == 1 else ()  # (several: each entry's own)
         if reason is None:
-            return Chunk(text, tokens, logprob=logprob, logprobs=entries)
+            return Chunk(text, tokens, logprob=logprob, top_logprobs=top, logprobs=entries)
         self.finish_reason = reason
         stop = self.generator.stop_hit
-        return Chunk(text, tokens, reason, stop, logprob, stats=self.stats(), logprobs=entries)
+        return Chunk(text, tokens, reason, stop, logprob, top, stats=self.stats(), logprobs=entries)
 
     def stats(self) -> GenerationStats:
         """What the generation has cost so far."""

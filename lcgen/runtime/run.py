@@ -413,5 +413,6 @@ def _joined(chunks: list[Chunk]) -> Chunk:
         last.finish_reason,
         last.stop,
         logprob,
+        entries[0].top if len(entries) == 1 else (),  # (several: each entry's own)
         logprobs=entries,
     )
