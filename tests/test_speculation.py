@@ -701,3 +701,33 @@ def test_a_short_match_with_several_continuations_drafts_nothing() -> None:
     # a full-length match drafts its latest occurrence's continuation even where older
     # occurrences went elsewhere
     assert drafter.propose([1, 2, 3, 4, 8, 1, 2, 3, 4, 9, 1, 2, 3, 4], room=3) == [9, 1, 2]
+
+
+def test_a_hook_that_raises_inside_a_draft_leaves_the_counts_adding_up(
+    model: lcgen.Model,
+) -> None:
+    """A hook raised on a draft token it had confirmed: that token still counted as accepted,
+    and the step that raised as a step (tokens 30, steps 13, accepted 18)."""
+
+    class Raised(Exception):
+        pass
+
+    calls = 0
+
+    def hook(step: lcgen.Step) -> None:
+        nonlocal calls
+        calls += 1
+        if calls % 7 == 0:
+            raise Raised
+
+    raised = 0
+    with model.sequence(PROMPTS[0]) as seq:
+        run = seq.run(max_tokens=40, hooks=[hook], speculate="ngram")
+        while not run.is_done:
+            try:
+                last = run.step()
+            except Raised:
+                raised += 1
+    s = last.stats
+    assert raised >= 3 and s is not None and s.accepted > 0 and s.rewinds == 0
+    assert s.tokens == s.steps + s.accepted + s.forced

@@ -220,8 +220,8 @@ class SequenceRun:
         rows: each position is sampled as without a draft, and the walk goes on while the
         sampled token equals the draft token decoded there. Then draft for the next step."""
         (row,) = rows
-        self._steps += 1
         chunk = self._advance_one(row) if row.ndim == 1 else self._verify(row)
+        self._steps += 1  # (a step that raised took no token: see _verify for one that did)
         if self._held is not None:
             chunk, self._held = _joined([self._held, chunk]), None
         if self.fast_forward and not self.is_done:
@@ -251,15 +251,17 @@ class SequenceRun:
                 accepted += 1
         except BaseException:
             # The tokens taken before the failure stay (a hook raised on a later one): their
-            # text comes with the next chunk.
+            # text comes with the next chunk, and they count as a step of their own.
             if chunks:
                 held = [self._held] if self._held is not None else []
                 self._held = _joined([*held, *chunks])
+                self._steps += 1
             raise
         finally:
             seq.drop_draft()
             self._drafted += len(rows) - 1
-            self._accepted += accepted
+            # The draft tokens taken (a hook may have raised on a confirmed one: not taken).
+            self._accepted += max(len(chunks) - 1, 0)
             assert self.drafter is not None
             self.drafter.feedback(len(rows) - 1, accepted)
         return _joined(chunks)
