@@ -7,6 +7,7 @@ SmolLM2, of JSON on Gemma 3's 262k vocabulary (with its user-defined tokens such
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -220,7 +221,9 @@ def test_a_grammar_too_large_for_llguidance_raises_instead_of_masking_for_minute
     with grammar.state(model) as state, pytest.raises(GrammarTooSlowError) as raised:
         state.allowed()
     message = str(raised.value)
-    assert "tokens to check at" in message and "llguidance refused it" in message
+    # (the cost projected, or found past the bound while the candidates were gathered)
+    assert re.search(r"would take (about \d+ s \(\d+ tokens to check at|over \d+ s)", message)
+    assert "llguidance refused it" in message
     with pytest.raises(GrammarTooSlowError):
         model.generate("Words:", grammar=grammar, max_tokens=4, temperature=0)
 
