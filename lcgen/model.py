@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import functools
+import hashlib
 import itertools
 import os
 import re
@@ -21,7 +22,7 @@ import numpy as np
 
 from lcgen._native.context import KV_TYPES
 from lcgen._native.cpu import performance_cores
-from lcgen._native.log import init, supports_gpu_offload
+from lcgen._native.log import init, supports_gpu_offload, system_info
 from lcgen._native.model import ModelHandle, render_chat_template
 from lcgen._numbers import check_bool
 from lcgen._unshared import Unshared
@@ -355,6 +356,27 @@ class Model(Unshared):
     def fingerprint(self) -> str:
         """A hash of the GGUF metadata and sizes; saved sequences carry it."""
         return self._handle.fingerprint()
+
+    @functools.cached_property
+    def system_fingerprint(self) -> str:
+        """A hash of what a seeded output depends on besides the request: the model's
+        fingerprint, lcgen's and llama.cpp's versions, the CPU features llama.cpp's kernels use
+        (AVX2 and AVX-512 round differently), the backend and the context settings that change
+        the numbers (flash attention, KV types, ``n_batch``). The server sends it as OpenAI's
+        ``system_fingerprint``."""
+        import lcgen  # (this module is imported while the package's __init__ runs)
+
+        parts = (
+            lcgen.__version__,
+            system_info(),
+            self.fingerprint,
+            self.backend,
+            self.flash_attn,
+            self.type_k,
+            self.type_v,
+            self.context.n_batch,
+        )
+        return "fp_" + hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
     @property
     def is_closed(self) -> bool:

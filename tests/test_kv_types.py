@@ -38,12 +38,20 @@ def test_bad_names_are_refused_before_loading(tmp_path: Path) -> None:
 
 def test_auto_values_are_bf16_on_the_cpu_with_flash_attention(model_path: Path) -> None:
     on_cpu = {"n_gpu_layers": 0, "n_ctx": 256, "n_threads": 1}
+    fingerprints = []
     with lcgen.Model(model_path, type_v="auto", **on_cpu) as m:
         assert (m.type_v, m.context.kv_types) == ("bf16", ("f16", "bf16"))
+        fingerprints.append(m.system_fingerprint)
     with lcgen.Model(model_path, type_v="auto", flash_attn=False, **on_cpu) as m:
         assert (m.type_v, m.context.kv_types) == ("f16", ("f16", "f16"))
+        fingerprints.append(m.system_fingerprint)
     with lcgen.Model(model_path, n_ctx=256, n_threads=1) as m:
         assert m.type_v == "f16"  # the library's default stays llama.cpp's
+        fingerprints.append(m.system_fingerprint)
+    with lcgen.Model(model_path, n_ctx=256, n_threads=2, n_seq_max=4) as m:  # no number changes
+        fingerprints.append(m.system_fingerprint)
+    # the set-ups whose numbers differ have their own system fingerprints
+    assert len(set(fingerprints)) == 3 and fingerprints[2] == fingerprints[3]
 
 
 def test_quantized_values_need_flash_attention(model_path: Path) -> None:

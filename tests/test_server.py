@@ -132,6 +132,10 @@ def test_chat_stream_joins_to_the_whole_reply(client: openai.OpenAI, model: lcge
     assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens
     # the chunks before the usage chunk say "usage": null, as OpenAI's
     assert all("usage" in c.model_fields_set and c.usage is None for c in chunks[:-1])
+    # every object names the set-up that made it (what a seed's output depends on besides it)
+    fingerprint = model.system_fingerprint
+    assert fingerprint.startswith("fp_") and whole.system_fingerprint == fingerprint
+    assert {c.system_fingerprint for c in chunks} == {fingerprint}
     options = {"include_usage": False, "include_obfuscation": False}  # accepted, nothing padded
     assert (
         streamed_texts(chat(client, max_tokens=24, stream=True, stream_options=options))[0] == texts
@@ -153,8 +157,10 @@ def test_completion_n3_seeded_stream_equals_whole(
     }
     whole = client.completions.create(**options)
     assert sorted(c.index for c in whole.choices) == [0, 1, 2]
-    texts, _ = streamed_texts(client.completions.create(stream=True, **options), "text")
+    texts, chunks = streamed_texts(client.completions.create(stream=True, **options), "text")
     assert texts == {c.index: c.text for c in whole.choices}
+    fingerprints = {whole.system_fingerprint, *(c.system_fingerprint for c in chunks)}
+    assert fingerprints == {model.system_fingerprint}
     assert whole.usage.prompt_tokens == len(model.tokenize("Once upon a time"))
     # Greedy choices are the same text wherever the two best tokens are not nearly tied (each
     # choice's cells sit elsewhere in the pool, which moves logits in their last bits).

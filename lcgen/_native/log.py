@@ -107,4 +107,6 @@ def supports_gpu_offload() -> bool:
 
 
 def system_info() -> str:
-    return bytes(C.llama_print_system_info()).decode("utf-8", "replace").strip()
+    """llama.cpp's version and the CPU features its kernels were built for and found."""
+    info = bytes(C.llama_print_system_info()).decode("utf-8", "replace").strip()
+    return f"llama-cpp-python {getattr(C, '__version__', '?')}: {info}"

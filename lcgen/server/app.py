@@ -316,6 +316,7 @@ class _Server:
             parallel,
             plans,
             include_usage=req.include_usage,
+            fingerprint=self.model.system_fingerprint,
         )
         count = _Count(prompts, req.n)
         outputs = [Output(i) for i in range(len(prompts) * req.n)]

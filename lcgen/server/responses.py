@@ -84,6 +84,8 @@ class Reply:
         plans: the choices' generation plans (to tell a constrained reply cut short).
         include_usage: a stream ends with a usage chunk (``stream_options.include_usage``):
             the chunks before it carry ``"usage": null``, as OpenAI's.
+        fingerprint: the ``system_fingerprint`` every object carries (see
+            :func:`system_fingerprint`).
     """
 
     def __init__(
@@ -96,7 +98,9 @@ class Reply:
         parallel: bool = False,
         plans: list[lcgen.Plan] | None = None,
         include_usage: bool = False,
+        fingerprint: str | None = None,
     ) -> None:
+        self.fingerprint = fingerprint
         self.kind, self.model_name, self.model, self.with_logprobs = (
             kind,
             model_name,
@@ -201,6 +205,7 @@ class Reply:
             "object": kind,
             "created": self.created,
             "model": self.model_name,
+            "system_fingerprint": self.fingerprint,
             "choices": choices,
         }
         if chunk and self.include_usage:
