@@ -480,6 +480,19 @@ CASES = [
     ),
     # keywords that combine, branch or negate (the Test Suite walk covers them in breadth) --
     Case("multipleOf-integer", {"type": "integer", "multipleOf": 3}, [0, 3, -12, 99], [1, 4, -7]),
+    # a step of 1 with a value excluded: the empty range below it is left out, not an error
+    Case(
+        "multipleOf-1-not-const",
+        {"type": "number", "multipleOf": 1, "minimum": 1, "not": {"const": 1}},
+        [2, 3, 40],
+        [1, 0, 2.5],
+    ),
+    Case(
+        "multipleOf-1-empty-branch",
+        {"anyOf": [{"type": "integer", "multipleOf": 1, "minimum": 5, "maximum": 3}, {}]},
+        ["x", 4, None],
+        [],
+    ),
     Case(
         "multipleOf-bounded",
         {"type": "integer", "multipleOf": 5, "minimum": 7, "maximum": 31},

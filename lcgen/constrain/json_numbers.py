@@ -92,12 +92,13 @@ class NumberRules:
 
     def multiples(self, step: int, lo: int | None, hi: int | None, path: str) -> str:
         """The integers in [lo, hi] that are multiples of ``step``."""
-        if step == 1:
-            return g.integer_range(lo, hi)
         if lo is not None and hi is not None:
             first, last = -(-lo // step) * step, hi // step * step
             if first > last:
                 raise Unsatisfiable(f"no multiple of {step} lies within the bounds at {path}")
+        if step == 1:
+            return g.integer_range(lo, hi)
+        if lo is not None and hi is not None:
             if (last - first) // step < MAX_LISTED:
                 texts = [str(v) for v in range(first, last + 1, step)]
                 return g.trie(texts, self.rules, "multiple")  # a prefix tree: see g.trie
