@@ -862,7 +862,7 @@ class Model(Unshared):
         finally:
             for seq in opened:
                 seq.close()
-        return [Text.of(parts) for parts in chunks], healed
+        return [Text.of(parts, plan.logprobs is not None) for parts in chunks], healed
 
     def _share_prefixes(self, prompts: list[list[int]], opened: list[Sequence]) -> None:
         """Decode the prefixes two or more of ``prompts`` share, once, each in a live sequence

@@ -89,6 +89,13 @@ def test_chat_stream_and_batch_carry_them(model: lcgen.Model) -> None:
 
 def test_without_logprobs_there_are_none(model: lcgen.Model) -> None:
     assert model.generate(PROMPT, max_tokens=3).logprobs is None
+    # asked for, with no token kept: none, not None
+    assert model.generate(PROMPT, max_tokens=0, logprobs=2).logprobs == ()
+    rejected = model.generate(
+        PROMPT, max_tokens=3, logprobs=2, hooks=[lambda step: lcgen.Rewind(1)], max_retries=1
+    )
+    assert rejected.finish_reason == "retries" and rejected.logprobs == ()
+    assert model.generate([PROMPT, PROMPT], max_tokens=0, logprobs=1)[1].logprobs == ()
     assert all(c.logprobs == () for c in model.stream(PROMPT, max_tokens=3))
 
 

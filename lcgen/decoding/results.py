@@ -189,11 +189,12 @@ class Text(str):
     tool_calls: tuple[ToolCall, ...] = ()
 
     @classmethod
-    def of(cls, chunks: Iterable[Chunk]) -> Text:
-        """Join a generation's chunks."""
+    def of(cls, chunks: Iterable[Chunk], logprobs: bool | None = None) -> Text:
+        """Join a generation's chunks; ``logprobs``: whether they were asked for (None: where
+        every token has an entry), so a generation that kept no token has ``()``."""
         parts: list[str] = []
         tokens: list[int] = []
-        logprobs: list[TokenLogprob] = []
+        entries: list[TokenLogprob] = []
         each_token_has_one = True
         last: Chunk | None = None
         for last in chunks:
@@ -201,14 +202,16 @@ class Text(str):
                 raise TypeError(f"Text.of joins a generation's Chunks, got {last!r:.60}")
             parts.append(last.text)
             tokens.extend(last.tokens)
-            logprobs.extend(last.logprobs)
+            entries.extend(last.logprobs)
             each_token_has_one &= len(last.logprobs) == len(last.tokens)
         text = cls("".join(parts))
         text.finish_reason = last.finish_reason if last else "length"
         text.stop = last.stop if last else None
         text.tokens = tuple(tokens)
         text.stats = (last.stats if last else None) or GenerationStats()
-        text.logprobs = tuple(logprobs) if logprobs and each_token_has_one else None
+        if logprobs is None:
+            logprobs = bool(entries) and each_token_has_one
+        text.logprobs = tuple(entries) if logprobs else None
         text.tool_calls = last.tool_calls if last else ()
         return text
 

@@ -278,7 +278,7 @@ class Sequence(TokenSequence):
         """
         plan = make_plan(schema=schema, **options)
         run = self.run_plan(plan)
-        text = Text.of(chunks_of(run))
+        text = Text.of(chunks_of(run), plan.logprobs is not None)
         healed = run.generator.healed
         plan.check_complete(text, self.vocab, healed)
         return text if schema is None else parse_structured(text, schema, healed)
