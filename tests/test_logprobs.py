@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import pytest
@@ -195,6 +196,25 @@ def test_a_split_character_belongs_to_its_last_token(
         top = chunk.logprobs[0].top
         assert isinstance(top[0], TopLogprob) and top[0].token == token
         assert top[0].text == "\ufffd"  # one byte of a character, read alone
+
+
+def test_a_split_character_at_a_retries_end_belongs_to_its_last_token(
+    model: lcgen.Model,
+) -> None:
+    first_byte = model.vocab.byte_tokens["日".encode()[0]]
+
+    def hook(step: lcgen.Step) -> lcgen.Override | lcgen.Resample | None:
+        if step.index == 0 and step.token != first_byte:
+            return lcgen.Override(first_byte)
+        return lcgen.Resample(exclude=[step.token]) if step.index == 1 else None
+
+    options: dict[str, Any] = {"max_tokens": 4, "logprobs": 1, "hooks": [hook], "max_retries": 2}
+    text = model.generate(PROMPT, **options)
+    assert text.finish_reason == "retries" and text.tokens == (first_byte,)
+    assert text.logprobs is not None
+    assert "".join(e.text for e in text.logprobs) == str(text) == "\ufffd"
+    chunks = list(model.stream(PROMPT, **options))
+    assert [e.text for c in chunks for e in c.logprobs] == [c.text for c in chunks if c.text]
 
 
 # scoring a prompt ---------------------------------------------------------------------------

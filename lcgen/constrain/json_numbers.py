@@ -96,12 +96,11 @@ class NumberRules:
             first, last = -(-lo // step) * step, hi // step * step
             if first > last:
                 raise Unsatisfiable(f"no multiple of {step} lies within the bounds at {path}")
-        if step == 1:
-            return g.integer_range(lo, hi)
-        if lo is not None and hi is not None:
-            if (last - first) // step < MAX_LISTED:
+            if step > 1 and (last - first) // step < MAX_LISTED:
                 texts = [str(v) for v in range(first, last + 1, step)]
                 return g.trie(texts, self.rules, "multiple")  # a prefix tree: see g.trie
+        if step == 1:
+            return g.integer_range(lo, hi)
         if hi is None and (lo is None or lo <= 0):  # no bound a multiple could pass
             return self.divisible(step, 0, signed=lo is None, path=path)
         options = []

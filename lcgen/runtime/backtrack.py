@@ -15,7 +15,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Set
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -23,6 +23,7 @@ from lcgen.decoding import Chunk, GenerationStats, Generator, Override, Resample
 from lcgen.decoding.options import Backtracking
 from lcgen.decoding.results import FinishReason
 from lcgen.decoding.speculation import Drafter
+from lcgen.decoding.text import decode_flush
 from lcgen.errors import NoCandidatesError, RewindError
 from lcgen.runtime.checkpoint import Checkpoint
 from lcgen.runtime.run import SequenceRun
@@ -365,7 +366,11 @@ class Backtracker(SequenceRun):
     def _end(self, reason: FinishReason) -> Chunk:
         """Finish early; first cut any banned match that counts now that the text ends."""
         while True:
+            held = self.generator.text_state.held_bytes
             self._out += self.generator.end(reason).text
+            if held and self.token_entries:  # a split character's U+FFFD: its last token's text
+                last = self.token_entries[-1]
+                self.token_entries[-1] = replace(last, text=last.text + decode_flush(held))
             start = self.banned.find(self._out, self._scan_from, True) if self.banned else None
             if start is None:
                 return self._chunk(
