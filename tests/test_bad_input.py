@@ -646,6 +646,10 @@ def test_numpy_numbers_are_taken_where_numbers_are(model: lcgen.Model) -> None:
     got = model.sequence(tokens).generate(**as_numpy)  # type: ignore[arg-type]
     assert got.tokens == expected.tokens
     assert lcgen.Override(first).token == int(first)  # type: ignore[arg-type]
+    gen = lcgen.Generator(model, max_tokens=3)
+    chunk = gen.accept(np.argmax(np.arange(model.n_vocab) == first))  # a numpy integer
+    assert type(chunk.tokens[0]) is int and type(gen.tokens[0]) is int
+    assert chunk.tokens == (int(first),)
     with model.sequence("Hi there") as seq:
         seq.generate(max_tokens=3)
         seq.rewind(np.int64(2))  # type: ignore[arg-type]

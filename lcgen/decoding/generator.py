@@ -314,7 +314,7 @@ class Generator:
             GrammarError: the grammar forbids the token here.
         """
         self._check_not_done()
-        self.vocab.check_tokens([token])
+        token = self.vocab.check_id(token)  # (a numpy integer as the int it holds)
         self._check_heals(token)  # before the grammar moves: a refused token changes nothing
         if self.grammar is not None:
             self.grammar.accept(token)
