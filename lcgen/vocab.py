@@ -9,6 +9,7 @@ token. Built once per model; the tables over the whole vocabulary are built on f
 from __future__ import annotations
 
 import bisect
+import contextlib
 import functools
 import operator
 from collections.abc import Iterable
@@ -258,9 +259,10 @@ class Vocab:
         Raises:
             LookupError: neither spells it (the vocabulary lacks a single-byte token it needs).
         """
-        tokens = self.tokenize(data.decode("utf-8"), add_bos=False)
-        if b"".join(self.special_piece(t) for t in tokens) == data:
-            return tokens
+        with contextlib.suppress(UnicodeDecodeError):  # (part of a character: byte by byte)
+            tokens = self.tokenize(data.decode("utf-8"), add_bos=False)
+            if b"".join(self.special_piece(t) for t in tokens) == data:
+                return tokens
         by_byte = self.byte_tokens
         missing = sorted({b for b in data if b not in by_byte})
         if missing:

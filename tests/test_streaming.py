@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -125,6 +126,35 @@ def test_a_sequence_saved_before_healing_replaced_its_token_keeps_its_prompt(
     with lcgen.Sequence.from_bytes(model, saved) as back:
         assert back.text == "The capital of Fra"
         assert back.generate(max_tokens=4, token_healing=True) == healed
+
+
+def test_a_generation_that_ends_before_healing_is_done_keeps_the_prompt(
+    model: lcgen.Model,
+) -> None:
+    """Healing took ' Fra' off 'The capital of Fra'; a generation that ended before its
+    tokens wrote it again left the sequence without it (the next call went on from there)."""
+    prompt = "The capital of Fra"
+    (space,) = model.tokenize(" ", add_bos=False)  # continues ' Fra' but does not finish it
+
+    def first_a_space(step: lcgen.Step) -> lcgen.Override | None:
+        return lcgen.Override(space) if step.index == 0 and step.token != space else None
+
+    cases: list[dict[str, Any]] = [
+        {"max_tokens": 0},
+        {"max_tokens": 1, "hooks": [first_a_space]},
+        {"max_tokens": 4, "hooks": [lambda step: lcgen.Rewind(1)], "max_retries": 1},
+    ]
+    for options in cases:
+        with model.sequence(prompt) as seq:
+            out = seq.generate(token_healing=True, **options)
+            assert out == "" and seq.text == prompt, options
+            after = seq.generate(max_tokens=3)  # goes on from the whole prompt
+            assert seq.text == prompt + after
+    with model.sequence(prompt) as seq:  # a stream closed part way
+        stream = seq.stream(max_tokens=4, token_healing=True, hooks=[first_a_space])
+        assert next(stream).text == ""
+        stream.close()
+        assert seq.text == prompt
 
 
 @pytest.mark.parametrize(

@@ -232,6 +232,7 @@ class SequenceRun:
             else:
                 self._draft(self.drafter)
         if chunk.finish_reason is not None:
+            self.sequence.end_heal(self.generator.heal)
             chunk = dataclasses.replace(chunk, stats=self.stats())
         return chunk
 

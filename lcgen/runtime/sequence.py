@@ -223,6 +223,8 @@ class Sequence(TokenSequence):
             if before is not None:
                 self._unheal(before)  # the healed token back: a refused call changes nothing
             raise
+        if gen.is_done:  # max_tokens=0: nothing re-creates the healed text
+            self.end_heal(gen.heal)
         if plan.sampler.seed is not None:
             self.reseed(plan.sampler.seed)
         self.keep_next = True  # the logits after the prompt, for a later run on the same one
@@ -298,8 +300,12 @@ def chunks_of(run: PlainRun | Backtracker) -> Iterator[Chunk]:
     yields)."""
     if run.is_done:  # max_tokens=0: still a last chunk, with the finish reason and stats
         yield Chunk("", (), run.generator.finish_reason, stats=run.stats())
-    while not run.is_done:
-        yield run.step()
+    try:
+        while not run.is_done:
+            yield run.step()
+    finally:  # a stream closed or failed part way: the run is dropped
+        if not run.is_done:
+            run.sequence.end_heal(run.generator.heal)
 
 
 def _checked_rng_log(log: object, n_tokens: int, rng: np.random.Generator) -> dict[int, RngState]:

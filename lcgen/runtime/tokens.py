@@ -345,6 +345,19 @@ class TokenSequence(Unshared):
         self._stamps.append(after)
         return True
 
+    def end_heal(self, rest: bytes) -> None:
+        """A generation ended before its tokens re-created the text token healing removed
+        (``rest`` of it is left): put that text back, so the sequence still spells its
+        prompt and the output. Where no token was generated, the removed token itself."""
+        if not rest or self._healed is None:
+            return
+        pos, token, before, after = self._healed
+        if pos == len(self._tokens) and self._stamps[pos] == before:
+            self._tokens.append(token)
+            self._stamps.append(after)
+        else:
+            self.append_tokens(self.vocab.spell(rest))
+
     def _whole_tokens(self) -> list[int]:
         """The tokens, with the one token healing removed put back while nothing has replaced
         it yet (a sequence saved then is its prompt, not the prompt cut short)."""
