@@ -647,7 +647,7 @@ class Model(Unshared):
         constraint and given the tools' grammar."""
         check_options(plan, schema, options)
         if plan is not None:
-            options["grammar"] = plan.grammar()  # check_options saw none given
+            options["grammar"] = plan.grammar(options.get("json_whitespace", "flexible"))
         return self._chat_prompt(messages, plan)
 
     # generation ------------------------------------------------------------------------

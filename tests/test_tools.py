@@ -10,8 +10,11 @@ cache. Bad input is refused, named.
 from __future__ import annotations
 
 import datetime
+import decimal
+import enum
 import json
 import re
+import uuid
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -556,3 +559,129 @@ def test_a_pydantic_tool_s_call_has_only_its_fields(chat_model: lcgen.Model) -> 
     reply = chat_model.chat(ask, tools=[Search], tool_choice="required", max_tokens=60)
     (call,) = check_calls(reply, [Search])
     assert set(call.arguments) == {"query"}
+
+
+class Priced(pydantic.BaseModel):
+    """Price an item."""
+
+    amount: decimal.Decimal = Field(max_digits=4, decimal_places=2)
+
+
+class Booking(pydantic.BaseModel):
+    """Book a table."""
+
+    when: pydantic.FutureDate
+
+
+def lookup(ids: dict[int, str]) -> str:
+    """Look up users by numeric id."""
+    return repr(ids)
+
+
+def _call(name: str, arguments: str) -> str:
+    return f'{{"name": "{name}", "arguments": {arguments}}}'
+
+
+@pytest.mark.parametrize(
+    ("tool", "arguments", "accepted"),
+    [
+        (Priced, '{"amount": 12.5}', True),
+        (Priced, '{"amount": "12.50"}', True),
+        (Priced, '{"amount": 12.345}', False),  # decimal_places=2
+        (Priced, '{"amount": 123.4}', False),  # max_digits=4
+        (Priced, '{"amount": "x"}', False),
+        (lookup, '{"ids": {"12": "ann"}}', True),
+        (lookup, '{"ids": {"ids": "123"}}', False),  # pydantic reads the keys as ints
+    ],
+)
+def test_a_pydantic_tool_s_grammar_keeps_to_what_pydantic_checks(
+    chat_model: lcgen.Model, tool: Any, arguments: str, accepted: bool
+) -> None:
+    # As schema= reads a model: the model is told pydantic's schema, the grammar holds the
+    # arguments to what pydantic's validation takes, so invoking a call never refuses it.
+    made = Tool.of(tool)
+    assert made.constraint is not None and made.constraint != made.parameters
+    validate(json.loads(arguments), made.parameters)  # pydantic's schema takes them all
+    grammar = lcgen.tools.grammar([made], required=True)
+    assert grammar.accepts(chat_model, _call(made.name, arguments)) is accepted
+    if accepted:
+        made.invoke(ToolCall.new(made.name, json.loads(arguments)))
+
+
+def test_a_tool_of_a_type_no_grammar_holds_to_is_refused_as_schema_does(
+    chat_model: lcgen.Model,
+) -> None:
+    with pytest.raises(lcgen.GrammarError, match="FutureDate"):
+        chat_model.chat(ASK, schema=Booking, max_tokens=1)
+    with pytest.raises(lcgen.GrammarError, match="FutureDate"):
+        chat_model.chat(ASK, tools=[Booking], max_tokens=1)
+    assert Tool.of(get_weather).constraint is None  # pydantic's schema says it all
+
+
+class Inner(pydantic.BaseModel):
+    model_config = pydantic.ConfigDict(strict=True)
+    when: datetime.date
+
+
+class Color(enum.Enum):
+    RED = "red"
+
+
+def strict_plan(
+    inner: Inner,
+    day: Annotated[datetime.date, pydantic.Strict()],
+    color: Annotated[Color, pydantic.Strict()],
+    code: Annotated[uuid.UUID, pydantic.Strict()],
+    pair: Annotated[tuple[int, int], pydantic.Strict()],
+) -> tuple[Any, ...]:
+    """Plan with strict parameters."""
+    return inner, day, color, code, pair
+
+
+def test_a_function_s_strict_parameters_take_their_json_forms() -> None:
+    # validated as Python values, every strict parameter refused the JSON the grammar wrote
+    code = "123e4567-e89b-12d3-a456-426614174000"
+    arguments = {
+        "inner": {"when": "2024-01-02"},
+        "day": "2025-03-04",
+        "color": "red",
+        "code": code,
+        "pair": [1, 2],
+    }
+    tool = Tool.of(strict_plan)
+    validate(arguments, tool.parameters)
+    assert tool.invoke(ToolCall.new("strict_plan", arguments)) == (
+        Inner(when=datetime.date(2024, 1, 2)),
+        datetime.date(2025, 3, 4),
+        Color.RED,
+        uuid.UUID(code),
+        (1, 2),
+    )
+    with pytest.raises(lcgen.SchemaValidationError, match="pair"):
+        tool.invoke(ToolCall.new("strict_plan", {**arguments, "pair": [1, 2, 3]}))
+
+
+@pytest.mark.parametrize(("whitespace", "pretty"), [("flexible", True), ("compact", False)])
+def test_a_tool_plan_s_calls_take_the_json_whitespace(
+    chat_model: lcgen.Model, whitespace: Literal["flexible", "compact"], pretty: bool
+) -> None:
+    call = {"name": "get_weather", "arguments": {"city": "Rome"}}
+    plan = lcgen.tools.ToolPlan((Tool.of(get_weather),), required=True)
+    grammar = plan.grammar(whitespace)
+    assert grammar.accepts(chat_model, json.dumps(call, separators=(",", ":")))
+    assert grammar.accepts(chat_model, json.dumps(call, indent=2)) is pretty
+    with pytest.raises(ValueError, match="'tight'"):
+        plan.grammar("tight")  # type: ignore[arg-type]
+
+
+def test_compact_json_whitespace_writes_the_calls_without_whitespace(
+    chat_model: lcgen.Model,
+) -> None:
+    options: dict[str, Any] = {"tools": [get_weather], "tool_choice": "required", "max_tokens": 60}
+    reply = chat_model.chat(ASK, json_whitespace="compact", **options)
+    (call,) = reply.tool_calls
+    text = chat_model.detokenize(reply.tokens)
+    compact = json.dumps({"name": call.name, "arguments": call.arguments}, separators=(",", ":"))
+    assert text == compact
+    streamed = lcgen.Text.of(chat_model.chat_stream(ASK, json_whitespace="compact", **options))
+    assert chat_model.detokenize(streamed.tokens) == text

@@ -215,3 +215,9 @@ def pydantic_schema(model_cls: type[Any]) -> dict[str, Any]:
         schema_generator=_precise_schema_generator()
     )
     return dict(_exact(schema))
+
+
+def adapter_schema(adapter: Any) -> dict[str, Any]:
+    """:func:`pydantic_schema` of a ``pydantic.TypeAdapter`` (a function's arguments)."""
+    schema: dict[str, Any] = adapter.json_schema(schema_generator=_precise_schema_generator())
+    return dict(_exact(schema))

@@ -33,17 +33,24 @@ class Tool:
         function: what :meth:`invoke` runs: the Python function or pydantic model class the
             tool was made from (None: made from a dict; give one to invoke it). Tools that
             differ only in it are equal.
+        constraint: the JSON Schema the grammar holds a call's arguments to where it says
+            more than ``parameters`` (None: ``parameters``): for a function or pydantic model,
+            what pydantic checks beyond the schema it writes, as ``schema=`` reads a model (a
+            Decimal's places, a ``dict[int, ...]``'s keys; see
+            :meth:`lcgen.Grammar.from_pydantic`). It may hold lcgen's own formats, so the
+            model is told ``parameters``.
 
     Raises:
         ValueError: a name of other characters, empty, or longer than 64.
-        TypeError: a name or description that is not a str, parameters that are not a
-            mapping, or a function that is not callable.
+        TypeError: a name or description that is not a str, parameters or a constraint that
+            are not a mapping, or a function that is not callable.
     """
 
     name: str
     parameters: dict[str, Any] | None = None
     description: str | None = None
     function: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
+    constraint: dict[str, Any] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -52,13 +59,16 @@ class Tool:
             raise ValueError(
                 f"the tool name {self.name!r} is not 1 to 64 ASCII letters, digits, '_' or '-'"
             )
-        if self.parameters is not None:
-            if not isinstance(self.parameters, Mapping):
+        for key in ("parameters", "constraint"):
+            schema = getattr(self, key)
+            if schema is None:
+                continue
+            if not isinstance(schema, Mapping):
                 raise TypeError(
-                    f"the parameters of tool {self.name!r} are a JSON Schema (a dict), got "
-                    f"{shown(self.parameters)}"
+                    f"the {key} of tool {self.name!r} are a JSON Schema (a dict), got "
+                    f"{shown(schema)}"
                 )
-            object.__setattr__(self, "parameters", dict(self.parameters))
+            object.__setattr__(self, key, dict(schema))
         if self.description is not None and not isinstance(self.description, str):
             raise TypeError(
                 f"the description of tool {self.name!r} is a str, got {shown(self.description)}"
@@ -130,14 +140,16 @@ class Tool:
                 f"tool {self.name!r} has no function to invoke (it was made from a dict): make "
                 "it from one, or give Tool(..., function=...)"
             )
+        # Validated as JSON, as the grammar wrote it: strict types (a strict date, enum, UUID,
+        # tuple) take their JSON forms there, and refuse them as Python values.
         text = json.dumps(call.arguments, ensure_ascii=False)
         model_validate = getattr(fn, "model_validate_json", None)
-        if model_validate is not None:  # a pydantic model class: its instance, as from JSON
+        if model_validate is not None:  # a pydantic model class: its instance
             return _validated(model_validate, text, text, fn)
         import pydantic
 
-        check = pydantic.validate_call(_arguments(fn))
-        arguments = _validated(lambda given: check(**given), call.arguments, text, fn)
+        adapter = pydantic.TypeAdapter(cast(Any, _arguments(fn)))
+        arguments = _validated(adapter.validate_json, text, text, fn)
         return fn(**arguments)
 
     def as_openai(self) -> dict[str, Any]:
@@ -181,15 +193,16 @@ def _of_model(model: type[Any]) -> Tool:
     (its docstring) become the tool's name and description."""
     import pydantic
 
+    from lcgen.constrain.pydantic_schema import pydantic_schema
+
     if not issubclass(model, pydantic.BaseModel):
         raise TypeError(f"{_KINDS}, got the class {model.__qualname__} (not a pydantic model)")
     try:
-        schema = model.model_json_schema()
+        schemas = model.model_json_schema(), pydantic_schema(model)
     except pydantic.PydanticUserError as exc:
         raise TypeError(f"the pydantic model {model.__name__} has no JSON Schema: {exc}") from None
-    schema.pop("title", None)
-    description = schema.pop("description", None)
-    return Tool(model.__name__, _closed(schema), description, model)
+    description = schemas[0].get("description")
+    return _pydantic_tool(model.__name__, schemas, description, model)
 
 
 def _of_function(fn: Callable[..., Any]) -> Tool:
@@ -197,17 +210,32 @@ def _of_function(fn: Callable[..., Any]) -> Tool:
     passed: ``fn(**call.arguments)``) as pydantic's JSON Schema; ``fn`` runs its calls."""
     import pydantic
 
+    from lcgen.constrain.pydantic_schema import adapter_schema
+
     name = getattr(fn, "__name__", None)
     if not isinstance(name, str):
         raise TypeError(f"{_KINDS}, got {shown(fn)} (a callable without a __name__)")
     _check_signature(fn, name)
     try:
-        schema = pydantic.TypeAdapter(cast(Any, _arguments(fn))).json_schema()
+        adapter = pydantic.TypeAdapter(cast(Any, _arguments(fn)))
+        schemas = adapter.json_schema(), adapter_schema(adapter)
     except (pydantic.PydanticUserError, pydantic.errors.PydanticUndefinedAnnotation) as exc:
         raise TypeError(f"the parameters of function {name!r} have no JSON Schema: {exc}") from None
     doc = inspect.getdoc(fn)
     description = doc.split("\n\n", 1)[0].strip() if doc else ""
-    return Tool(name, _closed(schema), description or None, fn)
+    return _pydantic_tool(name, schemas, description or None, fn)
+
+
+def _pydantic_tool(
+    name: str, schemas: tuple[dict[str, Any], dict[str, Any]], description: str | None, fn: Any
+) -> Tool:
+    """A tool of pydantic's two schemas of ``fn``'s arguments: the one it writes, told to the
+    model as ``parameters``, and the one of what it checks (see
+    :mod:`lcgen.constrain.pydantic_schema`), the grammar's ``constraint`` where it says more."""
+    told, checked = (
+        _closed({k: v for k, v in s.items() if k not in ("title", "description")}) for s in schemas
+    )
+    return Tool(name, told, description, fn, None if checked == told else checked)
 
 
 # Keywords whose value maps names to schemas, and keywords whose value is JSON data (the

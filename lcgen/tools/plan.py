@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Literal
 
 from lcgen.constrain import Grammar
 from lcgen.decoding.results import Chunk, Text, cut_reason
@@ -47,13 +47,17 @@ class ToolPlan:
         formatted = self.reply_format is not None
         return prompt_messages(messages, self.tools, self.required, self.parallel, formatted)
 
-    def grammar(self) -> Grammar:
-        """The reply's constraint (see :func:`~lcgen.tools.grammar`).
+    def grammar(self, whitespace: Literal["flexible", "compact"] = "flexible") -> Grammar:
+        """The reply's constraint (see :func:`~lcgen.tools.grammar`), its JSON of
+        ``whitespace`` (a chat's ``json_whitespace``).
 
         Raises:
             GrammarError: a function's parameters are not a JSON Schema lcgen supports.
+            ValueError: another ``whitespace``.
         """
-        return grammar(self.tools, self.required, self.parallel, self.reply_format)
+        return grammar(
+            self.tools, self.required, self.parallel, self.reply_format, whitespace=whitespace
+        )
 
     def reply(self, text: Text) -> Text:
         """The generated ``text`` as the chat's reply: with its calls in ``tool_calls`` (and

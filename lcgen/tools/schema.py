@@ -16,7 +16,7 @@ import json
 import re
 from collections.abc import Collection
 from collections.abc import Sequence as Seq
-from typing import Any
+from typing import Any, Literal
 from urllib.parse import quote, unquote, urldefrag, urljoin
 
 from lcgen.constrain import Grammar
@@ -34,19 +34,28 @@ def _call_starts(parallel: bool) -> str:
 
 
 def grammar(
-    tools: Seq[Tool], required: bool, parallel: bool = False, reply_format: Any = None
+    tools: Seq[Tool],
+    required: bool,
+    parallel: bool = False,
+    reply_format: Any = None,
+    *,
+    whitespace: Literal["flexible", "compact"] = "flexible",
 ) -> Grammar:
     """The reply's constraint: a call of one of ``tools`` (or, with ``parallel``, a JSON array
     of 1 to ``MAX_PARALLEL`` calls), or (unless ``required``) text that does not start as
     calls do, or with a ``reply_format`` (the JSON Schema of ``response_format``) JSON text
-    valid against it.
+    valid against it. ``whitespace`` is the calls' JSON's (and the format's): ``"flexible"``
+    or ``"compact"`` (see :meth:`lcgen.Grammar.from_json_schema`).
 
     Raises:
-        GrammarError: a function's parameters are not a JSON Schema lcgen supports.
+        GrammarError: a function's parameters (its :attr:`~lcgen.Tool.constraint`) are not a
+            JSON Schema lcgen supports.
+        ValueError: another ``whitespace``.
     """
     if reply_format is not None and not required:
-        return Grammar.from_json_schema(calls_schema(tools, parallel, reply_format))
-    call = Grammar.from_json_schema(calls_schema(tools, parallel))
+        schema = calls_schema(tools, parallel, reply_format)
+        return Grammar.from_json_schema(schema, whitespace=whitespace)
+    call = Grammar.from_json_schema(calls_schema(tools, parallel), whitespace=whitespace)
     if required:
         return call
     # The schema's grammar defines its root on the first line and never refers to it.
@@ -69,12 +78,19 @@ def parameters(tool: Tool) -> dict[str, Any]:
     return tool.parameters
 
 
+def constraint(tool: Tool) -> dict[str, Any]:
+    """The JSON Schema a call's arguments are held to: the function's ``constraint``, else its
+    :func:`parameters`."""
+    return parameters(tool) if tool.constraint is None else tool.constraint
+
+
 def calls_schema(
     tools: Seq[Tool], parallel: bool = False, reply_format: Any = None
 ) -> dict[str, Any]:
     """The JSON Schema of a reply that is calls: one (or, with ``parallel``, an array of 1 to
     ``MAX_PARALLEL``), each ``{"name": <a function's name>, "arguments": <an object valid for
-    its parameters>}``; with ``reply_format`` (a JSON Schema), calls or a value of it.
+    its parameters (its constraint, where it has one)>}``; with ``reply_format`` (a JSON
+    Schema), calls or a value of it.
 
     Each function's parameters go under the wrapper's definitions (``tool0``, ``tool1``, ...),
     so that their root-relative ``$ref`` s (``#``, ``#/$defs/...``, ``#/definitions/...``,
@@ -95,7 +111,7 @@ def calls_schema(
     defs: dict[str, Any] = {}
     calls = []
     for i, tool in enumerate(tools):
-        params = parameters(tool)
+        params = constraint(tool)
         named = params.get("type")
         if (
             named is not None
@@ -144,7 +160,7 @@ def _draft(tools: Seq[Tool], reply_format: Any = None) -> str | None:
     """
     import jsonschema
 
-    schemas = [parameters(t) for t in tools]
+    schemas = [constraint(t) for t in tools]
     if isinstance(reply_format, dict):
         schemas.append(reply_format)
     named = {s.get("$schema") if isinstance(s.get("$schema"), str) else None for s in schemas}
