@@ -841,6 +841,18 @@ def test_regex_is_exact_on_random_text(model: lcgen.Model, data: st.DataObject) 
     assert regex(pattern).accepts(model, text) == (re.fullmatch(pattern, text) is not None)
 
 
+def test_ecma_named_groups_read_as_python_s(model: lcgen.Model) -> None:
+    grammar = regex(r"(?<area>\d{3})-[(?<]")
+    assert grammar.accepts(model, "123-<") and not grammar.accepts(model, "12-<")
+    with pytest.raises(lcgen.GrammarError, match="backreference"):
+        regex(r"(?<x>a)\k<x>")
+    # A JSON Schema pattern is read by jsonschema with Python's re too: one lcgen cannot
+    # enforce there, not an invalid schema.
+    pattern = {"type": "string", "pattern": "^(?<area>[0-9]{3})$"}
+    with pytest.raises(lcgen.UnsupportedSchemaError, match="ECMA-262 named group"):
+        lcgen.Grammar.from_json_schema(pattern)
+
+
 @pytest.mark.parametrize(
     ("pattern", "named"),
     [

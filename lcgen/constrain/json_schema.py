@@ -21,10 +21,12 @@ type, as the specification says.
 
 from __future__ import annotations
 
+import contextlib
 import decimal
 import difflib
 import functools
 import itertools
+import re
 import warnings
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -43,6 +45,7 @@ from lcgen.constrain.json_values import (
     count,
     first_satisfiable,
 )
+from lcgen.constrain.regex import python_spelling
 from lcgen.errors import GrammarError, UnsupportedSchemaError
 
 MAX_ALTERNATIVES = 256
@@ -139,6 +142,14 @@ def _schema_error(exc: jsonschema.SchemaError) -> GrammarError:
         where = f"{parts[-1]} at {_pointer(parts[:-1])}"
     else:
         where = f"the schema at {_pointer(parts)}"
+    if exc.validator == "format" and exc.validator_value == "regex":
+        # (jsonschema reads patterns with Python's re: ECMA-262's (?<name>...) is no error)
+        with contextlib.suppress(re.error):
+            re.compile(python_spelling(exc.instance))
+            return UnsupportedSchemaError(
+                f"{where}: the ECMA-262 named group in {exc.instance!r:.80} is not supported: "
+                "write (?:...) or Python's (?P<name>...)"
+            )
     if not_finite(exc.instance) is not None:
         return GrammarError(
             f"invalid JSON Schema: {where} is {exc.instance!r:.80}, a number that is not finite "

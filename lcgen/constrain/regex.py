@@ -2,7 +2,8 @@
 
 Supported: literals, escapes (``\\n \\t \\xhh \\uhhhh \\Uhhhhhhhh \\N{name}``, octal, escaped
 punctuation), character classes with ranges and negation, ``.``, ``\\d \\w \\s`` and their
-negations (with Python's Unicode meaning), groups (``(...)``, ``(?:...)``, ``(?P<name>...)``),
+negations (with Python's Unicode meaning), groups (``(...)``, ``(?:...)``, ``(?P<name>...)``,
+ECMA-262's ``(?<name>...)``),
 alternation, ``? * + {m} {m,} {,n} {m,n}`` (lazy forms too: same language), and anchors
 (``^ $ \\A \\Z``) at the ends of the top-level alternatives. Anything else (backreferences,
 lookaround, word boundaries, flags, possessive quantifiers, atomic groups, conditionals) raises
@@ -283,6 +284,23 @@ def _char(cp: int) -> Chars:
     return Chars(((cp, cp),))
 
 
+_ECMA_NAMED = re.compile(
+    r"\\k<(?P<ref>[A-Za-z_]\w*)>|\\.|\[(?:\\.|[^\]\\])*\]|\(\?<(?P<group>[A-Za-z_]\w*)>"
+)
+
+
+def python_spelling(pattern: str) -> str:
+    """``pattern`` with ECMA-262's named groups ``(?<name>...)`` and references ``\\k<name>``
+    spelled as Python's ``(?P<name>...)`` and ``(?P=name)`` (outside classes and escapes)."""
+
+    def spelled(m: re.Match[str]) -> str:
+        if m["group"] is not None:
+            return f"(?P<{m['group']}>"
+        return f"(?P={m['ref']})" if m["ref"] is not None else m[0]
+
+    return _ECMA_NAMED.sub(spelled, pattern) if "<" in pattern else pattern
+
+
 def parse(pattern: str, *, portable: bool = False) -> Node:
     """Parse ``pattern`` (checked with Python's ``re`` first) into a syntax tree; with
     ``portable``, one that matches only strings Python's ``re`` and ECMA-262 both match.
@@ -293,6 +311,7 @@ def parse(pattern: str, *, portable: bool = False) -> Node:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", FutureWarning)
+            pattern = python_spelling(pattern)
             re.compile(pattern)
     except (re.error, FutureWarning, OverflowError, RecursionError) as exc:
         # OverflowError: a repetition count beyond re's (a{99999999999999999999});
