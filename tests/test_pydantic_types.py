@@ -57,6 +57,18 @@ class Open(pydantic.BaseModel, extra="allow"):
     n: int
 
 
+# pydantic's tagged union as its documentation writes it: the tag has a default, yet a value
+# without it is refused (union_tag_not_found), so every value has it.
+class Tabby(pydantic.BaseModel):
+    kind: Literal["cat"] = "cat"
+    lives: int
+
+
+class Hound(pydantic.BaseModel):
+    kind: Literal["dog"] = "dog"
+    good: bool
+
+
 # pydantic.color.Color and PaymentCardNumber are deprecated, and still served.
 pytestmark = pytest.mark.filterwarnings("ignore::pydantic.warnings.PydanticDeprecatedSince20")
 
@@ -178,6 +190,11 @@ CASES = [
         list[Cat | Dog],
         ([Cat(kind="cat", lives=3), Dog(kind="dog", good=False)],),
     ),
+    Case(
+        "discriminated-default-tag",
+        list[Annotated[Tabby | Hound, pydantic.Field(discriminator="kind")]],
+        ([Tabby(lives=3), Hound(good=False)],),
+    ),
 ]
 
 
@@ -195,6 +212,7 @@ REFUSED_BY_PYDANTIC = [
     ("http-url", '"a:b"'), ("any-url", '"http:"'), ("stripped", '" a"'),
     ("stripped-config", '" a"'), ("bytes-read-as-base64", '"!"'), ("bytes-read-as-hex", '"0g"'),
     ("pattern", '"("'), ("color", '"#fffffff"'),
+    ("discriminated-default-tag", '[{"lives": 1}]'),
 ]  # fmt: skip
 
 
@@ -319,6 +337,29 @@ def test_types_no_grammar_holds_to_are_refused(name: str, kind: Any, named: str)
     model_cls = pydantic.create_model(f"R_{name.replace('-', '_')}", x=(kind, ...))
     with pytest.raises(lcgen.GrammarError, match=named):
         Grammar.from_pydantic(model_cls)
+
+
+class _NestedAlias(pydantic.BaseModel):
+    x: int = pydantic.Field(validation_alias=pydantic.AliasPath("a", "b"))
+
+
+class _NestedAliasOrName(_NestedAlias, populate_by_name=True):
+    pass
+
+
+class _NestedAliasOrPlain(pydantic.BaseModel):
+    x: int = pydantic.Field(validation_alias=pydantic.AliasChoices(pydantic.AliasPath("a"), "y"))
+
+
+def test_a_field_pydantic_reads_from_a_path_is_refused_unless_its_name_reads(
+    model: lcgen.Model,
+) -> None:
+    """pydantic's schema names such a field ``x``, and its validation refused every output."""
+    with pytest.raises(lcgen.UnsupportedSchemaError, match=r"validation_alias a\.b"):
+        Grammar.from_pydantic(_NestedAlias)
+    for model_cls, text in ((_NestedAliasOrName, '{"x": 1}'), (_NestedAliasOrPlain, '{"a": 1}')):
+        assert Grammar.from_pydantic(model_cls).accepts(model, text)
+        assert _validates(model_cls, text)
 
 
 def test_plain_json_schema_formats_keep_their_meaning(model: lcgen.Model) -> None:

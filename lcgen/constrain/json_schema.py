@@ -364,7 +364,14 @@ class _Compiler(ValueCompiler):
         if "anyOf" in schema:
             alts = self.join(alts, self.union(schema["anyOf"], f"{path}/anyOf"))
         if "oneOf" in schema:
-            self.check_disjoint(schema["oneOf"], path)
+            # OpenAPI's (and pydantic's) discriminator: its property is in every value (pydantic
+            # refuses one without it, even where its field has a default) and tells them apart.
+            found = schema.get("discriminator")
+            tag = found.get("propertyName") if isinstance(found, dict) else None
+            tag = tag if isinstance(tag, str) else None
+            if tag is not None:
+                alts = self.join(alts, [[{"required": [tag]}]])
+            self.check_disjoint(schema["oneOf"], path, tag)
             alts = self.join(alts, self.union(schema["oneOf"], f"{path}/oneOf"))
         if "not" in schema:
             alts = self.join(alts, self.negate(schema["not"], f"{path}/not"))
@@ -643,11 +650,13 @@ class _Compiler(ValueCompiler):
         return {"exclusive" + key.capitalize(): value}
 
     # oneOf ------------------------------------------------------------------------------------
-    def check_disjoint(self, options: list[Any], path: str) -> None:
+    def check_disjoint(self, options: list[Any], path: str, tag: str | None = None) -> None:
+        """Refuse ``options`` two of which may match one value (``tag``: a property every
+        value has)."""
         resolved = [self.resolve(o) for o in options]
         for i in range(len(resolved)):
             for j in range(i + 1, len(resolved)):
-                if not self.disjoint(resolved[i], resolved[j]):
+                if not self.disjoint(resolved[i], resolved[j], tag):
                     raise UnsupportedSchemaError(
                         f"oneOf at {path}: alternatives {i} and {j} may both match a value, and "
                         "lcgen cannot exclude that (use anyOf, or tell them apart by type or by a "
@@ -682,7 +691,7 @@ class _Compiler(ValueCompiler):
         declared = self.types_of(schema)
         return found if declared is None else found & declared
 
-    def disjoint(self, a: Any, b: Any) -> bool:
+    def disjoint(self, a: Any, b: Any, tag: str | None = None) -> bool:
         if not self.json_types(a) & self.json_types(b):
             return True
         va, vb = spec.constants(a), spec.constants(b)
@@ -690,6 +699,7 @@ class _Compiler(ValueCompiler):
             return not va & vb
         if isinstance(a, dict) and isinstance(b, dict):
             both = set(a.get("required", [])) & set(b.get("required", []))
+            both |= {tag} if tag is not None else set()
             for name in both:
                 pa = spec.constants(self.resolve(a.get("properties", {}).get(name, True)))
                 pb = spec.constants(self.resolve(b.get("properties", {}).get(name, True)))

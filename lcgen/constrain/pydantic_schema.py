@@ -74,6 +74,40 @@ def _precise_schema_generator() -> type[Any]:
                 out = {**out, _FORMAT: _CHECKED_FORMATS[name]}
             return out
 
+        def model_field_schema(self, schema: Any) -> Any:
+            self.check_alias(schema)
+            return super().model_field_schema(schema)
+
+        def dataclass_field_schema(self, schema: Any) -> Any:
+            self.check_alias(schema)
+            return super().dataclass_field_schema(schema)
+
+        def typed_dict_field_schema(self, schema: Any) -> Any:
+            self.check_alias(schema)
+            return super().typed_dict_field_schema(schema)
+
+        def check_alias(self, field: Any) -> None:
+            """Refuse a field whose name in pydantic's schema is not one pydantic reads: a
+            ``validation_alias`` that is only paths (``AliasPath``) leaves the field's own name
+            in the schema, which validation refuses unless names are taken too."""
+            alias = field.get("validation_alias")
+            if self.mode != "validation" or not isinstance(alias, list):
+                return
+            paths = alias if alias and isinstance(alias[0], list) else [alias]
+            if any(len(p) == 1 and isinstance(p[0], str) for p in paths):
+                return  # (pydantic's schema names the field so)
+            config = self._config
+            if getattr(config, "validate_by_name", False) or config.populate_by_name:
+                return
+            from lcgen.errors import UnsupportedSchemaError
+
+            raise UnsupportedSchemaError(
+                f"a field's validation_alias {' or '.join('.'.join(map(str, p)) for p in paths)} "
+                "is a path into nested JSON, which pydantic's JSON Schema does not say (it "
+                "names the field, which its validation refuses): give a plain alias, an "
+                "AliasChoices with one, or validate_by_name"
+            )
+
         def dict_schema(self, schema: Any) -> Any:
             out = super().dict_schema(schema)
             if "keys_schema" in schema:
