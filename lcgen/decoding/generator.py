@@ -14,7 +14,7 @@ import itertools
 from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Unpack
+from typing import Any, Unpack, get_args
 
 import numpy as np
 
@@ -429,8 +429,10 @@ class Generator:
         """Finish now (no token): release the text held back, with ``reason`` on the chunk.
 
         Raises:
-            ValueError: generation is already finished.
+            ValueError: generation is already finished, or ``reason`` is no finish reason.
         """
+        if reason not in get_args(FinishReason):
+            raise ValueError(f"a finish reason is one of {get_args(FinishReason)}, got {reason!r}")
         self._check_not_done()
         return self._finish((), reason, None)
 
