@@ -108,7 +108,7 @@ def test_bad_token_ids(model: lcgen.Model) -> None:
         with pytest.raises(ValueError, match=f"token id {bad} is outside"):
             gen.accept(bad)
     assert gen.tokens == []
-    with pytest.raises(ValueError, match="a finish reason is one of .* got 'bogus'"):
+    with pytest.raises(ValueError, match=r"a finish reason is one of .* got 'bogus'"):
         gen.end("bogus")  # type: ignore[arg-type]
     assert not gen.is_done and gen.end("retries").finish_reason == "retries"
 
