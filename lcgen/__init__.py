@@ -30,6 +30,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from lcgen._version import __version__ as __version__
 from lcgen.constrain import Grammar, GrammarState
 from lcgen.continuous import Continuous, SequenceState, continuous
 from lcgen.continuous import specs as generate
@@ -84,8 +85,6 @@ from lcgen.runtime import (
     check_draft_model,
 )
 from lcgen.tools import Tool, ToolCall
-
-__version__ = "0.1.0"
 
 DEFAULT_MODEL = "smollm2-135m"
 

@@ -26,6 +26,7 @@ from lcgen._native.log import init, supports_gpu_offload, system_info
 from lcgen._native.model import ModelHandle, render_chat_template
 from lcgen._numbers import check_bool
 from lcgen._unshared import Unshared
+from lcgen._version import __version__
 from lcgen.decoding import Chunk, GenerateOptions, Plan, Text, make_plan
 from lcgen.decoding.generator import logprobs_of
 from lcgen.decoding.options import shown
@@ -364,10 +365,8 @@ class Model(Unshared):
         (AVX2 and AVX-512 round differently), the backend and the context settings that change
         the numbers (flash attention, KV types, ``n_batch``). The server sends it as OpenAI's
         ``system_fingerprint``."""
-        import lcgen  # (this module is imported while the package's __init__ runs)
-
         parts = (
-            lcgen.__version__,
+            __version__,
             system_info(),
             self.fingerprint,
             self.backend,

@@ -14,7 +14,14 @@ PACKAGE = Path(lcgen.__file__).resolve().parent
 
 # Bottom to top; a module may import from its own layer or any lower one.
 LAYERS = (
-    ("lcgen.errors", "lcgen._resources", "lcgen._files", "lcgen._numbers", "lcgen._unshared"),
+    (
+        "lcgen.errors",
+        "lcgen._resources",
+        "lcgen._files",
+        "lcgen._numbers",
+        "lcgen._unshared",
+        "lcgen._version",
+    ),
     ("lcgen._native",),
     ("lcgen.vocab",),
     ("lcgen.registry",),
