@@ -155,6 +155,14 @@ def test_a_generation_that_ends_before_healing_is_done_keeps_the_prompt(
         assert next(stream).text == ""
         stream.close()
         assert seq.text == prompt
+    with model.sequence(prompt) as seq:
+        outliving = seq.stream(max_tokens=4, token_healing=True, hooks=[first_a_space])
+        next(outliving)
+    outliving.close()  # its sequence closed before it: nothing to put back, no error
+    # Batches: each generation's sequence ends with its own tokens until the batch is done.
+    for options in cases[1:]:
+        texts = model.generate([prompt, "Hello wor"], token_healing=True, **options)
+        assert [str(t) for t in texts] == ["", ""]
 
 
 @pytest.mark.parametrize(

@@ -198,6 +198,13 @@ class SequenceRun:
         self._check_in_step()
         return (self.sequence,)
 
+    @property
+    def ends_sequence(self) -> bool:
+        """Whether the sequence still ends with this generation's tokens."""
+        seq, gen = self.sequence, self.generator
+        end = self._base + len(gen.tokens)
+        return len(seq) == end and seq.tokens_from(self._base) == gen.tokens
+
     def _check_in_step(self) -> None:
         """Refuse to go on when the sequence no longer ends with this generation's tokens: it
         was rewound, appended to or generated on by another run behind this one's back (going
@@ -208,7 +215,7 @@ class SequenceRun:
         """
         seq, gen = self.sequence, self.generator
         end = self._base + len(gen.tokens)
-        if len(seq) != end or seq.tokens_from(self._base) != gen.tokens:
+        if not self.ends_sequence:
             raise RewindError(
                 f"the sequence changed outside this generation ({len(seq)} tokens, where the "
                 f"generation left {end}): rewind it with run.rewind(cp) or "
@@ -232,7 +239,6 @@ class SequenceRun:
             else:
                 self._draft(self.drafter)
         if chunk.finish_reason is not None:
-            self.sequence.end_heal(self.generator.heal)
             chunk = dataclasses.replace(chunk, stats=self.stats())
         return chunk
 

@@ -303,9 +303,10 @@ def chunks_of(run: PlainRun | Backtracker) -> Iterator[Chunk]:
     try:
         while not run.is_done:
             yield run.step()
-    finally:  # a stream closed or failed part way: the run is dropped
-        if not run.is_done:
-            run.sequence.end_heal(run.generator.heal)
+    finally:  # (ended, closed or failed: the sequence spells the prompt whole again)
+        seq = run.sequence
+        if run.generator.heal and not seq.is_closed and run.ends_sequence:
+            seq.end_heal(run.generator.heal)
 
 
 def _checked_rng_log(log: object, n_tokens: int, rng: np.random.Generator) -> dict[int, RngState]:

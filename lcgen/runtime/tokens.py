@@ -346,16 +346,22 @@ class TokenSequence(Unshared):
         return True
 
     def end_heal(self, rest: bytes) -> None:
-        """A generation ended before its tokens re-created the text token healing removed
-        (``rest`` of it is left): put that text back, so the sequence still spells its
-        prompt and the output. Where no token was generated, the removed token itself."""
+        """A generation ended before its tokens re-created the text token healing removed:
+        put the rest back, so the sequence still spells its prompt and the output (where no
+        token was generated, the removed token itself, else the rest's tokens after them).
+
+        Args:
+            rest: the healed text's bytes no generated token re-created (the generator's
+                ``heal``); nothing happens when it is empty.
+        """
         if not rest or self._healed is None:
             return
         pos, token, before, after = self._healed
         if pos == len(self._tokens) and self._stamps[pos] == before:
-            self._tokens.append(token)
+            self._tokens.append(token)  # as before the heal (its checkpoints reach it again)
             self._stamps.append(after)
-        else:
+            self._healed = None
+        else:  # (a rewind to a checkpoint from before the heal still puts the token back)
             self.append_tokens(self.vocab.spell(rest))
 
     def _whole_tokens(self) -> list[int]:
