@@ -4,6 +4,8 @@ of it; the list a chat takes, and which of its functions ``tool_choice`` lets a 
 
 from __future__ import annotations
 
+import copy
+import functools
 import inspect
 import json
 import re
@@ -33,24 +35,17 @@ class Tool:
         function: what :meth:`invoke` runs: the Python function or pydantic model class the
             tool was made from (None: made from a dict; give one to invoke it). Tools that
             differ only in it are equal.
-        constraint: the JSON Schema the grammar holds a call's arguments to where it says
-            more than ``parameters`` (None: ``parameters``): for a function or pydantic model,
-            what pydantic checks beyond the schema it writes, as ``schema=`` reads a model (a
-            Decimal's places, a ``dict[int, ...]``'s keys; see
-            :meth:`lcgen.Grammar.from_pydantic`). It may hold lcgen's own formats, so the
-            model is told ``parameters``.
 
     Raises:
         ValueError: a name of other characters, empty, or longer than 64.
-        TypeError: a name or description that is not a str, parameters or a constraint that
-            are not a mapping, or a function that is not callable.
+        TypeError: a name or description that is not a str, parameters that are not a
+            mapping, or a function that is not callable.
     """
 
     name: str
     parameters: dict[str, Any] | None = None
     description: str | None = None
     function: Callable[..., Any] | None = field(default=None, compare=False, repr=False)
-    constraint: dict[str, Any] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str):
@@ -59,16 +54,13 @@ class Tool:
             raise ValueError(
                 f"the tool name {self.name!r} is not 1 to 64 ASCII letters, digits, '_' or '-'"
             )
-        for key in ("parameters", "constraint"):
-            schema = getattr(self, key)
-            if schema is None:
-                continue
-            if not isinstance(schema, Mapping):
+        if self.parameters is not None:
+            if not isinstance(self.parameters, Mapping):
                 raise TypeError(
-                    f"the {key} of tool {self.name!r} are a JSON Schema (a dict), got "
-                    f"{shown(schema)}"
+                    f"the parameters of tool {self.name!r} are a JSON Schema (a dict), got "
+                    f"{shown(self.parameters)}"
                 )
-            object.__setattr__(self, key, dict(schema))
+            object.__setattr__(self, "parameters", dict(self.parameters))
         if self.description is not None and not isinstance(self.description, str):
             raise TypeError(
                 f"the description of tool {self.name!r} is a str, got {shown(self.description)}"
@@ -193,16 +185,14 @@ def _of_model(model: type[Any]) -> Tool:
     (its docstring) become the tool's name and description."""
     import pydantic
 
-    from lcgen.constrain.pydantic_schema import pydantic_schema
-
     if not issubclass(model, pydantic.BaseModel):
         raise TypeError(f"{_KINDS}, got the class {model.__qualname__} (not a pydantic model)")
     try:
-        schemas = model.model_json_schema(), pydantic_schema(model)
+        told, _ = _schemas(model)
     except pydantic.PydanticUserError as exc:
         raise TypeError(f"the pydantic model {model.__name__} has no JSON Schema: {exc}") from None
-    description = schemas[0].get("description")
-    return _pydantic_tool(model.__name__, schemas, description, model)
+    description = model.model_json_schema().get("description")
+    return Tool(model.__name__, copy.deepcopy(told), description, model)
 
 
 def _of_function(fn: Callable[..., Any]) -> Tool:
@@ -210,32 +200,78 @@ def _of_function(fn: Callable[..., Any]) -> Tool:
     passed: ``fn(**call.arguments)``) as pydantic's JSON Schema; ``fn`` runs its calls."""
     import pydantic
 
-    from lcgen.constrain.pydantic_schema import adapter_schema
-
     name = getattr(fn, "__name__", None)
     if not isinstance(name, str):
         raise TypeError(f"{_KINDS}, got {shown(fn)} (a callable without a __name__)")
     _check_signature(fn, name)
     try:
-        adapter = pydantic.TypeAdapter(cast(Any, _arguments(fn)))
-        schemas = adapter.json_schema(), adapter_schema(adapter)
+        told, _ = _schemas(fn)
     except (pydantic.PydanticUserError, pydantic.errors.PydanticUndefinedAnnotation) as exc:
         raise TypeError(f"the parameters of function {name!r} have no JSON Schema: {exc}") from None
     doc = inspect.getdoc(fn)
     description = doc.split("\n\n", 1)[0].strip() if doc else ""
-    return _pydantic_tool(name, schemas, description or None, fn)
+    return Tool(name, copy.deepcopy(told), description or None, fn)
 
 
-def _pydantic_tool(
-    name: str, schemas: tuple[dict[str, Any], dict[str, Any]], description: str | None, fn: Any
-) -> Tool:
-    """A tool of pydantic's two schemas of ``fn``'s arguments: the one it writes, told to the
-    model as ``parameters``, and the one of what it checks (see
-    :mod:`lcgen.constrain.pydantic_schema`), the grammar's ``constraint`` where it says more."""
-    told, checked = (
-        _closed({k: v for k, v in s.items() if k not in ("title", "description")}) for s in schemas
+def checked_parameters(tool: Tool) -> dict[str, Any]:
+    """The JSON Schema a call of ``tool`` is held to: for a tool of a function or a pydantic
+    model whose parameters are still pydantic's, the schema of what pydantic checks beyond
+    the one it writes (see :mod:`lcgen.constrain.pydantic_schema`: a Decimal's places, a
+    ``dict[int, ...]``'s keys; it may hold lcgen's own formats, so the model is told
+    ``parameters``), as ``schema=`` reads a model; else its parameters.
+
+    Raises:
+        ValueError: the tool has no parameters and no function (see :func:`parameters`).
+    """
+    import pydantic
+
+    fn = tool.function
+    if fn is not None and tool.parameters is not None:
+        try:
+            told, checked = _schemas(fn)
+        except (TypeError, pydantic.PydanticUserError, pydantic.errors.PydanticUndefinedAnnotation):
+            told, checked = None, None  # (a function given to a tool made otherwise)
+        if checked is not None and told == tool.parameters:
+            return copy.deepcopy(checked)
+    from lcgen.tools.schema import parameters
+
+    return parameters(tool)
+
+
+def _schemas(fn: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """pydantic's schema of a model's or a function's arguments, and the one of what pydantic
+    checks (computed once per function or model)."""
+    cached = _model_schemas if isinstance(fn, type) else _function_schemas
+    try:
+        return cached(fn)
+    except TypeError:  # a callable that cannot be hashed: not cached
+        return cached.__wrapped__(fn)
+
+
+@functools.lru_cache(maxsize=128)
+def _model_schemas(model: type[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """pydantic's schema of ``model`` and the one of what it checks, each closed."""
+    from lcgen.constrain.pydantic_schema import pydantic_schema
+
+    return _stripped(model.model_json_schema()), _stripped(pydantic_schema(model))
+
+
+@functools.lru_cache(maxsize=128)
+def _function_schemas(fn: Callable[..., Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """pydantic's schema of ``fn``'s arguments and the one of what it checks, each closed."""
+    import pydantic
+
+    from lcgen.constrain.pydantic_schema import adapter_schema
+
+    adapter = pydantic.TypeAdapter(cast(Any, _arguments(fn)))
+    return _stripped(adapter.json_schema()), _stripped(adapter_schema(adapter))
+
+
+def _stripped(schema: dict[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = _closed(
+        {k: v for k, v in schema.items() if k not in ("title", "description")}
     )
-    return Tool(name, told, description, fn, None if checked == told else checked)
+    return out
 
 
 # Keywords whose value maps names to schemas, and keywords whose value is JSON data (the

@@ -22,7 +22,7 @@ from urllib.parse import quote, unquote, urldefrag, urljoin
 from lcgen.constrain import Grammar
 from lcgen.decoding.results import ToolCall
 from lcgen.errors import GrammarError
-from lcgen.tools.define import Tool
+from lcgen.tools.define import Tool, checked_parameters
 
 MAX_PARALLEL = 16  # calls in one reply
 _TEXT_RULE = "lcgen-reply-text"
@@ -48,7 +48,7 @@ def grammar(
     or ``"compact"`` (see :meth:`lcgen.Grammar.from_json_schema`).
 
     Raises:
-        GrammarError: a function's parameters (its :attr:`~lcgen.Tool.constraint`) are not a
+        GrammarError: a function's parameters (as pydantic checks them) are not a
             JSON Schema lcgen supports.
         ValueError: another ``whitespace``.
     """
@@ -79,9 +79,8 @@ def parameters(tool: Tool) -> dict[str, Any]:
 
 
 def constraint(tool: Tool) -> dict[str, Any]:
-    """The JSON Schema a call's arguments are held to: the function's ``constraint``, else its
-    :func:`parameters`."""
-    return parameters(tool) if tool.constraint is None else tool.constraint
+    """The JSON Schema a call's arguments are held to (see :func:`checked_parameters`)."""
+    return checked_parameters(tool) if tool.function is not None else parameters(tool)
 
 
 def calls_schema(
