@@ -844,6 +844,8 @@ def test_regex_is_exact_on_random_text(model: lcgen.Model, data: st.DataObject) 
 def test_ecma_named_groups_read_as_python_s(model: lcgen.Model) -> None:
     grammar = regex(r"(?<area>\d{3})-[(?<]")
     assert grammar.accepts(model, "123-<") and not grammar.accepts(model, "12-<")
+    for pattern in (r"[](?<x>)]", r"[^](?<x>)]"):  # one class each: nothing spelled anew
+        assert regex(pattern).accepts(model, "P") == bool(re.fullmatch(pattern, "P"))
     with pytest.raises(lcgen.GrammarError, match="backreference"):
         regex(r"(?<x>a)\k<x>")
     # A JSON Schema pattern is read by jsonschema with Python's re too: one lcgen cannot

@@ -148,7 +148,7 @@ def _schema_error(exc: jsonschema.SchemaError) -> GrammarError:
             re.compile(python_spelling(exc.instance))
             return UnsupportedSchemaError(
                 f"{where}: the ECMA-262 named group in {exc.instance!r:.80} is not supported: "
-                "write (?:...) or Python's (?P<name>...)"
+                "write (?:...)"
             )
     if not_finite(exc.instance) is not None:
         return GrammarError(

@@ -285,7 +285,7 @@ def _char(cp: int) -> Chars:
 
 
 _ECMA_NAMED = re.compile(
-    r"\\k<(?P<ref>[A-Za-z_]\w*)>|\\.|\[(?:\\.|[^\]\\])*\]|\(\?<(?P<group>[A-Za-z_]\w*)>"
+    r"\\k<(?P<ref>[A-Za-z_]\w*)>|\\.|\[\^?\]?(?:\\.|[^\]\\])*\]|\(\?<(?P<group>[A-Za-z_]\w*)>"
 )
 
 
