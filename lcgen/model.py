@@ -362,9 +362,10 @@ class Model(Unshared):
     def system_fingerprint(self) -> str:
         """A hash of what a seeded output depends on besides the request: the model's
         fingerprint, lcgen's and llama.cpp's versions, the CPU features llama.cpp's kernels use
-        (AVX2 and AVX-512 round differently), the backend and the context settings that change
-        the numbers (flash attention, KV types, ``n_batch``). The server sends it as OpenAI's
-        ``system_fingerprint``."""
+        (AVX2 and AVX-512 round differently), the backend and the settings that change the
+        numbers (flash attention, KV types, ``n_batch``, padded batches, the thread count and
+        whether it adapts: from 512 cells on, one token's attention is split between the
+        threads). The server sends it as OpenAI's ``system_fingerprint``."""
         parts = (
             __version__,
             system_info(),
@@ -374,6 +375,9 @@ class Model(Unshared):
             self.type_k,
             self.type_v,
             self.context.n_batch,
+            self.context.pad_batches,
+            self.n_threads,
+            self.adaptive_threads,
         )
         return "fp_" + hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
 
