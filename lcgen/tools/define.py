@@ -213,29 +213,22 @@ def _of_function(fn: Callable[..., Any]) -> Tool:
     return Tool(name, copy.deepcopy(told), description or None, fn)
 
 
-def checked_parameters(tool: Tool) -> dict[str, Any]:
-    """The JSON Schema a call of ``tool`` is held to: for a tool of a function or a pydantic
-    model whose parameters are still pydantic's, the schema of what pydantic checks beyond
-    the one it writes (see :mod:`lcgen.constrain.pydantic_schema`: a Decimal's places, a
-    ``dict[int, ...]``'s keys; it may hold lcgen's own formats, so the model is told
-    ``parameters``), as ``schema=`` reads a model; else its parameters.
-
-    Raises:
-        ValueError: the tool has no parameters and no function (see :func:`parameters`).
-    """
+def checked_parameters(tool: Tool) -> dict[str, Any] | None:
+    """For a tool of a function or a pydantic model whose parameters are still pydantic's,
+    the schema of what pydantic checks beyond the one it writes (see
+    :mod:`lcgen.constrain.pydantic_schema`: a Decimal's places, a ``dict[int, ...]``'s keys;
+    it may hold lcgen's own formats, so the model is told ``parameters``), as ``schema=``
+    reads a model; None for any other tool (its parameters are held to as they are)."""
     import pydantic
 
     fn = tool.function
-    if fn is not None and tool.parameters is not None:
-        try:
-            told, checked = _schemas(fn)
-        except (TypeError, pydantic.PydanticUserError, pydantic.errors.PydanticUndefinedAnnotation):
-            told, checked = None, None  # (a function given to a tool made otherwise)
-        if checked is not None and told == tool.parameters:
-            return copy.deepcopy(checked)
-    from lcgen.tools.schema import parameters
-
-    return parameters(tool)
+    if fn is None or tool.parameters is None:
+        return None
+    try:
+        told, checked = _schemas(fn)
+    except (TypeError, pydantic.PydanticUserError, pydantic.errors.PydanticUndefinedAnnotation):
+        return None  # (a function given to a tool made otherwise)
+    return copy.deepcopy(checked) if told == tool.parameters else None
 
 
 def _schemas(fn: Any) -> tuple[dict[str, Any], dict[str, Any]]:

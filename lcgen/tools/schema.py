@@ -79,8 +79,10 @@ def parameters(tool: Tool) -> dict[str, Any]:
 
 
 def constraint(tool: Tool) -> dict[str, Any]:
-    """The JSON Schema a call's arguments are held to (see :func:`checked_parameters`)."""
-    return checked_parameters(tool) if tool.function is not None else parameters(tool)
+    """The JSON Schema a call's arguments are held to: what pydantic checks where it made the
+    parameters (see :func:`~lcgen.tools.define.checked_parameters`), else the parameters."""
+    checked = checked_parameters(tool)
+    return parameters(tool) if checked is None else checked
 
 
 def calls_schema(
