@@ -133,6 +133,24 @@ def test_beam_arguments(model: lcgen.Model) -> None:
         generate.text(model, beams=2, repeat_penalty=1.2, frequency_penalty=0.5)
     with pytest.raises(ValueError, match="num_samples=2"):
         continuous(generate.text(model, beams=2, max_tokens=2))("x", num_samples=2)
+    # a state of several samples: one search per element is not what beams do (width 1 kept
+    # the first sample of each and dropped the others)
+    samples = continuous(generate.text(model, max_tokens=2, temperature=0.8))(
+        PROMPTS, num_samples=3, seed=7
+    )
+    for width in (1, 2):
+        with pytest.raises(lcgen.SampleMismatchError, match=r"\(2, 3\)"):
+            continuous(generate.text(model, max_tokens=2, beams=width))(samples)
+
+
+@pytest.mark.parametrize("beams", [None, 1, 3])
+def test_no_token_under_a_constraint_is_incomplete_with_beams_too(
+    model: lcgen.Model, beams: int | None
+) -> None:
+    spec = generate.choice(model, [" Paris", " Lyon"], max_tokens=0, beams=beams)
+    with pytest.raises(lcgen.IncompleteOutputError) as cut:
+        continuous(spec)(PROMPTS[0])
+    assert cut.value.state is not None and list(cut.value.state) == [PROMPTS[0]]
 
 
 def test_a_batch_keeps_a_rectangle_of_complete_beams(model: lcgen.Model) -> None:

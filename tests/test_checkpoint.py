@@ -105,6 +105,22 @@ def test_rewind_across_a_reseed(model: lcgen.Model) -> None:
         assert seq.generate(max_tokens=8, temperature=1.0) == a
 
 
+def test_a_checkpoint_after_a_reseed_holds_the_new_seed(model: lcgen.Model) -> None:
+    with model.sequence(PROMPT, seed=1) as seq:
+        seq.reseed(7)
+        cp = seq.checkpoint()  # held the state from before the reseed
+        a = seq.generate(max_tokens=8, temperature=1.0)
+        seq.rewind(cp)
+        assert seq.generate(max_tokens=8, temperature=1.0) == a
+        seq.rewind(8)  # the position's state is the one its first draw used
+        assert seq.generate(max_tokens=8, temperature=1.0) == a
+        with seq.fork(seed=9) as child:
+            start = child.checkpoint()
+            b = child.generate(max_tokens=8, temperature=1.0)
+            child.rewind(start)
+            assert child.generate(max_tokens=8, temperature=1.0) == b
+
+
 def test_fork_equals_a_fresh_run_with_the_same_history(
     model: lcgen.Model, cold_model: lcgen.Model
 ) -> None:

@@ -267,6 +267,9 @@ def _start(spec: GenerateSpec, root: Element, started: list[BeamSearch]) -> Run:
         elem = _finished(search, beam)
         search.texts[id(elem)] = ""
         search.finished = [(0.0, elem)]
+        cut = _incomplete(spec, beam)  # (a constraint the empty output does not match)
+        if cut is not None:
+            search.cut[id(elem)] = cut
         seq.close()
     return search
 

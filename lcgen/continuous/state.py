@@ -384,7 +384,7 @@ class Continuous:
             )
         width = spec.beams or num_samples
         n_batch, n_in = state.shape
-        if n_in > 1 and width > 1:
+        if n_in > 1 and (width > 1 or spec.beams is not None):  # (a beam search per element)
             raise SampleMismatchError(
                 f"the state of shape {state.shape} already has {n_in} samples per batch element; "
                 f"index one sample before asking for {width} {'beams' if spec.beams else 'samples'}"

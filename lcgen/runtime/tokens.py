@@ -408,10 +408,12 @@ class TokenSequence(Unshared):
         return piece
 
     def reseed(self, seed: int) -> None:
-        """Seed the sampler RNG (a rewind to before this restores the old state)."""
+        """Seed the sampler RNG. A checkpoint taken before restores the old state; one taken
+        after, or a rewind to this position later, the new one (the state before the first
+        draw here)."""
         self._check_open()
         rng = new_rng(seed)
-        self._rng_log.setdefault(len(self._tokens), self._rng.bit_generator.state)
+        self._rng_log.pop(len(self._tokens), None)
         self._rng.bit_generator.state = rng.bit_generator.state
 
     def note_draw(self) -> None:
