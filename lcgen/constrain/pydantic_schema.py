@@ -10,6 +10,8 @@ import functools
 import re
 from typing import Any
 
+from lcgen.errors import UnsupportedSchemaError
+
 
 @functools.cache
 def _precise_schema_generator() -> type[Any]:
@@ -99,8 +101,6 @@ def _precise_schema_generator() -> type[Any]:
             config = self._config
             if getattr(config, "validate_by_name", False) or config.populate_by_name:
                 return
-            from lcgen.errors import UnsupportedSchemaError
-
             raise UnsupportedSchemaError(
                 f"a field's validation_alias {' or '.join('.'.join(map(str, p)) for p in paths)} "
                 "is a path into nested JSON, which pydantic's JSON Schema does not say (it "

@@ -84,8 +84,8 @@ class Reply:
         plans: the choices' generation plans (to tell a constrained reply cut short).
         include_usage: a stream ends with a usage chunk (``stream_options.include_usage``):
             the chunks before it carry ``"usage": null``, as OpenAI's.
-        fingerprint: the ``system_fingerprint`` every object carries (see
-            :func:`system_fingerprint`).
+        fingerprint: the ``system_fingerprint`` every object carries (the model's
+            :attr:`~lcgen.Model.system_fingerprint`).
     """
 
     def __init__(
