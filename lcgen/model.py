@@ -693,8 +693,8 @@ class Model(Unshared):
             suffix: fill in the middle: generate the text between ``prompt`` and ``suffix``
                 (a model with fill-in-the-middle tokens; see :meth:`infill_tokens`).
             schema: constrain the output to JSON valid for this JSON Schema / pydantic model.
-            **options: max_tokens (256), stop, include_stop, stop_tokens, sampler, temperature
-                (0: greedy), top_k, top_p, min_p, repeat_penalty,
+            **options: max_tokens (256; None: to the context's end), stop, include_stop,
+                stop_tokens, sampler, temperature (0: greedy), top_k, top_p, min_p, repeat_penalty,
                 frequency_penalty, presence_penalty, repeat_last_n, seed,
                 logit_bias, logprobs, token_healing, grammar, choice, regex; see
                 :class:`lcgen.Generator`.

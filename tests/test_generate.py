@@ -289,3 +289,31 @@ def test_chat_takes_openai_text_parts(model: lcgen.Model) -> None:
     assert model.chat([{"role": "user", "content": parts}], max_tokens=4, temperature=0) == (
         model.chat(whole, max_tokens=4, temperature=0)
     )
+
+
+def test_max_tokens_none_generates_to_the_end_of_the_context(model_path: Path) -> None:
+    """``max_tokens=None`` (as OpenAI's API and llama-cpp-python read it) is the room the
+    context has left, for every entry point; it was a TypeError."""
+    with lcgen.Model(model_path, n_ctx=256, n_seq_max=4) as small:
+        ban = {t: float("-inf") for t in small.vocab.eog_set}  # nothing ends it before
+        short, longer = "1, 2, 3, 4,", "1, 2, 3, 4, 5, 6, 7, 8,"
+        room = {}
+        for p in (short, longer):
+            with small.sequence(p) as seq:
+                room[p] = small.n_ctx - len(seq)
+        text = small.generate(short, max_tokens=None, logit_bias=ban)
+        assert text.finish_reason == "length"
+        assert len(text.tokens) == room[short]
+        # The same as the number it stands for, streamed and batched.
+        assert text == small.generate(short, max_tokens=room[short], logit_bias=ban)
+        chunks = list(small.stream(short, max_tokens=None, logit_bias=ban))
+        assert [t for c in chunks for t in c.tokens] == list(text.tokens)
+        both = small.generate([short, longer], max_tokens=None, logit_bias=ban)
+        assert [len(t.tokens) for t in both] == [room[short], room[longer]]
+        with small.sequence(short) as seq:
+            seq.generate(max_tokens=None, logit_bias=ban)
+            assert len(seq) == small.n_ctx
+            with pytest.raises(lcgen.ContextFullError, match=f"fill the context of {small.n_ctx}"):
+                seq.generate(max_tokens=None)
+        # A standalone generator has no bound of its own.
+        assert lcgen.Generator(small, max_tokens=None).max_tokens > 10**9

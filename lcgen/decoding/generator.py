@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import itertools
+import sys
 from collections import deque
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
@@ -108,7 +109,9 @@ class Generator:
 
     @property
     def max_tokens(self) -> int:
-        return self.plan.max_tokens
+        """The most tokens to generate: the plan's, or where it has None (up to the end of the
+        context, which a sequence sets before it makes a generator) no bound of its own."""
+        return sys.maxsize if self.plan.max_tokens is None else self.plan.max_tokens
 
     @property
     def sampler(self) -> SamplerConfig:
@@ -336,7 +339,7 @@ class Generator:
             return self._finish((token,), "stop", hit, text)
         if self._grammar_can_only_end():
             return self._finish((token,), "stop", None, text)
-        if len(self.tokens) >= self.plan.max_tokens:
+        if len(self.tokens) >= self.max_tokens:
             return self._finish((token,), "length", None, text)
         return Chunk(text, (token,))
 

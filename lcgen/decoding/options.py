@@ -37,7 +37,7 @@ _SHOWN_ITEMS = 4  # the items of a long list an error message shows
 class GenerateOptions(TypedDict, total=False):
     """Keyword options accepted by every generation call (see :func:`make_plan`)."""
 
-    max_tokens: int
+    max_tokens: int | None
     stop: str | Sequence[str] | None
     include_stop: bool
     stop_tokens: Iterable[int] | None
@@ -93,7 +93,8 @@ class Plan:
     """One generation call's options, checked and made into values.
 
     Attributes:
-        max_tokens: the most tokens to generate (finish reason ``"length"``).
+        max_tokens: the most tokens to generate (finish reason ``"length"``); None: up to
+            the end of the context (a sequence makes it the room its context has left).
         sampler: how tokens are drawn.
         stops: stop strings and whether the text ends with the one that was hit.
         stop_tokens: token ids that end generation besides the end-of-generation ones.
@@ -109,7 +110,7 @@ class Plan:
             log-probability 0: the constraint left no other.
     """
 
-    max_tokens: int = DEFAULT_MAX_TOKENS
+    max_tokens: int | None = DEFAULT_MAX_TOKENS
     sampler: SamplerConfig = dataclasses.field(default_factory=SamplerConfig)
     stops: Stops = NO_STOPS
     stop_tokens: frozenset[int] = frozenset()
@@ -144,9 +145,9 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
 
     Args:
         schema: constrain the output to JSON valid for this JSON Schema dict / pydantic model.
-        **options: max_tokens (256), stop, include_stop, stop_tokens, sampler, temperature
-            (0: greedy), top_k, top_p, min_p, repeat_penalty, frequency_penalty,
-            presence_penalty, repeat_last_n, seed, logit_bias,
+        **options: max_tokens (256; None: to the context's end), stop, include_stop,
+            stop_tokens, sampler, temperature (0: greedy), top_k, top_p, min_p, repeat_penalty,
+            frequency_penalty, presence_penalty, repeat_last_n, seed, logit_bias,
             logprobs, token_healing, grammar, choice, regex (at most one constraint, schema
             included), json_whitespace ("flexible" or "compact", for schema), hooks,
             validators, banned, banned_ignore_case, max_retries, lookback, speculate
@@ -172,7 +173,9 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
             for close in [difflib.get_close_matches(name, sorted(_KEYS), n=1)]
         ]
         raise TypeError(f"unknown generation option {', '.join(hints)}; see lcgen.make_plan")
-    max_tokens = _int("max_tokens", options.get("max_tokens", DEFAULT_MAX_TOKENS), low=0)
+    max_tokens = options.get("max_tokens", DEFAULT_MAX_TOKENS)
+    if max_tokens is not None:
+        max_tokens = _int("max_tokens", max_tokens, low=0)
     logprobs = options.get("logprobs")
     if logprobs is not None:
         logprobs = _int("logprobs", logprobs, low=0, high=MAX_LOGPROBS)

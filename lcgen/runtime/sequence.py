@@ -3,6 +3,7 @@ loads, and is reversible at every position (see :mod:`lcgen.runtime.tokens`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from collections.abc import Iterator, Mapping
@@ -201,12 +202,21 @@ class Sequence(TokenSequence):
         self._check_open()
         if not self._tokens:
             raise ValueError("the sequence is empty: append a prompt before generating")
-        needed = len(self._tokens) + plan.max_tokens
-        if needed > self._ctx.n_ctx:
+        limit = plan.max_tokens
+        if limit is None:  # up to the end of the context
+            if len(self._tokens) >= self._ctx.n_ctx:
+                raise ContextFullError(
+                    f"the sequence's {len(self._tokens)} tokens fill the context of "
+                    f"{self._ctx.n_ctx} tokens: no room to generate (shorten the prompt or load "
+                    "the model with a larger n_ctx)"
+                )
+            limit = self._ctx.n_ctx - len(self._tokens)
+            plan = dataclasses.replace(plan, max_tokens=limit)
+        elif len(self._tokens) + limit > self._ctx.n_ctx:
             raise ContextFullError(
-                f"{len(self._tokens)} tokens in the sequence + max_tokens={plan.max_tokens} = "
-                f"{needed} tokens exceeds the context of {self._ctx.n_ctx} tokens: shorten the "
-                "prompt, lower max_tokens or load the model with a larger n_ctx"
+                f"{len(self._tokens)} tokens in the sequence + max_tokens={limit} = "
+                f"{len(self._tokens) + limit} tokens exceeds the context of {self._ctx.n_ctx} "
+                "tokens: shorten the prompt, lower max_tokens or load the model with a larger n_ctx"
             )
         # Checked before anything changes.
         drafter = drafter_for(plan.speculation, self.model, plan.sampler.logit_bias)
@@ -239,8 +249,8 @@ class Sequence(TokenSequence):
 
         Args:
             schema: constrain the output to JSON valid for this JSON Schema / pydantic model.
-            **options: max_tokens (256), stop, include_stop, stop_tokens, sampler,
-                temperature (0: greedy), top_k, top_p, min_p, repeat_penalty,
+            **options: max_tokens (256; None: to the context's end), stop, include_stop,
+                stop_tokens, sampler, temperature (0: greedy), top_k, top_p, min_p, repeat_penalty,
                 frequency_penalty, presence_penalty, repeat_last_n,
                 seed, logit_bias, logprobs, token_healing, grammar, choice, regex, hooks,
                 validators, banned, banned_ignore_case, max_retries, lookback (see
