@@ -423,6 +423,34 @@ def test_token_healing_in_a_spec_keeps_each_log_probability_on_its_token(
             assert back.weights[0, 0] == pytest.approx(s.weights[0, 0], abs=1e-6)
 
 
+def test_an_element_whose_generation_ends_before_healing_is_done_keeps_the_prompt(
+    model: lcgen.Model,
+) -> None:
+    """Healing took ' Fra' off 'The capital of Fra'; an element whose generation ended before
+    its tokens wrote it again was left without it ('The capital of ' and the output)."""
+    prompt = "The capital of Fra"
+    (space,) = model.tokenize(" ", add_bos=False)  # continues ' Fra' but does not finish it
+
+    def first_a_space(step: lcgen.Step) -> lcgen.Override | None:
+        return lcgen.Override(space) if step.index == 0 and step.token != space else None
+
+    cut = greedy(model, 1, token_healing=True, hooks=[first_a_space], logprobs=0)
+    with cut([prompt, prompt]) as s:
+        assert s.texts == [[prompt], [prompt]]
+        options = {"max_tokens": 1, "token_healing": True, "hooks": [first_a_space]}
+        (chunk,) = model.stream(prompt, logprobs=0, **options)  # type: ignore[arg-type]
+        assert chunk.text == "" and chunk.logprob is not None
+        # The space's log-probability on the space, 0 on the text put back after it.
+        assert s.weights[0, 0] == pytest.approx(chunk.logprob, abs=1e-3)
+        with greedy(model, 3)(s) as more:  # goes on from the whole prompt
+            assert str(more[0]).startswith(prompt) and len(str(more[0])) > len(prompt)
+    # Nothing generated (every candidate rejected): the removed token itself is back.
+    rewinds = [lambda step: lcgen.Rewind(1)]
+    none = greedy(model, 4, token_healing=True, hooks=rewinds, max_retries=1)
+    with none(prompt) as s, SequenceState.from_text(model, prompt) as whole:
+        assert s.texts == [[prompt]] and s.tokens == whole.tokens
+
+
 def test_states_never_keep_a_new_sequence_from_a_slot(model_path: Path) -> None:
     with lcgen.Model(model_path, n_seq_max=2, n_ctx=1024) as small:
         text = continuous(generate.text(small, max_tokens=4))

@@ -85,14 +85,16 @@ def _cut(model: ModelLike, elem: Element, n_chars: int) -> None:
     elem.tokens, elem.logprobs = prefix_tokens(model, elem.tokens, elem.logprobs, n_chars)
 
 
-def settle(elem: Element, new_tokens: list[int], generated: Seq[float]) -> int:
+def settle(elem: Element, new_tokens: list[int], generated: Seq[float], after: int = 0) -> int:
     """Record a finished generation on ``elem``: its tokens now, and the log-probabilities of
-    the ``len(generated)`` tokens generated at their end. Returns how many of its tokens
-    before stayed (all but one when token healing redid the last)."""
+    the ``len(generated)`` tokens generated before their last ``after`` (the prompt's text
+    that token healing cut short put back). Returns how many of its tokens before stayed (all
+    but one when token healing redid the last)."""
     # (Token healing re-creates the last token, most often as itself: it was generated.)
-    kept = min(common_prefix(elem.tokens, new_tokens), len(new_tokens) - len(generated))
-    pad = len(new_tokens) - kept - len(generated)
-    elem.logprobs = elem.logprobs[:kept] + [0.0] * pad + list(generated)
+    end = len(new_tokens) - after
+    kept = min(common_prefix(elem.tokens, new_tokens), end - len(generated))
+    pad = end - kept - len(generated)
+    elem.logprobs = elem.logprobs[:kept] + [0.0] * pad + list(generated) + [0.0] * after
     elem.tokens = new_tokens
     return kept
 
@@ -150,7 +152,10 @@ def _start(spec: GenerateSpec, job: _Job, seed: int) -> Run:
 def _finish(spec: GenerateSpec, job: _Job, last: Chunk | None) -> None:
     assert job.seq is not None and job.run is not None
     model = spec.model
-    kept = settle(job.elem, job.seq.tokens, job.run.token_logprobs)
+    after = 0
+    if job.run.generator.heal and job.run.ends_sequence:  # healing cut short: the prompt's
+        after = job.seq.end_heal(job.run.generator.heal)  # text back after the output
+    kept = settle(job.elem, job.seq.tokens, job.run.token_logprobs, after)
     emitted = "".join(c.text for c in job.chunks)
     cut_at_stop(model, job.elem, last, job.text_before, emitted, kept)
     job.incomplete = incomplete(

@@ -345,7 +345,7 @@ class TokenSequence(Unshared):
         self._stamps.append(after)
         return True
 
-    def end_heal(self, rest: bytes) -> None:
+    def end_heal(self, rest: bytes) -> int:
         """A generation ended before its tokens re-created the text token healing removed:
         put the rest back, so the sequence still spells its prompt and the output (where no
         token was generated, the removed token itself, else the rest's tokens after them).
@@ -353,16 +353,23 @@ class TokenSequence(Unshared):
         Args:
             rest: the healed text's bytes no generated token re-created (the generator's
                 ``heal``); nothing happens when it is empty.
+
+        Returns:
+            How many tokens now follow the generated ones (0 where the removed token itself
+            is back).
         """
         if not rest or self._healed is None:
-            return
+            return 0
         pos, token, before, after = self._healed
         if pos == len(self._tokens) and self._stamps[pos] == before:
             self._tokens.append(token)  # as before the heal (its checkpoints reach it again)
             self._stamps.append(after)
             self._healed = None
-        else:  # (a rewind to a checkpoint from before the heal still puts the token back)
-            self.append_tokens(self.vocab.spell(rest))
+            return 0
+        # (a rewind to a checkpoint from before the heal still puts the token back)
+        tokens = self.vocab.spell(rest)
+        self.append_tokens(tokens)
+        return len(tokens)
 
     def _whole_tokens(self) -> list[int]:
         """The tokens, with the one token healing removed put back while nothing has replaced
