@@ -1748,3 +1748,88 @@ def test_a_message_name_reaches_the_chat_template() -> None:
     message = Message(role="user", content="Hi", name="alice")
     assert message.as_dict() == {"role": "user", "content": "Hi", "name": "alice"}
     assert "name" not in Message(role="user", content="Hi").as_dict()
+
+
+def test_a_completion_prompt_s_special_token_text_is_those_tokens(
+    client: openai.OpenAI, model: lcgen.Model
+) -> None:
+    """A client that applies the chat template itself sends its control tokens as text:
+    they were tokenized letter by letter ('<', '|', 'im', ...) and the model wrote template
+    markup back; llama.cpp's server reads them as the tokens."""
+    prompt = model.format_chat(USER)
+    ask = {"model": NAME, "max_tokens": 8, "temperature": 0}
+    text = client.completions.create(prompt=prompt, **ask).choices[0].text
+    assert text == chat(client, max_tokens=8).choices[0].message.content
+    # Echoed, scored: each token once, the special ones as their text, offsets into the text.
+    lp = (
+        client.completions.create(prompt=prompt, echo=True, logprobs=0, **{**ask, "max_tokens": 0})
+        .choices[0]
+        .logprobs
+    )
+    assert len(lp.tokens) == len(model.chat_tokens(USER)) and lp.tokens[0] == "<|im_start|>"
+    assert "".join(lp.tokens) == prompt
+    assert all(prompt[at:].startswith(t) for at, t in zip(lp.text_offset, lp.tokens, strict=True))
+
+
+def test_completion_tokens_part_way_through_a_character_are_told_apart(
+    client: openai.OpenAI, model: lcgen.Model
+) -> None:
+    """A completion's tokens are strings without bytes beside them: each part of a UTF-8
+    character was U+FFFD, so a position's top tokens fell into one key. They are written
+    'bytes:\\xf0\\x9f' as OpenAI's API writes them."""
+    fish = model.tokenize("🐟", add_bos=False)[0]  # part of the character
+    bias = {str(fish): 100}
+    choice = client.completions.create(
+        model=NAME, prompt="Fish:", max_tokens=2, temperature=0, logprobs=5, logit_bias=bias
+    ).choices[0]
+    lp = choice.logprobs
+    piece = model.token_piece(fish)
+    assert lp.tokens[0] == "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
+    assert all(len(top) in (5, 6) for top in lp.top_logprobs)  # none fell together
+    assert lp.top_logprobs[0][lp.tokens[0]] == lp.token_logprobs[0]
+
+
+def test_openai_s_odd_but_valid_requests(url: str, model_path: Path) -> None:
+    """best_of as n, include_usage null, a slash at the end, a lone surrogate's escape."""
+    text_body = {"model": NAME, "prompt": "Hi", "max_tokens": 2, "temperature": 0}
+    status, reply = request(
+        url, "/v1/completions", json.dumps({**text_body, "best_of": 1}).encode()
+    )
+    assert status == 200, reply
+    body = {**text_body, "best_of": 3, "n": 1}
+    status, reply = request(url, "/v1/completions", json.dumps(body).encode())
+    assert status == 400 and reply["error"]["param"] == "best_of", reply
+    body = {**text_body, "stream": True, "stream_options": {"include_usage": None}}
+    assert request_stream_ok(url, body)
+    status, reply = request(url, "/v1/chat/completions/", _body())
+    assert status == 404 and reply["error"]["message"], reply  # OpenAI's shape, no redirect
+    status, reply = request(url, "/v1/models/")
+    assert status == 200 and reply["data"][0]["id"] == NAME
+    lone = _body().replace(b'"Name three', b'"\\ud800 Name three')
+    status, reply = request(url, "/v1/chat/completions", lone)
+    assert status == 400 and "surrogate" in reply["error"]["message"], reply
+    # Scoring a prompt as long as the context: nothing is generated, so it fits.
+    with (
+        lcgen.Model(model_path, n_ctx=256, n_threads=1) as small,
+        running(create_app(small, model_name=NAME)) as small_url,
+    ):
+        ids = [small.bos, *small.tokenize("word " * 400, add_bos=False)][: small.n_ctx]
+        scoring = {"model": NAME, "prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 0}
+        status, reply = request(small_url, "/v1/completions", json.dumps(scoring).encode())
+        assert status == 200 and len(reply["choices"][0]["logprobs"]["tokens"]) == small.n_ctx
+        status, reply = request(
+            small_url, "/v1/completions", json.dumps({**scoring, "max_tokens": 1}).encode()
+        )
+        assert status == 400 and "room for a token" in reply["error"]["message"], reply
+
+
+def request_stream_ok(url: str, body: dict[str, Any]) -> bool:
+    """Whether a streamed completion ends with [DONE]."""
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+    )
+    with urllib.request.urlopen(req, timeout=60) as response:
+        lines = [line.decode().strip() for line in response if line.startswith(b"data: ")]
+    return lines[-1] == "data: [DONE]"

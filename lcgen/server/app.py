@@ -103,7 +103,13 @@ class _Server:
         given = req.prompt
         items = [given] if isinstance(given, str) or isinstance(given[0], int) else given
         suffix = req.suffix
-        tokens_of = self.model.tokenize if suffix is None else partial(self._infill, suffix=suffix)
+        # A text prompt's special-token text (a chat template applied by the client) is read as
+        # those tokens, as llama.cpp's server reads it: the whole prompt is the client's own.
+        tokens_of = (
+            partial(self.model.tokenize, special=True)
+            if suffix is None
+            else partial(self._infill, suffix=suffix)
+        )
         texts, prompts = [], []
         for item in items:
             if isinstance(item, str):
@@ -163,6 +169,8 @@ class _Server:
         """``GET /v1/models/{id}``: the model, under any of the names it answers to."""
         self._authorize(request)
         name = request.path_params["name"]
+        if not name:  # /v1/models/
+            return await self.models(request)
         if name not in self.names:
             raise APIError(
                 404,
@@ -255,7 +263,7 @@ class _Server:
         to_end = limit is None and kind == "chat"  # up to the end of the context
         if limit is None:
             limit = max(n_ctx - longest, 1) if to_end else COMPLETION_MAX_TOKENS
-        if longest + max(limit, 1) > n_ctx:
+        if longest + limit > n_ctx:  # (limit 0: echo alone, scored as a whole context)
             asked = "" if to_end else f" + {limit} max_tokens = {longest + limit}"
             which = ""
             if len(prompts) > 1:  # which of the prompts: the longest
@@ -263,8 +271,8 @@ class _Server:
             raise APIError(
                 400,
                 f"this model's context is {n_ctx} tokens; the request needs {longest} prompt "
-                f"tokens{which}{asked} and room for a token to generate: shorten the prompt"
-                + ("" if to_end else " or lower max_tokens"),
+                f"tokens{which}{asked}{' and room for a token to generate' * (limit > 0)}: "
+                "shorten the prompt" + ("" if to_end else " or lower max_tokens"),
                 param="messages" if kind == "chat" else "prompt",
                 code="context_length_exceeded",
             )
@@ -579,5 +587,8 @@ def create_app(
         if cors_origins
         else [],
     )
+    # A path with a slash at the end is a 404 in OpenAI's shape, not a bare redirect (a POST
+    # redirected loses its body with some clients); /v1/models/ is the list.
+    app.router.redirect_slashes = False
     app.state.engine = engine  # lcgen.server.serve stops its requests as the server stops
     return app

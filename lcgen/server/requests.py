@@ -135,7 +135,7 @@ class ResponseFormat(_Strict):
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: bool | None = False  # (null: the default)
     include_obfuscation: bool | None = None  # accepted; a local server pads nothing
 
 
@@ -199,7 +199,7 @@ class _Common(_Strict):
 
     @property
     def include_usage(self) -> bool:
-        return self.stream_options is not None and self.stream_options.include_usage
+        return self.stream_options is not None and bool(self.stream_options.include_usage)
 
 
 class ChatRequest(_Common):
@@ -259,11 +259,19 @@ class CompletionRequest(_Common):
     echo: bool = False
     # Fill in the middle: the completion is the text between the prompt and the suffix.
     suffix: str | None = None
+    # OpenAI's: generate best_of and return the n most likely; taken where it is n (clients
+    # send best_of 1).
+    best_of: Annotated[int, Field(ge=1, le=MAX_N)] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens 0 generates nothing: it is for echo (the prompt scored)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(
+                f"best_of {self.best_of} with n {self.n}: lcgen returns every choice it "
+                "generates, so best_of can only be n (leave it out, or ask for n choices)"
+            )
         if self.echo and self.suffix is not None:
             raise ValueError("echo cannot be used with suffix (the prompt is not text then)")
         return self
@@ -283,7 +291,13 @@ def parse(cls: type[R], body: bytes) -> R:
     except ValidationError as exc:
         errors = exc.errors(include_url=False)
         if errors[0]["type"] == "json_invalid":
-            raise APIError(400, f"the body is not valid JSON: {errors[0]['msg']}") from None
+            message = errors[0]["msg"]
+            if "escape" in message:  # (a lone UTF-16 surrogate, "\ud800", is no character)
+                message += (
+                    " (a \\u escape is 4 hex digits, and one of a surrogate pair, \\ud800 to "
+                    "\\udfff, needs the other: JSON text is Unicode characters)"
+                )
+            raise APIError(400, f"the body is not valid JSON: {message}") from None
         # A union's members each report an error: those that only say the input is not of
         # the member's type explain least, then type errors inside a member; the same error
         # of several members is one.

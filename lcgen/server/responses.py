@@ -173,25 +173,36 @@ class Reply:
         if self.with_logprobs and scored is not None:
             first, rest = scored
             rest = rest[: len(rest) - 1] if healed else rest
-            lead = self.model.detokenize([first])
-            entry = {**self._token((first,)), "logprob": None, "top_logprobs": None}
-            out.logprobs += [{**entry, "text_offset": 0}, *self._entries(rest, len(lead))]
+            # The prompt's special tokens as the text that wrote them (it was read so).
+            lead = self.model.vocab.special_piece(first).decode("utf-8", "replace")
+            entry = {**self._token((first,), special=True), "logprob": None, "top_logprobs": None}
+            out.logprobs += [
+                {**entry, "text_offset": 0},
+                *self._entries(rest, len(lead), special=True),
+            ]
 
     def _logprobs(self, chunk: Chunk, offset: int) -> list[dict[str, Any]]:
         """An entry per token of the chunk."""
         return self._entries(chunk.logprobs, offset)
 
-    def _entries(self, logprobs: Iterable[TokenLogprob], offset: int) -> list[dict[str, Any]]:
+    def _entries(
+        self, logprobs: Iterable[TokenLogprob], offset: int, special: bool = False
+    ) -> list[dict[str, Any]]:
+        """An entry per token; ``special``: a special token's text is the text that writes
+        it (an echoed prompt's), not none."""
         entries = []
         for each in logprobs:
             top = [{**self._token((t.token,)), "logprob": t.logprob} for t in each.top]
-            entry = {**self._token((each.token,)), "logprob": each.logprob, "top_logprobs": top}
+            token = self._token((each.token,), special)
+            entry = {**token, "logprob": each.logprob, "top_logprobs": top}
             entries.append({**entry, "text_offset": offset})
-            offset += len(each.text)
+            is_special = special and self.model.vocab.is_special(each.token)
+            offset += len(token["token"]) if is_special else len(each.text)
         return entries
 
-    def _token(self, tokens: tuple[int, ...]) -> dict[str, Any]:
-        piece = b"".join(self.model.token_piece(t) for t in tokens)
+    def _token(self, tokens: tuple[int, ...], special: bool = False) -> dict[str, Any]:
+        vocab = self.model.vocab
+        piece = b"".join((vocab.special_piece if special else vocab.piece)(t) for t in tokens)
         return {"token": piece.decode("utf-8", "replace"), "bytes": list(piece)}
 
     # objects ---------------------------------------------------------------------------
@@ -218,7 +229,7 @@ class Reply:
         if self.kind == "chat":
             return {"content": [_without(e, "text_offset") for e in entries]}
         return {
-            "tokens": [e["token"] for e in entries],
+            "tokens": [_text_token(e) for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
             # "The API will always return the logprob of the sampled token" (OpenAI's API
             # reference): a token sampled outside the top ones is added.
@@ -226,8 +237,8 @@ class Reply:
                 None
                 if e["top_logprobs"] is None
                 else {
-                    **{top["token"]: top["logprob"] for top in e["top_logprobs"]},
-                    e["token"]: e["logprob"],
+                    **{_text_token(top): top["logprob"] for top in e["top_logprobs"]},
+                    _text_token(e): e["logprob"],
                 }
                 for e in entries
             ],
@@ -341,6 +352,17 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+
+
+def _text_token(entry: dict[str, Any]) -> str:
+    """A completion's token as a string, which has no ``bytes`` beside it: part of a UTF-8
+    character as ``bytes:`` and its bytes escaped (``bytes:\\xf0\\x9f``), as OpenAI's API
+    writes it, so such tokens stay apart (each was U+FFFD)."""
+    data = bytes(entry["bytes"])
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
 def _without(entry: dict[str, Any], key: str) -> dict[str, Any]:
