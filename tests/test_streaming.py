@@ -128,6 +128,21 @@ def test_a_sequence_saved_before_healing_replaced_its_token_keeps_its_prompt(
         assert back.generate(max_tokens=4, token_healing=True) == healed
 
 
+def test_a_sequence_rewound_by_count_past_a_healed_token_saves_what_it_holds(
+    model: lcgen.Model,
+) -> None:
+    """After a healed generation, a rewind by count to just before the healed token looked
+    like healing still under way: the file held the token again ('... France is' for the
+    live '... France'), and the loaded sequence went on differently."""
+    with model.sequence("The capital of France is") as seq:
+        n = len(seq)
+        seq.generate(max_tokens=4, token_healing=True)
+        seq.rewind(len(seq) - (n - 1))
+        saved, tokens = seq.to_bytes(), seq.tokens
+    with lcgen.Sequence.from_bytes(model, saved) as back:
+        assert back.tokens == tokens and back.text == "The capital of France"
+
+
 def test_a_generation_that_ends_before_healing_is_done_keeps_the_prompt(
     model: lcgen.Model,
 ) -> None:

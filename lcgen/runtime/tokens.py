@@ -122,6 +122,9 @@ class TokenSequence(Unshared):
         self._rng_log: dict[int, RngState] = {}  # position -> RNG state before anything there
         # The prompt token last removed by token healing: (position, token, stamps around it).
         self._healed: tuple[int, int, int, int] | None = None
+        # Whether nothing has been appended since: the sequence is its prompt cut short (a
+        # rewind by count to the same position after a generation leaves it cut on purpose).
+        self._heal_open = False
         # Keep the logits of the next decode in the store (set when a generation starts: they
         # follow its prompt).
         self.keep_next = False
@@ -205,6 +208,8 @@ class TokenSequence(Unshared):
         checked = self.vocab.check_tokens(tokens)
         self._tokens.extend(checked)
         self._stamps.extend(next(_stamps) for _ in checked)
+        if checked:
+            self._heal_open = False
 
     def _keep_prefix(self, n_keep: int) -> None:
         """Cut the sequence to its first ``n_keep`` tokens, dropping their KV cells."""
@@ -343,6 +348,7 @@ class TokenSequence(Unshared):
         self._keep_prefix(pos)
         self._tokens.append(token)
         self._stamps.append(after)
+        self._heal_open = False
         return True
 
     def end_heal(self, rest: bytes) -> int:
@@ -364,7 +370,7 @@ class TokenSequence(Unshared):
         if pos == len(self._tokens) and self._stamps[pos] == before:
             self._tokens.append(token)  # as before the heal (its checkpoints reach it again)
             self._stamps.append(after)
-            self._healed = None
+            self._healed, self._heal_open = None, False
             return 0
         # (a rewind to a checkpoint from before the heal still puts the token back)
         tokens = self.vocab.spell(rest)
@@ -374,7 +380,7 @@ class TokenSequence(Unshared):
     def _whole_tokens(self) -> list[int]:
         """The tokens, with the one token healing removed put back while nothing has replaced
         it yet (a sequence saved then is its prompt, not the prompt cut short)."""
-        if self._healed is not None:
+        if self._healed is not None and self._heal_open:
             pos, token, before, _ = self._healed
             if pos == len(self._tokens) and self._stamps[pos] == before:
                 return [*self._tokens, token]
@@ -412,6 +418,7 @@ class TokenSequence(Unshared):
             return b""
         self._healed = (n - 1, token, self._stamps[n - 1], self._stamps[n])
         self._keep_prefix(n - 1)
+        self._heal_open = True
         return piece
 
     def reseed(self, seed: int) -> None:
