@@ -234,6 +234,24 @@ def test_earlier_tool_turns_are_written_into_the_prompt(chat_model: lcgen.Model)
     assert chat_model.format_chat(turn, tools=[get_weather], tool_choice="none") == prompt
 
 
+def test_a_result_names_its_call_where_a_function_was_called_twice(
+    chat_model: lcgen.Model,
+) -> None:
+    """Results of two calls of one function came back as 'The function get_weather returned'
+    twice: sent in another order, the model read Rome's weather as Oslo's."""
+    oslo = ToolCall("call_1", "get_weather", {"city": "Oslo"})
+    rome = ToolCall("call_2", "get_weather", {"city": "Rome"})
+    turn: list[dict[str, Any]] = [
+        *ASK,
+        {"role": "assistant", "content": None, "tool_calls": [oslo, rome]},
+        {"role": "tool", "tool_call_id": "call_2", "content": "30 C"},
+        {"role": "tool", "tool_call_id": "call_1", "content": "-5 C"},
+    ]
+    prompt = chat_model.format_chat(turn)
+    assert 'get_weather (called with {"city": "Rome"}) returned: 30 C' in prompt
+    assert 'get_weather (called with {"city": "Oslo"}) returned: -5 C' in prompt
+
+
 @pytest.mark.parametrize(
     ("message", "error", "match"),
     [
@@ -482,6 +500,11 @@ def test_invoking_refuses_and_names_what_it_cannot_run() -> None:
     with pytest.raises(lcgen.SchemaValidationError, match="capitals") as refused:
         Tool.of(Loud).invoke(ToolCall.new("Loud", {"word": "hi"}))
     assert json.loads(refused.value.text) == {"word": "hi"}
+    # A call made by hand may not match the schema at all: not said to have matched it.
+    hand = ToolCall("call_7", "get_weather", {})
+    with pytest.raises(lcgen.SchemaValidationError, match="the call call_7") as refused:
+        Tool.of(get_weather).invoke(hand)
+    assert "matched the JSON Schema" not in str(refused.value)
     with pytest.raises(TypeError, match="callable, got 3"):
         Tool("f", function=3)  # type: ignore[arg-type]
     assert Tool("f", function=len) == Tool("f")  # the function is not what the model is told

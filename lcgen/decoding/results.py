@@ -316,8 +316,9 @@ def parse_structured(text: str, schema: SchemaLike, healed: str = "") -> Any:
     return value if validate is None else _validated(validate, text, text, schema)
 
 
-def _validated(validate: Any, value: Any, text: str, model: Any) -> Any:
-    """``validate(value)``, its pydantic ValidationError made an lcgen error."""
+def _validated(validate: Any, value: Any, text: str, model: Any, call: str | None = None) -> Any:
+    """``validate(value)``, its pydantic ValidationError made an lcgen error; ``call``: the
+    id of the tool call whose arguments these are (which may have been made by hand)."""
     import pydantic
 
     from lcgen.errors import SchemaValidationError
@@ -328,14 +329,22 @@ def _validated(validate: Any, value: Any, text: str, model: Any) -> Any:
         errors = exc.errors(include_url=False)
         name = getattr(model, "__name__", repr(model))
         listed = "; ".join(_describe(e) for e in errors[:3]) + "; ..." * (len(errors) > 3)
-        raise SchemaValidationError(
-            f"the output matched the JSON Schema of {name}, but {name}'s own validation refused "
-            f"it ({len(errors)} error{'s' * (len(errors) != 1)}: {listed}): the model checks "
-            "more than its JSON Schema says, which the grammar cannot enforce; use a type whose "
-            "schema says it all, or catch SchemaValidationError (.text holds the JSON)",
-            text,
-            [dict(e) for e in errors],
-        ) from exc
+        counted = f"{len(errors)} error{'s' * (len(errors) != 1)}: {listed}"
+        if call is not None:
+            message = (
+                f"{name}'s validation refused the arguments of the call {call} ({counted}): "
+                "a call made or changed by hand must match the tool's parameters; one the "
+                "model wrote matches their JSON Schema, so where it is refused the function "
+                "checks more than its schema says (use a type whose schema says it all)"
+            )
+        else:
+            message = (
+                f"the output matched the JSON Schema of {name}, but {name}'s own validation "
+                f"refused it ({counted}): the model checks more than its JSON Schema says, "
+                "which the grammar cannot enforce; use a type whose schema says it all, or "
+                "catch SchemaValidationError (.text holds the JSON)"
+            )
+        raise SchemaValidationError(message, text, [dict(e) for e in errors]) from exc
 
 
 def _describe(error: Mapping[str, Any]) -> str:

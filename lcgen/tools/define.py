@@ -137,11 +137,11 @@ class Tool:
         text = json.dumps(call.arguments, ensure_ascii=False)
         model_validate = getattr(fn, "model_validate_json", None)
         if model_validate is not None:  # a pydantic model class: its instance
-            return _validated(model_validate, text, text, fn)
+            return _validated(model_validate, text, text, fn, call.id)
         import pydantic
 
         adapter = pydantic.TypeAdapter(cast(Any, _arguments(fn)))
-        arguments = _validated(adapter.validate_json, text, text, fn)
+        arguments = _validated(adapter.validate_json, text, text, fn, call.id)
         return fn(**arguments)
 
     def as_openai(self) -> dict[str, Any]:

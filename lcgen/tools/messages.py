@@ -162,13 +162,24 @@ def prompt_messages(
             :func:`check_messages`).
         ValueError: a tool message answers a call that no assistant message before it made.
     """
-    names: dict[str, str] = {}  # call id -> function name
+    names: dict[str, str] = {}  # call id -> how its result names it
     out: list[dict[str, Any]] = []
     for i, message in enumerate(messages):
         role, text = message["role"], message.get("content") or ""
         if role == "assistant" and message.get("tool_calls"):
             calls = [_written(call, i) for call in message["tool_calls"]]
-            names.update((call.id, call.name) for call in calls)
+            # A result names its call: by the function, and where the message called it more
+            # than once, by its arguments too (results may come back in any order).
+            twice = {c.name for c in calls if sum(d.name == c.name for d in calls) > 1}
+            names.update(
+                (
+                    call.id,
+                    f"{call.name} (called with {json.dumps(call.arguments, ensure_ascii=False)})"
+                    if call.name in twice
+                    else call.name,
+                )
+                for call in calls
+            )
             values = [{"name": call.name, "arguments": call.arguments} for call in calls]
             written = json.dumps(values[0] if len(values) == 1 else values, ensure_ascii=False)
             text = f"{text}\n{written}" if text else written
