@@ -585,7 +585,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
             print("\nlcgen: /exit or Ctrl-D ends the chat", file=sys.stderr)
             continue
         if line is None or not chat.handle(line):
-            return 0
+            # Piped: a script reads the status (a turn that failed went on to the next).
+            return 1 if chat.failed and not interactive else 0
 
 
 def _read_line(interactive: bool) -> str | None:
@@ -618,6 +619,7 @@ class ChatSession:
         self.model = model
         self.options = options
         self.messages: list[Message] = []
+        self.failed = False  # whether a line was an error (said on stderr)
         self._commands: dict[str, Callable[[str], None]] = {
             "/help": lambda _: print(CHAT_HELP, file=sys.stderr),
             "/clear": self.clear,
@@ -635,19 +637,19 @@ class ChatSession:
         try:
             _check_text(text, "the line")
         except ValueError as exc:
-            print(f"lcgen: error: {exc}", file=sys.stderr)
+            self._error(f"lcgen: error: {exc}")
             return True
         name, _, rest = text.partition(" ")
         if name in {"/exit", "/quit"}:
             return False
         command = self._commands.get(name)
         if command is None and name.startswith("/"):
-            print(f"lcgen: unknown command {name}; /help lists them", file=sys.stderr)
+            self._error(f"lcgen: unknown command {name}; /help lists them")
         elif command is not None:
             try:
                 command(rest.strip())
             except (LcgenError, ValueError, TypeError, OSError) as exc:
-                print(f"lcgen: error: {exc}", file=sys.stderr)
+                self._error(f"lcgen: error: {exc}")
         else:
             self.say(line)
         return True
@@ -660,12 +662,16 @@ class ChatSession:
             reply, stopped = self._reply()
         except (LcgenError, ValueError) as exc:  # this turn failed; the chat goes on
             self.messages.pop()
-            print(f"lcgen: error: {exc}", file=sys.stderr)
+            self._error(f"lcgen: error: {exc}")
             return
         if stopped and not reply:
             self.messages.pop()  # stopped before a word: as if it was never asked
         else:
             self.messages.append({"role": "assistant", "content": reply})
+
+    def _error(self, message: str) -> None:
+        self.failed = True
+        print(message, file=sys.stderr)
 
     def _reply(self) -> tuple[str, bool]:
         """The reply, streamed as it comes; Ctrl-C stops it: ``(text so far, True)``."""

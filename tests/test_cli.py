@@ -384,9 +384,11 @@ def test_chat_commands(
         assert chat.messages == saved
         assert "tool_call_id" in capsys.readouterr().err
     assert chat.handle("/exit") is False and chat.handle("/quit") is False
+    assert chat.failed  # (a piped chat then exits 1)
     failing = cli.ChatSession(cold_model, {"max_tokens": 4, "temperature": -1.0}, None)
+    assert not failing.failed
     assert failing.handle("Hi!") is True and failing.messages == []  # the turn failed, not the chat
-    assert "temperature must be >= 0" in capsys.readouterr().err
+    assert "temperature must be >= 0" in capsys.readouterr().err and failing.failed
 
 
 def test_chat_file_errors_name_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -445,6 +447,14 @@ def test_a_full_context_does_not_end_the_chat() -> None:
     assert out.returncode == 0, out.stderr
     assert "dropped the oldest 2 messages" in out.stderr and "error" not in out.stderr
     assert out.stdout.count("\n") >= 4  # every turn was answered
+    # A turn that failed (a message over the context) lets the chat go on, and a piped chat
+    # exits 1 at its end, so a script can tell (it exited 0).
+    too_long = "Repeat: " + "alpha beta gamma delta " * 80 + "\n"
+    failed = run(
+        "chat", "smollm2-135m", "--max-tokens", "8", "--n-ctx", "256", stdin=too_long + "Hi\n"
+    )
+    assert failed.returncode == 1 and "lcgen: error:" in failed.stderr, failed.stderr
+    assert failed.stdout.strip()  # the turn after it was answered
 
 
 # models, info ----------------------------------------------------------------------------------
