@@ -1068,6 +1068,8 @@ PEOPLE = [
 
 
 def test_pydantic_instances_are_accepted(model: lcgen.Model) -> None:
+    with pytest.raises(TypeError, match=r"Grammar\.from_pydantic"):
+        Grammar.from_json_schema(Person)  # type: ignore[arg-type]
     grammar = Grammar.from_pydantic(Person)
     for person in PEOPLE:
         assert grammar.accepts(model, person.model_dump_json())

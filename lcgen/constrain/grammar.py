@@ -160,7 +160,12 @@ class Grammar:
             except json.JSONDecodeError as exc:
                 raise GrammarError(f"the JSON Schema is not valid JSON: {exc}") from None
         if not isinstance(schema, dict | bool):
-            raise TypeError(f"a JSON Schema is a dict or JSON text, got {type(schema).__name__}")
+            hint = ""
+            if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
+                hint = f" (for the pydantic model {schema.__name__}: Grammar.from_pydantic)"
+            raise TypeError(
+                f"a JSON Schema is a dict or JSON text, got {type(schema).__name__}{hint}"
+            )
         return cls(schema_to_gbnf(schema, close_objects=close_objects, whitespace=whitespace))
 
     @classmethod
