@@ -586,6 +586,25 @@ def test_closing_a_sequence_gives_its_draft_models_slot_back(
         assert out.stats.drafted > 0
 
 
+def test_a_run_a_newer_one_replaced_gives_its_draft_models_slot_back(
+    model: lcgen.Model, model_path: Path
+) -> None:
+    """Runs the caller still holds, replaced by newer runs on the same sequence, kept their
+    draft-model slots: once they held them all, later runs drafted nothing, silently."""
+    with (
+        lcgen.Model(model_path, n_ctx=512, n_seq_max=2, n_threads=1) as small,
+        model.sequence("Count: 1, 2, 3, 4, 5, 6, 7, 8, 9, 10,") as seq,
+    ):
+        held = []
+        for _ in range(3):
+            run = seq.run(max_tokens=8, speculate=small)
+            run.step()
+            held.append(run)
+        assert small.cache.stats.live <= 1  # the last run's
+        out = seq.generate(max_tokens=12, speculate=small)
+        assert out.stats is not None and out.stats.drafted > 0
+
+
 def test_a_draft_model_closed_mid_stream_leaves_the_generation_going(
     model: lcgen.Model, model_path: Path
 ) -> None:
@@ -731,3 +750,24 @@ def test_a_hook_that_raises_inside_a_draft_leaves_the_counts_adding_up(
     s = last.stats
     assert raised >= 3 and s is not None and s.accepted > 0 and s.rewinds == 0
     assert s.tokens == s.steps + s.accepted + s.forced
+
+
+def test_a_step_that_ran_out_of_retries_without_a_token_is_not_counted(
+    model: lcgen.Model,
+) -> None:
+    """Stats add up (tokens = steps + accepted + forced without rewinds) where the run ends
+    with 'retries': its last step took no token and was counted."""
+
+    def unsure(step: lcgen.Step) -> lcgen.Resample | None:
+        return lcgen.Resample(exclude=[step.token]) if step.prob < 0.3 else None
+
+    for speculate in (None, "ngram"):
+        out = model.generate(
+            "Repeat exactly:\n" + "The keeper lit the wick at dusk. " * 3,
+            max_tokens=40,
+            hooks=[unsure],
+            speculate=speculate,
+        )
+        s = out.stats
+        assert out.finish_reason == "retries" and s.rewinds == 0, (out, s)
+        assert s.tokens == s.steps + s.accepted + s.forced, s

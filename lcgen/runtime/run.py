@@ -228,7 +228,10 @@ class SequenceRun:
         sampled token equals the draft token decoded there. Then draft for the next step."""
         (row,) = rows
         chunk = self._advance_one(row) if row.ndim == 1 else self._verify(row)
-        self._steps += 1  # (a step that raised took no token: see _verify for one that did)
+        # (A step that raised took no token: see _verify for one that did. Nor did one that
+        # ran out of retries: its draft tokens taken before count as accepted.)
+        if self.generator.finish_reason != "retries":
+            self._steps += 1
         if self._held is not None:
             chunk, self._held = _joined([self._held, chunk]), None
         if self.fast_forward and not self.is_done:

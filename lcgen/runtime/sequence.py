@@ -221,6 +221,8 @@ class Sequence(TokenSequence):
         # Checked before anything changes.
         drafter = drafter_for(plan.speculation, self.model, plan.sampler.logit_bias)
         self.drop_draft()  # one an abandoned speculative run left for its next step
+        for old in list(self._drafters or ()):  # a run held by its caller keeps no draft slot
+            old.close()  # (it takes one again if it goes on)
         if drafter is not None:
             if self._drafters is None:
                 self._drafters = weakref.WeakSet()
