@@ -315,5 +315,8 @@ def test_max_tokens_none_generates_to_the_end_of_the_context(model_path: Path) -
             assert len(seq) == small.n_ctx
             with pytest.raises(lcgen.ContextFullError, match=f"fill the context of {small.n_ctx}"):
                 seq.generate(max_tokens=None)
+        # With token healing, the room left once the healed token is taken away.
+        healed = small.generate(short, max_tokens=None, logit_bias=ban, token_healing=True)
+        assert len(healed.tokens) == room[short] + 1
         # A standalone generator has no bound of its own.
         assert lcgen.Generator(small, max_tokens=None).max_tokens > 10**9

@@ -1769,6 +1769,20 @@ def test_a_completion_prompt_s_special_token_text_is_those_tokens(
     assert len(lp.tokens) == len(model.chat_tokens(USER)) and lp.tokens[0] == "<|im_start|>"
     assert "".join(lp.tokens) == prompt
     assert all(prompt[at:].startswith(t) for at, t in zip(lp.text_offset, lp.tokens, strict=True))
+    # Its top tokens name a special token as the prompt's entry does (one key per token).
+    top = (
+        client.completions.create(prompt=prompt, echo=True, logprobs=3, **{**ask, "max_tokens": 0})
+        .choices[0]
+        .logprobs.top_logprobs
+    )
+    assert all("" not in alternatives for alternatives in top[1:])
+    # A prompt of ids holding special tokens echoes the text without them: their entries have
+    # none, and every offset is a token's place in the text (they ran past its end).
+    ids = model.chat_tokens(USER)
+    echoed = client.completions.create(prompt=ids, echo=True, logprobs=0, **ask).choices[0]
+    text, lp = echoed.text, echoed.logprobs
+    assert all(at <= len(text) for at in lp.text_offset)
+    assert all(text[at:].startswith(t) for at, t in zip(lp.text_offset, lp.tokens, strict=True))
 
 
 def test_completion_tokens_part_way_through_a_character_are_told_apart(
@@ -1833,3 +1847,20 @@ def request_stream_ok(url: str, body: dict[str, Any]) -> bool:
     with urllib.request.urlopen(req, timeout=60) as response:
         lines = [line.decode().strip() for line in response if line.startswith(b"data: ")]
     return lines[-1] == "data: [DONE]"
+
+
+def test_an_echoed_prompt_s_added_bos_has_no_text() -> None:
+    """Gemma adds a BOS that the prompt's text does not hold: it was written '<bos>' and
+    every offset after it was 5 too far."""
+    with (
+        lcgen.load("gemma3-270m", n_ctx=256, n_seq_max=2, n_threads=1) as gemma,
+        running(create_app(gemma, model_name=NAME)) as base,
+    ):
+        prompt = "Hello world, this is"
+        body = {"model": NAME, "prompt": prompt, "max_tokens": 3, "echo": True, "logprobs": 0}
+        status, reply = request(base, "/v1/completions", json.dumps(body).encode(), key=None)
+        assert status == 200, reply
+        text, lp = reply["choices"][0]["text"], reply["choices"][0]["logprobs"]
+        assert lp["tokens"][0] == "" and lp["text_offset"][:2] == [0, 0]
+        pairs = zip(lp["text_offset"], lp["tokens"], strict=True)
+        assert all(text[at:].startswith(t) for at, t in pairs)

@@ -141,6 +141,17 @@ def test_a_sequence_rewound_by_count_past_a_healed_token_saves_what_it_holds(
         saved, tokens = seq.to_bytes(), seq.tokens
     with lcgen.Sequence.from_bytes(model, saved) as back:
         assert back.tokens == tokens and back.text == "The capital of France"
+    # Rewound with its generator to where the run started, healing is under way again: the
+    # file holds the whole prompt.
+    with model.sequence("The capital of France is") as seq:
+        run = seq.run(max_tokens=4, token_healing=True)
+        start = seq.checkpoint(run.generator)
+        run.step()
+        run.step()
+        seq.rewind(start, run.generator)
+        saved = seq.to_bytes()
+    with lcgen.Sequence.from_bytes(model, saved) as back:
+        assert back.text == "The capital of France is"
 
 
 def test_a_generation_that_ends_before_healing_is_done_keeps_the_prompt(

@@ -210,8 +210,7 @@ class Sequence(TokenSequence):
                     f"{self._ctx.n_ctx} tokens: no room to generate (shorten the prompt or load "
                     "the model with a larger n_ctx)"
                 )
-            limit = self._ctx.n_ctx - len(self._tokens)
-            plan = dataclasses.replace(plan, max_tokens=limit)
+            # (the plan takes the room left after healing, below)
         elif len(self._tokens) + limit > self._ctx.n_ctx:
             raise ContextFullError(
                 f"{len(self._tokens)} tokens in the sequence + max_tokens={limit} = "
@@ -229,6 +228,8 @@ class Sequence(TokenSequence):
             self._drafters.add(drafter)
         before = self.checkpoint() if plan.token_healing else None
         heal = self.heal_last_token() if plan.token_healing else b""
+        if plan.max_tokens is None:  # the room left, with the token healing took away
+            plan = dataclasses.replace(plan, max_tokens=self._ctx.n_ctx - len(self._tokens))
         try:  # (it checks the plan's token ids against the vocabulary)
             gen = Generator(self.vocab, plan, history=self._tokens, rng=self._rng, heal=heal)
         except BaseException:

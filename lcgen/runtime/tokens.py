@@ -333,6 +333,11 @@ class TokenSequence(Unshared):
         self._rng.bit_generator.state = target.rng_state
         if generator is not None and target.generation is not None:
             generator.restore(target.generation)
+            # Back where healing took the token away, with the text to re-create again: the
+            # sequence is its prompt cut short once more (a rewind by count is not).
+            if self._healed is not None and generator.heal:
+                pos, _, before, _ = self._healed
+                self._heal_open = pos == len(self._tokens) and self._stamps[pos] == before
         self.stats.rewinds += 1
 
     def _unheal(self, cp: Checkpoint) -> bool:

@@ -292,7 +292,8 @@ def parse(cls: type[R], body: bytes) -> R:
         errors = exc.errors(include_url=False)
         if errors[0]["type"] == "json_invalid":
             message = errors[0]["msg"]
-            if "escape" in message:  # (a lone UTF-16 surrogate, "\ud800", is no character)
+            # (a lone UTF-16 surrogate, "\ud800", is no character)
+            if "hex escape" in message or "surrogate" in message:
                 message += (
                     " (a \\u escape is 4 hex digits, and one of a surrogate pair, \\ud800 to "
                     "\\udfff, needs the other: JSON text is Unicode characters)"

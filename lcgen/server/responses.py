@@ -173,12 +173,14 @@ class Reply:
         if self.with_logprobs and scored is not None:
             first, rest = scored
             rest = rest[: len(rest) - 1] if healed else rest
-            # The prompt's special tokens as the text that wrote them (it was read so).
-            lead = self.model.vocab.special_piece(first).decode("utf-8", "replace")
-            entry = {**self._token((first,), special=True), "logprob": None, "top_logprobs": None}
+            # A special token the prompt's text wrote is that text (a text prompt's special
+            # tokens were read so); one it does not hold (a BOS added, a special token of
+            # a prompt of ids) has none, as before.
+            head = self._echoed((first,), text, 0)
+            entry = {**head, "logprob": None, "top_logprobs": None}
             out.logprobs += [
                 {**entry, "text_offset": 0},
-                *self._entries(rest, len(lead), special=True),
+                *self._entries(rest, len(head["token"]), echoed=text),
             ]
 
     def _logprobs(self, chunk: Chunk, offset: int) -> list[dict[str, Any]]:
@@ -186,19 +188,31 @@ class Reply:
         return self._entries(chunk.logprobs, offset)
 
     def _entries(
-        self, logprobs: Iterable[TokenLogprob], offset: int, special: bool = False
+        self, logprobs: Iterable[TokenLogprob], offset: int, echoed: str | None = None
     ) -> list[dict[str, Any]]:
-        """An entry per token; ``special``: a special token's text is the text that writes
-        it (an echoed prompt's), not none."""
+        """An entry per token; ``echoed``: the echoed prompt's text these tokens are of (a
+        special token it writes at the token's offset is that text, in the top ones too)."""
         entries = []
+        special = echoed is not None
         for each in logprobs:
-            top = [{**self._token((t.token,)), "logprob": t.logprob} for t in each.top]
-            token = self._token((each.token,), special)
+            top = [{**self._token((t.token,), special), "logprob": t.logprob} for t in each.top]
+            if echoed is None:
+                token = self._token((each.token,))
+            else:
+                token = self._echoed((each.token,), echoed, offset)
             entry = {**token, "logprob": each.logprob, "top_logprobs": top}
             entries.append({**entry, "text_offset": offset})
-            is_special = special and self.model.vocab.is_special(each.token)
+            is_special = echoed is not None and self.model.vocab.is_special(each.token)
             offset += len(token["token"]) if is_special else len(each.text)
         return entries
+
+    def _echoed(self, tokens: tuple[int, ...], text: str, offset: int) -> dict[str, Any]:
+        """An echoed prompt token: a special one as its text where ``text`` holds that at
+        ``offset``, else none."""
+        written = self._token(tokens, special=True)
+        if written["token"] and text.startswith(written["token"], offset):
+            return written
+        return self._token(tokens)
 
     def _token(self, tokens: tuple[int, ...], special: bool = False) -> dict[str, Any]:
         vocab = self.model.vocab
