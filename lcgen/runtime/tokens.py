@@ -335,9 +335,8 @@ class TokenSequence(Unshared):
             generator.restore(target.generation)
             # Back where healing took the token away, with the text to re-create again: the
             # sequence is its prompt cut short once more (a rewind by count is not).
-            if self._healed is not None and generator.heal:
-                pos, _, before, _ = self._healed
-                self._heal_open = pos == len(self._tokens) and self._stamps[pos] == before
+            if generator.heal:
+                self._heal_open = self._at_healed_token()
         self.stats.rewinds += 1
 
     def _unheal(self, cp: Checkpoint) -> bool:
@@ -371,8 +370,8 @@ class TokenSequence(Unshared):
         """
         if not rest or self._healed is None:
             return 0
-        pos, token, before, after = self._healed
-        if pos == len(self._tokens) and self._stamps[pos] == before:
+        _, token, _, after = self._healed
+        if self._at_healed_token():
             self._tokens.append(token)  # as before the heal (its checkpoints reach it again)
             self._stamps.append(after)
             self._healed, self._heal_open = None, False
@@ -385,11 +384,17 @@ class TokenSequence(Unshared):
     def _whole_tokens(self) -> list[int]:
         """The tokens, with the one token healing removed put back while nothing has replaced
         it yet (a sequence saved then is its prompt, not the prompt cut short)."""
-        if self._healed is not None and self._heal_open:
-            pos, token, before, _ = self._healed
-            if pos == len(self._tokens) and self._stamps[pos] == before:
-                return [*self._tokens, token]
+        if self._healed is not None and self._heal_open and self._at_healed_token():
+            return [*self._tokens, self._healed[1]]
         return list(self._tokens)
+
+    def _at_healed_token(self) -> bool:
+        """Whether the sequence ends where token healing took its token away, with the
+        history before it unchanged."""
+        if self._healed is None:
+            return False
+        pos, _, before, _ = self._healed
+        return pos == len(self._tokens) and self._stamps[pos] == before
 
     def _check_reachable(self, cp: Checkpoint) -> None:
         n = len(self._tokens)
