@@ -202,7 +202,7 @@ class Reply:
                 token = self._echoed((each.token,), echoed, offset)
             entry = {**token, "logprob": each.logprob, "top_logprobs": top}
             entries.append({**entry, "text_offset": offset})
-            is_special = echoed is not None and self.model.vocab.is_special(each.token)
+            is_special = special and self.model.vocab.is_special(each.token)
             offset += len(token["token"]) if is_special else len(each.text)
         return entries
 

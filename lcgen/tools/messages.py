@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+from collections import Counter
 from collections.abc import Mapping
 from collections.abc import Sequence as Seq
 from typing import Any, NamedTuple
@@ -170,12 +171,12 @@ def prompt_messages(
             calls = [_written(call, i) for call in message["tool_calls"]]
             # A result names its call: by the function, and where the message called it more
             # than once, by its arguments too (results may come back in any order).
-            twice = {c.name for c in calls if sum(d.name == c.name for d in calls) > 1}
+            count = Counter(call.name for call in calls)
             names.update(
                 (
                     call.id,
                     f"{call.name} (called with {json.dumps(call.arguments, ensure_ascii=False)})"
-                    if call.name in twice
+                    if count[call.name] > 1
                     else call.name,
                 )
                 for call in calls
