@@ -18,6 +18,7 @@ import ipaddress
 import pathlib
 import re
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
@@ -27,6 +28,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import types as pt
 from pydantic.color import Color
+from pydantic.json_schema import SkipJsonSchema
 from test_schemas import WALKS, Cat, Dog, random_walk
 
 import lcgen
@@ -129,6 +131,12 @@ CASES = [
     Case("dict-enum-keys", dict[Mixed, int], ({Mixed.word: 1},)),
     Case("dict-uuid-keys", dict[uuid.UUID, int], ({uuid.UUID(UID): 1},)),
     Case("dict-decimal-keys", dict[decimal.Decimal, int], ({decimal.Decimal("1.5"): 1},)),
+    Case(  # pydantic's JSON Schema puts the pattern in patternProperties, leaving others open
+        "dict-pattern-keys",
+        dict[Annotated[str, pydantic.StringConstraints(pattern=r"^[A-Z]{3}$")], float],
+        ({"USD": 1.0, "EUR": 0.5}, {}),
+    ),
+    Case("dict-short-keys", dict[pydantic.constr(max_length=2), int], ({"ab": 1},)),
     Case("json-list", pydantic.Json[list[int]], ("[1, 2, 3]", "[]")),
     Case("json-any", pydantic.Json[Any], ('{"a": [1, "x\\n"]}', '"quoted"')),
     Case("json-model", pydantic.Json[Pet], ('{"kind": "cat", "name": "Tom \\"T\\""}',)),
@@ -204,7 +212,9 @@ REFUSED_BY_PYDANTIC = [
     ("decimal", '"x"'), ("condecimal-places", "0.00001"),
     ("condecimal-places", "0"), ("condecimal-places", "-0.0"), ("dict-int-keys", '{"a": "b"}'),
     ("dict-float-keys", '{"x": 1}'), ("dict-intenum-keys", '{"3": 1}'),
-    ("dict-mixed-literal-keys", '{"1": 1}'), ("json-list", '"[1, \\"a\\"]"'), ("json-list", '"x"'),
+    ("dict-mixed-literal-keys", '{"1": 1}'), ("dict-pattern-keys", '{"euro": 1.1}'),
+    ("dict-pattern-keys", '{"USD": 1, "usd": 1}'), ("dict-short-keys", '{"abc": 1}'),
+    ("json-list", '"[1, \\"a\\"]"'), ("json-list", '"x"'),
     ("json-model", '"{}"'), ("uuid4", f'"{UID}"'), ("ip-any-network", '"10.0.0.1/8"'),
     ("ipv6-network", '"fe80::1/10"'), ("ip-any-interface", '"10.0.0.1/33"'),
     ("base64-bytes", '"YQ"'), ("base64-bytes", '"YQ="'), ("base64-str", '"/w=="'),
@@ -331,12 +341,34 @@ def test_texts_near_valid_ones_are_allowed_only_when_valid(
         ),
         ("json-of-itself", Loop, "contentSchema at #/[$]defs/Loop/properties/inner .* refers back"),
         ("frozenset", frozenset[str], "uniqueItems at #/properties/x"),
+        ("callable", Callable[[int], int], "no JSON Schema: .*CallableSchema"),
+        ("object", type("Custom", (), {}), "no JSON Schema: .*Custom"),
+        ("skipped", SkipJsonSchema[int], "required field is left out .* give it a default"),
     ],
 )
 def test_types_no_grammar_holds_to_are_refused(name: str, kind: Any, named: str) -> None:
-    model_cls = pydantic.create_model(f"R_{name.replace('-', '_')}", x=(kind, ...))
+    model_cls = pydantic.create_model(
+        f"R_{name.replace('-', '_')}",
+        __config__=pydantic.ConfigDict(arbitrary_types_allowed=True),
+        x=(kind, ...),
+    )
     with pytest.raises(lcgen.GrammarError, match=named):
         Grammar.from_pydantic(model_cls)
+
+
+def test_a_skipped_field_with_a_default_and_a_function_with_no_schema() -> None:
+    """Left out with a default, a field is no error; a tool's argument with no JSON Schema is
+    refused as the model's field is (not with pydantic's own exception)."""
+    model_cls = pydantic.create_model("Skips", a=(int, ...), b=(SkipJsonSchema[int], 3))
+    gbnf = Grammar.from_pydantic(model_cls).gbnf
+    assert '\\"a\\"' in gbnf and '\\"b\\"' not in gbnf
+
+    def apply(f: Callable[[int], int]) -> int:
+        """Apply f."""
+        return f(1)
+
+    with pytest.raises(lcgen.UnsupportedSchemaError, match="arguments have no JSON Schema"):
+        lcgen.Tool.of(apply)
 
 
 class _NestedAlias(pydantic.BaseModel):

@@ -179,9 +179,10 @@ class Grammar:
         ``"forbid"`` do not. Where pydantic checks more than its JSON Schema says, the grammar
         keeps to what pydantic checks: a ``NaiveDatetime`` has no offset, a ``Decimal`` its
         ``max_digits``/``decimal_places`` (as a number or a string), a ``dict[int, ...]`` keys
-        that read as ints, a ``Json[...]`` field JSON text of its type, ``UUID4`` its version,
-        a network no host bits, ``Base64Str`` padded base64 of ASCII, a URL a host and the
-        schemes its type allows, a ``PastDate`` a year before last year.
+        that read as ints (keys with a ``pattern``, keys that match it), a ``Json[...]``
+        field JSON text of its type, ``UUID4`` its version, a network no host bits,
+        ``Base64Str`` padded base64 of ASCII, a URL a host and the schemes its type allows, a
+        ``PastDate`` a year before last year.
 
         Raises:
             TypeError: ``model_cls`` is not a pydantic model class.
@@ -189,7 +190,8 @@ class Grammar:
                 hold to, named with where they are: ``FutureDate``/``FutureDatetime`` (a future
                 date stops being one), ``FilePath``/``DirectoryPath``/``NewPath``/``SocketPath``
                 (the file system), ``PaymentCardNumber``, multi-host DSNs, ``set``/
-                ``frozenset`` of more than one item (``uniqueItems``).
+                ``frozenset`` of more than one item (``uniqueItems``); a required
+                ``SkipJsonSchema`` field; a type with no JSON Schema (a ``Callable``).
         """
         schema_fn = getattr(model_cls, "model_json_schema", None)
         if not isinstance(model_cls, type) or schema_fn is None:

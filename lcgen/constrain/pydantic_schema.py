@@ -8,6 +8,7 @@ from __future__ import annotations
 import decimal
 import functools
 import re
+from collections.abc import Callable
 from typing import Any
 
 from lcgen.errors import UnsupportedSchemaError
@@ -22,6 +23,7 @@ def _precise_schema_generator() -> type[Any]:
     in its string, a URL has a host and the schemes pydantic allows, a complex number and a
     ByteSize read as pydantic reads them, and a dict's keys spell its key type."""
     from pydantic.json_schema import GenerateJsonSchema
+    from pydantic_core import PydanticOmit
 
     class Precise(GenerateJsonSchema):
         def datetime_schema(self, schema: Any) -> Any:
@@ -78,15 +80,31 @@ def _precise_schema_generator() -> type[Any]:
 
         def model_field_schema(self, schema: Any) -> Any:
             self.check_alias(schema)
-            return super().model_field_schema(schema)
+            return self.kept(schema, super().model_field_schema)
 
         def dataclass_field_schema(self, schema: Any) -> Any:
             self.check_alias(schema)
-            return super().dataclass_field_schema(schema)
+            return self.kept(schema, super().dataclass_field_schema)
 
         def typed_dict_field_schema(self, schema: Any) -> Any:
             self.check_alias(schema)
-            return super().typed_dict_field_schema(schema)
+            return self.kept(schema, super().typed_dict_field_schema)
+
+        def kept(self, field: Any, write: Callable[[Any], Any]) -> Any:
+            """``write(field)``; refusing a required field left out of the schema
+            (``SkipJsonSchema``): no object the grammar allows would have it, and pydantic
+            refuses every object without it."""
+            try:
+                return write(field)
+            except PydanticOmit:
+                if not self.field_is_required(field, total=True):
+                    raise
+                name = field.get("name") or field.get("serialization_alias") or ""
+                raise UnsupportedSchemaError(
+                    f"the required field {name + ' ' if name else ''}is left out of the JSON "
+                    "Schema (SkipJsonSchema): pydantic refuses every object without it, and "
+                    "no object the grammar allows has it; give it a default"
+                ) from None
 
         def check_alias(self, field: Any) -> None:
             """Refuse a field whose name in pydantic's schema is not one pydantic reads: a
@@ -129,6 +147,8 @@ def _precise_schema_generator() -> type[Any]:
                 content = {k: v for k, v in key.items() if k != "title"}
                 return {"type": "string", "contentMediaType": "application/json",
                         "contentSchema": content}  # fmt: skip
+            if key.get("type") == "string" and key.keys() - {"type", "title"}:
+                return {k: v for k, v in key.items() if k != "title"}  # (a pattern, lengths)
             texts = [b for b in key.get("anyOf", ()) if b.get("type") == "string"]
             if texts:
                 return texts[0] if len(texts) == 1 else {"anyOf": texts}
@@ -245,13 +265,32 @@ def _exact(schema: Any) -> Any:
 def pydantic_schema(model_cls: type[Any]) -> dict[str, Any]:
     """The JSON Schema of a pydantic model, saying what pydantic's own leaves out and a grammar
     can hold to (see :func:`_precise_schema_generator`)."""
-    schema: dict[str, Any] = model_cls.model_json_schema(
-        schema_generator=_precise_schema_generator()
-    )
+    from pydantic.errors import PydanticInvalidForJsonSchema
+
+    try:
+        schema: dict[str, Any] = model_cls.model_json_schema(
+            schema_generator=_precise_schema_generator()
+        )
+    except PydanticInvalidForJsonSchema as exc:  # (a Callable, an arbitrary class)
+        raise UnsupportedSchemaError(
+            f"{model_cls.__name__} has no JSON Schema: {_first_line(exc)}"
+        ) from None
     return dict(_exact(schema))
 
 
 def adapter_schema(adapter: Any) -> dict[str, Any]:
     """:func:`pydantic_schema` of a ``pydantic.TypeAdapter`` (a function's arguments)."""
-    schema: dict[str, Any] = adapter.json_schema(schema_generator=_precise_schema_generator())
+    from pydantic.errors import PydanticInvalidForJsonSchema
+
+    try:
+        schema: dict[str, Any] = adapter.json_schema(schema_generator=_precise_schema_generator())
+    except PydanticInvalidForJsonSchema as exc:
+        raise UnsupportedSchemaError(
+            f"the arguments have no JSON Schema: {_first_line(exc)}"
+        ) from None
     return dict(_exact(schema))
+
+
+def _first_line(exc: Exception) -> str:
+    """pydantic's message without its link to the docs."""
+    return str(exc).strip().split("\n", 1)[0]

@@ -246,7 +246,8 @@ def _model_schemas(model: type[Any]) -> tuple[dict[str, Any], dict[str, Any]]:
     """pydantic's schema of ``model`` and the one of what it checks, each closed."""
     from lcgen.constrain.pydantic_schema import pydantic_schema
 
-    return _stripped(model.model_json_schema()), _stripped(pydantic_schema(model))
+    checked = _stripped(pydantic_schema(model))  # (first: it names what has no schema)
+    return _stripped(model.model_json_schema()), checked
 
 
 @functools.lru_cache(maxsize=128)
@@ -257,7 +258,8 @@ def _function_schemas(fn: Callable[..., Any]) -> tuple[dict[str, Any], dict[str,
     from lcgen.constrain.pydantic_schema import adapter_schema
 
     adapter = pydantic.TypeAdapter(cast(Any, _arguments(fn)))
-    return _stripped(adapter.json_schema()), _stripped(adapter_schema(adapter))
+    checked = _stripped(adapter_schema(adapter))  # (first: it names what has no schema)
+    return _stripped(adapter.json_schema()), checked
 
 
 def _stripped(schema: dict[str, Any]) -> dict[str, Any]:
