@@ -27,6 +27,8 @@ The public names, by layer (each layer imports only from those listed before it)
 
 from __future__ import annotations
 
+import difflib
+import inspect
 import os
 from typing import Any
 
@@ -106,8 +108,18 @@ def load(ref: str | os.PathLike[str] = DEFAULT_MODEL, **options: Any) -> Model:
             to get it).
         ModelLoadError: llama.cpp cannot load the file.
     """
+    from lcgen.model import check_load_options
     from lcgen.registry import resolve
 
+    # Checked before the model is resolved, which may download it.
+    parameters = inspect.signature(Model).parameters
+    for name in options:
+        if name == "path" or name not in parameters:
+            close = difflib.get_close_matches(name, list(parameters)[1:], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"lcgen.load() got an unexpected keyword argument {name!r}{hint}")
+    defaults = {n: p.default for n, p in parameters.items() if n != "path"}
+    check_load_options(**{**defaults, **options})
     return Model(resolve(ref), **options)
 
 

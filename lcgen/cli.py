@@ -984,6 +984,8 @@ def build_parser() -> argparse.ArgumentParser:
                 verbose=False,
             )
     server.add_parser(sub)  # `lcgen serve` (its web parts load only when it runs)
+    for command in sub.choices.values():
+        command.set_defaults(parser=command)
     return parser
 
 
@@ -993,7 +995,9 @@ def main(argv: list[str] | None = None) -> int:
     _stderr_or_devnull()
     try:
         with server.one_line_warnings("lcgen"):
-            args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+            args, unknown = build_parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+            if unknown:  # said by the command's parser: its --help lists what it takes
+                args.parser.error(f"unrecognized arguments: {' '.join(unknown)}")
             _check_streams(args)
             return int(args.func(args))
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly, as Unix tools do

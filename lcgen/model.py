@@ -66,6 +66,48 @@ _MIN_SHARED = 4
 _SCORE_CHUNK = 64
 
 
+def check_load_options(
+    *,
+    n_ctx: int,
+    n_batch: int,
+    n_seq_max: int | None,
+    n_gpu_layers: int | None,
+    n_threads: int | None,
+    flash_attn: bool | None,
+    type_k: str,
+    type_v: str,
+    swa_full: bool,
+    cache: bool | int,
+    slot_timeout: float | None,
+    pad_batches: bool,
+    verbose: bool,
+) -> tuple[int, str, str]:
+    """Check :class:`Model`'s options before anything loads (what ``lcgen.load`` does before
+    it resolves, and may download, the model).
+
+    Returns:
+        ``n_seq_max`` (its default filled in), ``type_k`` and ``type_v`` (as llama.cpp names
+        them).
+    """
+    n_seq_max = _check_sizes(n_ctx, n_batch, n_seq_max)
+    type_k = _check_kv_type("type_k", type_k)
+    type_v = _check_kv_type("type_v", type_v, "auto")
+    check_bool("swa_full", swa_full)
+    check_slot_timeout(slot_timeout)
+    check_bool("flash_attn", flash_attn, none=True)
+    check_bool("verbose", verbose)
+    check_bool("pad_batches", pad_batches)
+    if not isinstance(cache, bool):
+        if not isinstance(cache, int):
+            raise TypeError(f"cache must be True, False or a number of cells, got {cache!r}")
+        _check_int("cache", cache, 0, 2**31 - 1)
+    if n_threads is not None:
+        _check_threads(n_threads)
+    if n_gpu_layers is not None:
+        _check_int("n_gpu_layers", n_gpu_layers, -1, 2**31 - 1)  # -1: every layer
+    return n_seq_max, type_k, type_v
+
+
 def _check_sizes(n_ctx: int, n_batch: int, n_seq_max: int | None) -> int:
     """Refuse sizes llama.cpp would abort on (or silently wrap); returns ``n_seq_max``
     (None: :data:`DEFAULT_SLOTS` within what the sizes allow)."""
@@ -250,25 +292,18 @@ class Model(Unshared):
         pad_batches: bool = True,
         verbose: bool = False,
     ) -> None:
-        n_seq_max = _check_sizes(n_ctx, n_batch, n_seq_max)
-        type_k = _check_kv_type("type_k", type_k)
-        type_v = _check_kv_type("type_v", type_v, "auto")
-        check_bool("swa_full", swa_full)
-        check_slot_timeout(slot_timeout)
-        check_bool("flash_attn", flash_attn, none=True)
-        check_bool("verbose", verbose)
-        check_bool("pad_batches", pad_batches)
-        if not isinstance(cache, bool):
-            if not isinstance(cache, int):
-                raise TypeError(f"cache must be True, False or a number of cells, got {cache!r}")
-            _check_int("cache", cache, 0, 2**31 - 1)
+        n_seq_max, type_k, type_v = check_load_options(
+            n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max, n_gpu_layers=n_gpu_layers,
+            n_threads=n_threads, flash_attn=flash_attn, type_k=type_k, type_v=type_v,
+            swa_full=swa_full, cache=cache, slot_timeout=slot_timeout, pad_batches=pad_batches,
+            verbose=verbose,
+        )  # fmt: skip
         # The most threads; with adaptive_threads, decodes use the count measured fastest.
-        self.n_threads = _check_threads(n_threads) if n_threads is not None else _default_threads()
+        self.n_threads = n_threads if n_threads is not None else _default_threads()
         init()
         self.path = Path(path)
         if n_gpu_layers is None:
             n_gpu_layers = -1 if supports_gpu_offload() else 0
-        _check_int("n_gpu_layers", n_gpu_layers, -1, 2**31 - 1)  # -1: every layer
         self._handle = ModelHandle(str(self.path), n_gpu_layers, verbose=verbose)
         try:  # a load that fails frees what it loaded (a retry with a smaller n_ctx leaked it)
             self.vocab = Vocab(self._handle)

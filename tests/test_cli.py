@@ -482,7 +482,11 @@ def test_serve_is_a_command(capsys: pytest.CaptureFixture[str]) -> None:
     ("argv", "says"),
     [
         (["generate", "--temperature", "abc", "m", "p"], "invalid float value: 'abc'"),
-        (["generate", "m", "p", "--no-such-flag"], "unrecognized arguments: --no-such-flag"),
+        (
+            ["generate", "m", "p", "--no-such-flag"],  # the command's help lists its flags
+            "lcgen generate: error: unrecognized arguments: --no-such-flag (see lcgen generate",
+        ),
+        (["serve", "m", "--portt", "1"], "unrecognized arguments: --portt 1 (see lcgen serve"),
         (["generate"], "the following arguments are required"),
         (["serve", "m", "--port", "x"], "invalid int value: 'x'"),
         (["serve", "m", "--port", "70000"], "--port: the port must be in 0-65535, got 70000"),

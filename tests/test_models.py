@@ -184,6 +184,26 @@ def test_missing_path_says_the_file_does_not_exist(ref: str) -> None:
         models.resolve(Path(ref))
 
 
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"n_ctxx": 512}, TypeError, "unexpected keyword argument 'n_ctxx' .*'n_ctx'"),
+        ({"path": "x.gguf"}, TypeError, "unexpected keyword argument 'path'"),
+        ({"n_ctx": -1}, ValueError, "n_ctx must be in .* got -1"),
+        ({"type_k": "f8"}, ValueError, "type_k must be one of"),
+        ({"n_threads": 0}, ValueError, "n_threads must be in"),
+        ({"n_gpu_layers": -2}, ValueError, "n_gpu_layers must be in"),
+        ({"cache": "yes"}, TypeError, "cache must be"),
+    ],
+)
+def test_load_checks_its_options_before_it_finds_the_model(
+    options: dict[str, Any], error: type[Exception], message: str
+) -> None:
+    """A model to download would come first, and only then the typo."""
+    with pytest.raises(error, match=message):
+        lcgen.load("/no/such/dir/model.gguf", **options)
+
+
 def test_directory_is_not_a_model(tmp_path: Path) -> None:
     with pytest.raises(ModelNotFoundError, match="is a directory"):
         models.resolve(tmp_path)
