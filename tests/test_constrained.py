@@ -222,6 +222,26 @@ MAP_WITH_NAMES = {
     "minProperties": 4,
     "maxProperties": 5,
 }
+NAMED_BY_ENUM = {  # c is no name propertyNames allows
+    "type": "object",
+    "properties": {"b": {"type": "number"}, "c": {"type": "number"}},
+    "propertyNames": {"enum": ["a", "b", "q"]},
+    "minProperties": 2,
+}
+NAMED_BY_PATTERN = {
+    "type": "object",
+    "properties": {"c": {"type": "object"}},
+    "required": ["c"],
+    "propertyNames": {"pattern": "^[a-e]+$"},
+    "minProperties": 2,
+}
+NAMED_BY_LENGTH = {  # (a key no automaton spells: an extra one never counts beside b)
+    "type": "object",
+    "properties": {"b": {"type": "number"}},
+    "propertyNames": {"maxLength": 2},
+    "minProperties": 1,
+    "maxProperties": 2,
+}
 
 
 @pytest.mark.parametrize(
@@ -238,6 +258,13 @@ MAP_WITH_NAMES = {
         (MAP_WITH_NAMES, '{"x": 2, "k2": "s", "k3": "t", "k4": "u", "v": "w", "y": "z"}', False),
         (MAP_WITH_NAMES, '{"x": 2, "k1": "s", "k2": "t", "k3": "u"}', False),  # "1" ends a1
         (MAP_WITH_NAMES, '{"x": 2, "k2": "s", "k3": "t"}', False),
+        (NAMED_BY_ENUM, '{"b": 6, "b": 3}', False),  # a declared key repeated: one property
+        (NAMED_BY_ENUM, '{"b": 6, "a": 3}', True),
+        (NAMED_BY_PATTERN, '{"c": {}, "c": {}}', False),
+        (NAMED_BY_PATTERN, '{"c": {}, "ab": 1}', True),
+        (NAMED_BY_LENGTH, '{"b": 1}', True),
+        (NAMED_BY_LENGTH, '{"b": 1, "xy": 2}', True),
+        (NAMED_BY_LENGTH, '{"xy": 2}', True),
     ],
 )
 def test_min_properties_counts_only_distinct_extra_keys(

@@ -62,6 +62,7 @@ class _Members:
 
     kvs: list[tuple[bool, str]]  # (required, member) of each declared property, in order
     extra: str | None  # one extra member; its key may repeat another (and then counts once)
+    repeats: bool  # an extra key may repeat a declared one
     numbered: Callable[[int], list[str]] | None  # n extra members whose keys are all distinct
     bounds: tuple[int, int | None]  # minProperties, maxProperties
     memo: dict[tuple[int, bool, int], str] = dataclasses.field(default_factory=dict)
@@ -497,16 +498,17 @@ class ValueCompiler:
                 continue
             allowed.append((name, schema))
         extras = self.extras(conj, names, allowed, key_rules, path)
-        if not names and extras == [(None, True)] and (low, high) == (0, None):
+        if not names and extras == [(None, True, False)] and (low, high) == (0, None):
             return self.prim("object")
         self.prim("ws")
         kvs = [(n in required, self.member(n, s, f"{path}/properties/{n}")) for n, s in allowed]
-        extra_kvs, numbered = [], None
-        for key, value in extras:
+        extra_kvs, numbered, repeats = [], None, False
+        for key, value, repeating in extras:
             with contextlib.suppress(Unsatisfiable):  # no such key then
                 value_expr = self.visit(value, f"{path}/additionalProperties")
                 key_expr = self.key_not_in(names) if key is None else key
                 extra_kvs.append(f'{key_expr} ws ":" ws {value_expr} ws')
+                repeats |= repeating
                 if key is None:  # any key: n distinct ones can be spelled
                     numbered = functools.partial(self.numbered_extras, names, value_expr, path)
         extra = self.named("extra", g.alternatives(extra_kvs)) if extra_kvs else None
@@ -515,7 +517,7 @@ class ValueCompiler:
             raise Unsatisfiable(
                 f"{n_required} properties are required at {path}, more than maxProperties {high}"
             )
-        members = _Members(kvs, extra, numbered, (low, high))
+        members = _Members(kvs, extra, repeats, numbered, (low, high))
         try:
             chain = self.member_chain(members, 0, True, 0)
         except Unsatisfiable:
@@ -553,17 +555,16 @@ class ValueCompiler:
         allowed: list[tuple[str, Any]],
         key_rules: list[Any],
         path: str,
-    ) -> list[tuple[str | None, Any]]:
-        """(key expression, or None for "any key but the declared ones"; value schema) of the
-        properties beyond the declared ones."""
+    ) -> list[tuple[str | None, Any, bool]]:
+        """(key expression, or None for "any key but the declared ones"; value schema; whether
+        the key may spell a declared one) of the properties beyond the declared ones."""
         with_patterns = [m for m in conj if m.get("patternProperties")]
         if not with_patterns and not key_rules:
             value = self.all_of([self.additional(m) for m in conj])
-            return [] if value is False else [(None, value)]
-        if with_patterns:
-            exact = self.pattern_extras(conj, names, key_rules)
-            if exact is not None:
-                return exact
+            return [] if value is False else [(None, value, False)]
+        exact = self.pattern_extras(conj, names, key_rules)  # (keys other than the declared)
+        if exact is not None:
+            return [(key, value, False) for key, value in exact]
         if len(with_patterns) + len(key_rules) > 1:
             return []  # keys that several rules judge: only the declared ones (fewer, never more)
         if key_rules:  # keys spelled by propertyNames, their values as any extra's
@@ -577,19 +578,27 @@ class ValueCompiler:
         if rule is not None:
             base += list(rule["patternProperties"].values())
         schemas = dict(allowed)
-        out: list[tuple[str | None, Any]] = []
+        out: list[tuple[str | None, Any, bool]] = []
         for key in keys:
             check = self.validator.evolve(schema=key)
             spelled = [n for n in names if check.is_valid(n) and n not in key.get(NOT_IN, ())]
+            own = [self.additional(rule)] if rule is not None and NOT_IN in key else []
+            if spelled:  # keys but the declared ones, where the key's schema can say so
+                with contextlib.suppress(GrammarError):
+                    other = self.all_of([key, {"type": "string", NOT_IN: spelled}])
+                    key_expr = self.visit(other, path)
+                    value = self.all_of([*base, *own])
+                    if value is not False:
+                        out.append((key_expr, value, False))
+                    continue
             if any(n not in schemas for n in spelled):
                 continue  # it could spell a property that is not allowed
             # A key may repeat a declared one (the last value wins): its value satisfies both.
-            own = [self.additional(rule)] if rule is not None and NOT_IN in key else []
             value = self.all_of([*base, *own, *(schemas[n] for n in spelled)])
             if value is not False:
                 with contextlib.suppress(Unsatisfiable):
                     key_expr = self.visit(self.all_of([key, {"type": "string"}]), path)
-                    out.append((key_expr, value))
+                    out.append((key_expr, value, bool(spelled)))
         return out
 
     def pattern_extras(
@@ -662,12 +671,15 @@ class ValueCompiler:
     def extra_members(self, m: _Members, comma: str, count: int) -> str:
         """The extra members after ``count`` declared ones. An extra key may repeat another
         (a repeat counts once), so beyond one, those that count toward minProperties have
-        keys distinct by construction."""
+        keys distinct by construction; and one counts only where it cannot repeat a declared
+        key written before it."""
         low, high = m.bounds
         need = max(low - count, 0)
         room = None if high is None else high - count
         if (room is not None and room < need) or (need and m.extra is None):
             raise Unsatisfiable("minProperties/maxProperties cannot be met")  # object() says where
+        if need and count and m.repeats:
+            raise Unsatisfiable("an extra key could repeat a declared one")
         if m.extra is None or room == 0:
             return '""'
         if need <= 1:
