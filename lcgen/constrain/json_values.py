@@ -562,9 +562,10 @@ class ValueCompiler:
         if not with_patterns and not key_rules:
             value = self.all_of([self.additional(m) for m in conj])
             return [] if value is False else [(None, value, False)]
-        exact = self.pattern_extras(conj, names, key_rules)  # (keys other than the declared)
-        if exact is not None:
-            return [(key, value, False) for key, value in exact]
+        if with_patterns:  # (keys other than the declared ones)
+            exact = self.pattern_extras(conj, names, key_rules)
+            if exact is not None:
+                return [(key, value, False) for key, value in exact]
         if len(with_patterns) + len(key_rules) > 1:
             return []  # keys that several rules judge: only the declared ones (fewer, never more)
         if key_rules:  # keys spelled by propertyNames, their values as any extra's
@@ -679,6 +680,7 @@ class ValueCompiler:
         if (room is not None and room < need) or (need and m.extra is None):
             raise Unsatisfiable("minProperties/maxProperties cannot be met")  # object() says where
         if need and count and m.repeats:
+            m.undistinct = True
             raise Unsatisfiable("an extra key could repeat a declared one")
         if m.extra is None or room == 0:
             return '""'

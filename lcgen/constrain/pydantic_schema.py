@@ -132,6 +132,12 @@ def _precise_schema_generator() -> type[Any]:
                 names = self.key_names(schema["keys_schema"])
                 if names is not None:
                     out["propertyNames"] = names
+                    # pydantic writes a key pattern as patternProperties, whose search lets a
+                    # key end in a newline before the pattern's "$"; the key's own schema
+                    # reads the pattern as the values' patterns are read
+                    patterns = out.get("patternProperties", {})
+                    if list(patterns) == [names.get("pattern")]:
+                        out["additionalProperties"] = out.pop("patternProperties")[names["pattern"]]
             return out
 
         def key_names(self, core: Any) -> Any:
