@@ -813,6 +813,7 @@ class Model(Unshared):
         tokens = [
             self.tokenize(p) if suffix is None else self.infill_tokens(p, suffix) for p in prompt
         ]
+        self._check_batch(prompt, tokens, plan, infill=suffix is not None)
         texts, healed = self._generate_batch(tokens, plan)
         for text, heal in zip(texts, healed, strict=True):
             plan.check_complete(text, self.vocab, heal)
@@ -831,7 +832,8 @@ class Model(Unshared):
 
         Returns:
             One :class:`TokenLogprob` per token after the first; their texts join to the text
-            after the first token.
+            after the characters the first token completes (a character it only begins is
+            the text of the token that ends it).
 
         Raises:
             ValueError: the prompt is empty, or ``top`` or a token id is out of range.
@@ -847,6 +849,7 @@ class Model(Unshared):
                 "score a shorter one, or load the model with a larger n_ctx"
             )
         text = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        text.decode(self.vocab.piece(tokens[0]))  # (a character it begins, a later one ends)
         out: list[TokenLogprob] = []
         with Sequence(self, tokens[:1]) as seq:
             # The logits after the last token scored: after the first, where the store kept them.
@@ -870,6 +873,23 @@ class Model(Unshared):
                     assert confirmed, "a draft token was not kept"
                 before = rows[len(chunk)].copy()
         return out
+
+    def _check_batch(
+        self, texts: Seq[str], prompts: list[list[int]], plan: Plan, *, infill: bool
+    ) -> None:
+        """Refuse a batch with a prompt no generation can start from before any is decoded
+        (the others' work was lost, and the error named no prompt). An empty text is refused
+        as ``generate("")`` refuses it, whether or not the model adds a BOS token."""
+        room = 1 if plan.max_tokens is None else plan.max_tokens
+        for i, (text, tokens) in enumerate(zip(texts, prompts, strict=True)):
+            if not tokens or (not text and not infill):
+                raise ValueError(f"prompt {i} of the batch is empty: nothing to generate from")
+            if len(tokens) + room > self.n_ctx:
+                raise ContextFullError(
+                    f"prompt {i} of the batch has {len(tokens)} tokens; with max_tokens="
+                    f"{plan.max_tokens} it exceeds the context of {self.n_ctx} tokens: shorten "
+                    "it, lower max_tokens or load the model with a larger n_ctx"
+                )
 
     def _generate_batch(self, prompts: list[list[int]], plan: Plan) -> tuple[list[Text], list[str]]:
         """Every prompt through the scheduler: as many at once as slots allow, the rest queued,

@@ -249,6 +249,19 @@ def test_prompt_logprobs_score_every_token_after_the_first(model: lcgen.Model) -
     )
 
 
+@pytest.mark.parametrize("prompt", ["日本語のテキスト", "🙂🙂 ok"])
+def test_prompt_logprobs_of_a_first_character_that_spans_tokens(
+    model: lcgen.Model, prompt: str
+) -> None:
+    """The token that ends the character the first token begins has it as its text (it was
+    U+FFFD: the decoder never saw the first token)."""
+    tokens = model.tokenize(prompt)
+    with pytest.raises(UnicodeDecodeError):
+        model.token_piece(tokens[0]).decode()
+    joined = "".join(e.text for e in model.prompt_logprobs(prompt))
+    assert joined == prompt  # (the first token completes no character)
+
+
 def test_prompt_logprobs_agree_with_a_generation_and_across_chunks(
     model: lcgen.Model, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import codecs
 import contextlib
 import http.client
 import json
@@ -1801,6 +1802,31 @@ def test_completion_tokens_part_way_through_a_character_are_told_apart(
     assert lp.tokens[0] == "bytes:" + "".join(f"\\x{b:02x}" for b in piece)
     assert all(len(top) in (5, 6) for top in lp.top_logprobs)  # none fell together
     assert lp.top_logprobs[0][lp.tokens[0]] == lp.token_logprobs[0]
+
+
+def test_an_echoed_prompt_whose_first_character_spans_tokens_keeps_its_offsets(
+    client: openai.OpenAI, model: lcgen.Model
+) -> None:
+    """The first token begins a character the second ends: the offsets ran one past each
+    character after it (the first token counted as one character)."""
+    prompt = "日本語のテキスト"
+    with pytest.raises(UnicodeDecodeError):
+        model.token_piece(model.tokenize(prompt)[0]).decode()
+    lp = (
+        client.completions.create(
+            model=NAME, prompt=prompt, echo=True, logprobs=0, max_tokens=0, temperature=0
+        )
+        .choices[0]
+        .logprobs
+    )
+    whole = [(at, t) for at, t in zip(lp.text_offset, lp.tokens, strict=True) if "bytes:" not in t]
+    assert len(whole) >= 2 and all(prompt[at:].startswith(t) for at, t in whole), lp
+    # Each offset: the characters the tokens before it complete.
+    decoder, offsets, at = codecs.getincrementaldecoder("utf-8")(), [], 0
+    for token in model.tokenize(prompt):
+        offsets.append(at)
+        at += len(decoder.decode(model.token_piece(token)))
+    assert lp.text_offset == offsets
 
 
 def test_openai_s_odd_but_valid_requests(url: str, model_path: Path) -> None:

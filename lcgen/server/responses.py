@@ -7,6 +7,7 @@ reply (an event per piece) and for a whole one.
 
 from __future__ import annotations
 
+import codecs
 import time
 import uuid
 from collections.abc import Collection, Iterable
@@ -16,6 +17,7 @@ from typing import Any, Literal
 import lcgen
 from lcgen import Chunk, TokenLogprob
 from lcgen.tools import parse_calls, starts_call
+from lcgen.vocab import Vocab
 
 # lcgen's finish reasons as OpenAI's: "retries" (banned phrases or hooks rejected more than
 # max_retries candidates) is the closest OpenAI has to a refusal by a filter.
@@ -178,9 +180,13 @@ class Reply:
             # a prompt of ids) has none, as before.
             head = self._echoed((first,), text, 0)
             entry = {**head, "logprob": None, "top_logprobs": None}
+            # Offsets count the characters each token completes (a character the first one
+            # begins is the next one's).
+            vocab = self.model.vocab
+            after = len(head["token"]) if vocab.is_special(first) else len(_complete(first, vocab))
             out.logprobs += [
                 {**entry, "text_offset": 0},
-                *self._entries(rest, len(head["token"]), echoed=text),
+                *self._entries(rest, after, echoed=text),
             ]
 
     def _logprobs(self, chunk: Chunk, offset: int) -> list[dict[str, Any]]:
@@ -381,3 +387,9 @@ def _text_token(entry: dict[str, Any]) -> str:
 
 def _without(entry: dict[str, Any], key: str) -> dict[str, Any]:
     return {k: v for k, v in entry.items() if k != key}
+
+
+def _complete(token: int, vocab: Vocab) -> str:
+    """The characters ``token``'s bytes complete, at the start of a text (a character they
+    only begin: none)."""
+    return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(vocab.piece(token))
