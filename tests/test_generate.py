@@ -90,6 +90,18 @@ def test_batch_equals_each_alone(model: lcgen.Model) -> None:
     assert model.generate(PROMPTS, max_tokens=16) == alone
 
 
+def test_a_batch_with_a_prompt_no_generation_starts_from_fails_first(model: lcgen.Model) -> None:
+    """Refused before anything is decoded, naming the prompt: it was found when the scheduler
+    reached it, the others' work lost."""
+    decoded = model.context.n_decoded
+    with pytest.raises(ValueError, match="prompt 2 of the batch is empty"):
+        model.generate(["The sky is", "Water boils at", ""], max_tokens=8)
+    long = "word " * model.n_ctx
+    with pytest.raises(lcgen.ContextFullError, match="prompt 1 of the batch has"):
+        model.generate(["The sky is", long], max_tokens=8)
+    assert model.context.n_decoded == decoded
+
+
 def test_two_sequences_in_one_batch_give_identical_logits(model: lcgen.Model) -> None:
     def run_alone(prompt: str) -> list[int]:
         with model.sequence(prompt) as seq:

@@ -220,3 +220,15 @@ def _encoded(header: dict[str, object], kv: bytearray) -> bytearray:
         return size
 
     return statefile.encode(header, len(kv), write_kv)
+
+
+def test_an_empty_prompt_of_a_batch_is_refused_with_a_bos_token_too(
+    small_swa: lcgen.Model,
+) -> None:
+    """Tokenized, it is the BOS token alone: the batch generated from it where
+    ``generate("")`` refuses."""
+    assert small_swa.add_bos and small_swa.tokenize("") == [small_swa.bos]
+    with pytest.raises(ValueError, match="the sequence is empty"):
+        small_swa.generate("", max_tokens=2)
+    with pytest.raises(ValueError, match="prompt 1 of the batch is empty"):
+        small_swa.generate(["Hi", ""], max_tokens=2)

@@ -79,6 +79,20 @@ def test_joined_chunks_equal_detokenized_tokens_cut_at_the_stop(
     assert hits > 10
 
 
+def test_a_character_split_between_two_calls_is_whole_in_the_sequence(
+    model: lcgen.Model,
+) -> None:
+    """Each call's text is its own tokens' (the second's bytes of the character are U+FFFD
+    each, as the README says); the sequence's text has the character."""
+    fish = model.tokenize("🐟", add_bos=False)
+    assert len(fish) > 1, fish  # (the character's bytes split between tokens)
+    with model.sequence("Fish: ") as seq:
+        calls = [seq.generate(max_tokens=1, logit_bias={token: 100}) for token in fish]
+        assert [t for call in calls for t in call.tokens] == fish and seq.text.endswith("🐟")
+        assert all(str(call) == model.detokenize(list(call.tokens)) for call in calls)
+        assert str(calls[0]) == "\ufffd"  # (max_tokens ended the first inside it)
+
+
 def test_stop_token_ids(model: lcgen.Model) -> None:
     seven = model.tokenize(" 7")[-1]
     chunks = list(model.stream("1, 2, 3, 4,", max_tokens=16, stop_tokens=[seven]))
