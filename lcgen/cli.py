@@ -21,7 +21,7 @@ from lcgen._files import MAX_FILE_BYTES, read_bounded
 from lcgen.decoding import Chunk, Text
 from lcgen.decoding.options import DEFAULT_MAX_RETRIES
 from lcgen.decoding.results import check_complete
-from lcgen.errors import ContextFullError, IncompleteOutputError, LcgenError
+from lcgen.errors import ContextFullError, GrammarError, IncompleteOutputError, LcgenError
 from lcgen.runtime.sequence import chunks_of
 from lcgen.runtime.statefile import write_atomic
 
@@ -440,6 +440,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     timer = _Timer()
     with model.sequence(tokens) as seq:
         run = seq.run(**options, grammar=grammar)
+        if grammar is not None:  # the constrained value whole: with the prompt text healing
+            sys.stdout.write(run.generator.healed)  # re-creates (its "{" of a JSON object)
         chunks = list(timer.each(_tee(chunks_of(run))))
     sys.stdout.write("\n")
     sys.stdout.flush()
@@ -525,8 +527,9 @@ def _incomplete(
     truncation check), in the command's words; None when it is. ``healed``: the prompt's text
     token healing had the output re-create."""
     flag, grammar = constraint
+    text = Text.of(chunks)
     try:
-        check_complete(Text.of(chunks), grammar, model.vocab, healed=healed)
+        check_complete(text, grammar, model.vocab, healed=healed)
         return None
     except IncompleteOutputError:
         pass
@@ -535,6 +538,9 @@ def _incomplete(
         reason = "nothing was generated"
     elif last.finish_reason == "length":
         reason = f"generation reached --max-tokens {args.max_tokens} (raise it)"
+        with contextlib.suppress(GrammarError):
+            if grammar.accepts(model.vocab, healed + text):
+                return f"the output may be incomplete: {reason} where {flag} allows more"
     elif last.stop:
         reason = f"the stop string {last.stop!r} cut it"
     else:

@@ -131,13 +131,14 @@ def test_generate_with_token_healing(model: lcgen.Model) -> None:
     assert out.returncode == 0, out.stderr
     expected = model.generate('<a href="http:', max_tokens=12, token_healing=True)
     assert out.stdout == expected + "\n" and expected.startswith("//")
-    # Complete once the healed "2" counts (the truncation check read the output without it).
+    # Complete once the healed "2" counts (the truncation check read the output without it),
+    # and printed with it: the constrained text whole.
     prompt = "My favourite number is 12"
     argv = ["--regex", "2[0-9]*", "--token-healing", "--max-tokens", "2"]
     out = run("generate", "smollm2-135m", prompt, *argv)
     assert out.returncode == 0, out.stderr
     expected = model.generate(prompt, regex="2[0-9]*", token_healing=True, max_tokens=2)
-    assert out.stdout == expected + "\n"
+    assert out.stdout == "2" + expected + "\n"
 
 
 def test_generate_with_constraints(model: lcgen.Model, tmp_path: Path) -> None:
@@ -156,6 +157,12 @@ def test_generate_with_constraints(model: lcgen.Model, tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == model.generate("The capital of France as JSON:", schema=schema)
+    # Healing takes the prompt's "{" away: it is printed, so stdout is the JSON whole.
+    healed = "The capital of France as JSON:\n{"
+    out = run("generate", "smollm2-135m", healed, "--json-schema", str(tmp_path / "s.json"),
+              "--token-healing")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout) == model.generate(healed, schema=schema, token_healing=True)
     out = run("generate", "smollm2-135m", "Date:", "--grammar", "iso_date", "--max-tokens", "16")
     assert out.returncode == 0 and re.fullmatch(r"\d{4}-\d{2}-\d{2}\n", out.stdout), out.stdout
     out = run("generate", "smollm2-135m", "x", "--grammar", "nope")
@@ -268,7 +275,12 @@ def test_incomplete_json_schema_and_a_complete_cut(model: lcgen.Model, tmp_path:
     assert out.returncode == 1 and "incomplete" in out.stderr and "--json-schema" in out.stderr
     with pytest.raises(lcgen.IncompleteOutputError):
         model.generate(prompt, max_tokens=3, schema=schema)
-    # Cut by max_tokens, yet a complete match: success.
+    # Cut by max_tokens, yet a complete match of a grammar (not a value): success. A value
+    # cut where it could go on: status 1.
+    (tmp_path / "n.json").write_text(json.dumps({"type": "integer"}))
+    number = run("generate", "smollm2-135m", "JSON:\n", "--json-schema",
+                 str(tmp_path / "n.json"), "--max-tokens", "2")  # fmt: skip
+    assert number.returncode == 1 and "incomplete" in number.stderr, number.stderr
     digits = run("generate", "smollm2-135m", "Numbers: 1, 2,", "--grammar", "root ::= [0-9]+",
                  "--max-tokens", "1")  # fmt: skip
     assert digits.returncode == 0, digits.stderr

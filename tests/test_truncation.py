@@ -86,3 +86,18 @@ def test_an_output_complete_after_healed_text_is_returned(
     assert model.generate([prompt], **options) == [streamed]  # type: ignore[arg-type]
     with model.sequence(model.tokenize(prompt)) as seq:
         assert seq.generate(**options) == streamed  # type: ignore[arg-type]
+
+
+def test_a_value_max_tokens_cut_where_more_could_follow_raises(model: lcgen.Model) -> None:
+    """-1 of -10000, "yes" of "yes please": it matches, but max_tokens cut it, and was
+    returned as the value."""
+    with pytest.raises(lcgen.IncompleteOutputError, match="may be incomplete") as info:
+        model.generate("Do you want it? Answer: ", choice=["yes", "yes please"], max_tokens=1)
+    assert info.value.text == "yes"
+    with pytest.raises(lcgen.IncompleteOutputError, match="raise max_tokens"):
+        model.generate("JSON:\n", schema={"type": "integer"}, max_tokens=2)
+    # What cannot go on is whole, and a grammar or regex's text is not a value (the text
+    # of a cut one comes back with finish_reason "length", as without a constraint).
+    assert model.generate("Answer a or b:", choice=["a", "b"], max_tokens=1) in ("a", "b")
+    digits = model.generate("Numbers: 1, 2, ", regex="[0-9]+", max_tokens=1)
+    assert digits.finish_reason == "length" and re.fullmatch("[0-9]+", digits)

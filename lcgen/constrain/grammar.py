@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -43,6 +43,9 @@ class Grammar:
     Args:
         gbnf: the grammar text (llama.cpp's GBNF).
         root: the rule generation starts from.
+        values: its sentences are values (a JSON Schema's, a choice's options): one that
+            ``max_tokens`` cut where the grammar allows more is incomplete (``-1`` of
+            ``-10000``, ``"yes"`` of ``"yes please"``), not only one cut before it matched.
 
     Raises:
         GrammarError: the text does not parse (the message gives llama.cpp's reason and the
@@ -57,6 +60,7 @@ class Grammar:
 
     gbnf: str
     root: str = "root"
+    values: bool = field(default=False, compare=False)
 
     def __post_init__(self) -> None:
         for name, value in (("gbnf", self.gbnf), ("root", self.root)):
@@ -166,7 +170,8 @@ class Grammar:
             raise TypeError(
                 f"a JSON Schema is a dict or JSON text, got {type(schema).__name__}{hint}"
             )
-        return cls(schema_to_gbnf(schema, close_objects=close_objects, whitespace=whitespace))
+        gbnf = schema_to_gbnf(schema, close_objects=close_objects, whitespace=whitespace)
+        return cls(gbnf, values=True)
 
     @classmethod
     def from_pydantic(
@@ -221,7 +226,7 @@ class Grammar:
         # A prefix tree, not a flat alternation: llama.cpp's work per token grows with the
         # alternatives alive (see :func:`lcgen.constrain.gbnf.trie`).
         rules = _gbnf.RuleSet()
-        return cls(rules.text(_gbnf.trie(options, rules)))
+        return cls(rules.text(_gbnf.trie(options, rules)), values=True)
 
     @classmethod
     def regex(cls, pattern: str) -> Grammar:

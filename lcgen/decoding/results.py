@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
@@ -265,7 +266,16 @@ def incomplete(
         return None
     try:
         if constraint.accepts(vocab, healed + str(text)):
-            return None  # complete (an end token, or a cut exactly where it could end)
+            # A cut where it could end: complete, unless max_tokens cut a value that could
+            # go on (-1 of -10000, "yes" of "yes please"; see Grammar.values).
+            cut = text.finish_reason == "length" and constraint.values
+            if not cut or not _goes_on(constraint, vocab, text.tokens):
+                return None
+            return IncompleteOutputError(
+                "the output may be incomplete: generation reached max_tokens where its "
+                f"constraint allows more ({len(str(text))} characters): raise max_tokens",
+                str(text),
+            )
     except GrammarError:
         pass
     stop_token = text.tokens[-1] if by_token else None
@@ -275,6 +285,17 @@ def incomplete(
         f"{': raise max_tokens' * (text.finish_reason == 'length')}",
         str(text),
     )
+
+
+def _goes_on(constraint: Grammar, vocab: Vocab, tokens: Seq[int]) -> bool:
+    """Whether ``constraint``, after the generated ``tokens``, allows a token other than an
+    end of generation."""
+    with constraint.state(vocab) as state:
+        if not all(state.try_accept(t) for t in tokens):
+            return False
+        allowed = state.allowed()
+        allowed[list(state.end_tokens)] = False
+        return bool(allowed.any())
 
 
 def cut_reason(finish_reason: str | None, stop: str | None, stop_token: int | None = None) -> str:
