@@ -346,6 +346,31 @@ def test_ctrl_c_in_the_middle_of_a_generation_leaves_the_sequence_usable() -> No
     )
 
 
+def test_ctrl_c_while_a_model_loads_stops_the_load() -> None:
+    """llama.cpp logs while it loads: Ctrl-C was raised in the log callback, where ctypes
+    printed it and dropped it, and the load went on to the end."""
+    done = run_case("""
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        from lcgen.registry import resolve
+        path, loaded = resolve("smollm2-135m"), 0
+        for delay in (0.02, 0.05, 0.1):
+            timer = threading.Timer(delay, lambda: os.kill(os.getpid(), signal.SIGINT))
+            timer.start()
+            try:
+                for _ in range(50):  # (the signal lands in a load, or between two)
+                    lcgen.Model(path, n_ctx=256).close()
+                    loaded += 1
+            except KeyboardInterrupt:
+                pass
+            else:
+                raise AssertionError("50 loads went on after Ctrl-C")
+            timer.cancel()
+        lcgen.Model(path, n_ctx=256).close()  # a load after them is not interrupted
+        """)
+    assert_passes(done)
+    assert "Exception ignored" not in done.stderr
+
+
 def test_a_full_memory_in_the_middle_of_a_prefill_leaves_the_sequence_usable() -> None:
     assert_passes(
         run_case("""

@@ -368,7 +368,8 @@ def test_schemas_that_used_to_break_the_converter(model: lcgen.Model) -> None:
         nested = {"type": "array", "items": nested}
     with pytest.raises(lcgen.GrammarError, match="nests too deeply"):
         lcgen.Grammar.from_json_schema(nested)
-    value = model.generate("A JSON number:", schema='{"type": "integer"}', max_tokens=8)
+    text = '{"type": "integer", "minimum": 0, "maximum": 99}'  # (8 tokens hold all of it)
+    value = model.generate("A JSON number:", schema=text, max_tokens=8)
     assert isinstance(value, int)  # a JSON Schema given as JSON text
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import llama_cpp as C
 import numpy as np
 
-from lcgen._native.log import log_errors_since, log_mark
+from lcgen._native.log import log_errors_since, log_mark, take_interrupt
 from lcgen._native.model import ModelHandle
 from lcgen.errors import ClosedError, ContextFullError, DecodeError, ModelLoadError, StateFileError
 
@@ -104,7 +104,12 @@ class ContextHandle:
         # The whole sliding-window cache (the default) keeps every partial seq_rm exact.
         params.swa_full = swa_full
         mark = log_mark()
+        take_interrupt()  # (one from before: not this call's)
         ptr = C.llama_init_from_model(model.live(), params)
+        if take_interrupt():  # Ctrl-C while it logged (see lcgen._native.log)
+            if ptr:
+                C.llama_free(ptr)
+            raise KeyboardInterrupt
         if not ptr:
             reason = log_errors_since(mark) or "no reason logged"
             raise ModelLoadError(f"llama.cpp could not create a context (n_ctx={n_ctx}): {reason}")

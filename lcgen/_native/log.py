@@ -9,7 +9,8 @@ import sys
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import llama_cpp as C
 
@@ -24,23 +25,68 @@ _initialized = False
 _stderr_lock = threading.Lock()
 
 
+# Ctrl-C during a call into llama.cpp is raised in the next callback into Python, where ctypes
+# would print it and drop it (a model loading went on to the end): it is kept here (by the
+# callbacks, or by the hook of exceptions Python cannot raise, where one escapes them as the
+# callback starts), a load stops at its next progress report, and the caller raises it
+# (take_interrupt).
+_interrupt = threading.Event()
+_CALLBACKS = ("_on_log", "_on_progress")
+
+
+def _keep_interrupts(previous: Callable[[Any], object]) -> Callable[[Any], object]:
+    def hook(unraisable: Any) -> object:
+        exc_type = getattr(unraisable, "exc_type", None)
+        where = getattr(unraisable, "object", None)
+        ours = getattr(where, "__module__", None) == __name__ and (
+            getattr(where, "__name__", None) in _CALLBACKS
+        )
+        if ours and isinstance(exc_type, type) and issubclass(exc_type, KeyboardInterrupt):
+            _interrupt.set()
+            return None
+        return previous(unraisable)
+
+    return hook
+
+
 @C.llama_log_callback  # type: ignore[untyped-decorator]
 def _on_log(level: int, text: bytes | None, _user_data: ctypes.c_void_p) -> None:
     global _log_count
-    msg = (text or b"").decode("utf-8", "replace")
-    if level == _LOG_LEVEL_CONT and _log_tail:
-        prev_level, prev = _log_tail.pop()
-        _log_tail.append((prev_level, prev + msg))
-    else:
-        _log_tail.append((level, msg))
-        _log_count += 1
-    if _verbose:
-        sys.stderr.write(msg)
+    try:
+        msg = (text or b"").decode("utf-8", "replace")
+        if level == _LOG_LEVEL_CONT and _log_tail:
+            prev_level, prev = _log_tail.pop()
+            _log_tail.append((prev_level, prev + msg))
+        else:
+            _log_tail.append((level, msg))
+            _log_count += 1
+        if _verbose:
+            sys.stderr.write(msg)
+    except KeyboardInterrupt:
+        _interrupt.set()
 
 
-# The callback object must outlive every call into llama.cpp (a collected callback segfaults):
-# it is referenced here, at module level, for the life of the process.
+@C.llama_progress_callback  # type: ignore[untyped-decorator]
+def _on_progress(_progress: float, _user_data: ctypes.c_void_p) -> bool:
+    """Whether a model's load goes on: not after Ctrl-C."""
+    try:
+        return not _interrupt.is_set()
+    except KeyboardInterrupt:
+        _interrupt.set()
+        return False
+
+
+def take_interrupt() -> bool:
+    """Whether Ctrl-C came during a call into llama.cpp since the last look (and forget it)."""
+    interrupted = _interrupt.is_set()
+    _interrupt.clear()
+    return interrupted
+
+
+# The callback objects must outlive every call into llama.cpp (a collected callback
+# segfaults): they are referenced here, at module level, for the life of the process.
 _LOG_CALLBACK = _on_log
+PROGRESS_CALLBACK = _on_progress
 
 
 def init() -> None:
@@ -49,6 +95,7 @@ def init() -> None:
     with _init_lock:
         if _initialized:
             return
+        sys.unraisablehook = _keep_interrupts(sys.unraisablehook)
         C.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
         C.llama_backend_init()
         _initialized = True

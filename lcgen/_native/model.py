@@ -16,7 +16,14 @@ import llama_cpp as C
 
 from lcgen._native.cpu import extra_buffers_usable
 from lcgen._native.gguf import check_hyperparameters
-from lcgen._native.log import init, log_errors_since, log_mark, set_verbose
+from lcgen._native.log import (
+    PROGRESS_CALLBACK,
+    init,
+    log_errors_since,
+    log_mark,
+    set_verbose,
+    take_interrupt,
+)
 from lcgen.errors import ClosedError, ModelLoadError
 
 _GGUF_MAGIC = b"GGUF"
@@ -110,8 +117,14 @@ class ModelHandle:
         params.n_gpu_layers = n_gpu_layers
         params.use_mmap = use_mmap
         params.use_extra_bufts = self.extra_cpu_buffers = extra_buffers_usable(path)
+        params.progress_callback = PROGRESS_CALLBACK  # (it stops the load after Ctrl-C)
         mark = log_mark()
+        take_interrupt()  # (one from before: not this load's)
         ptr = C.llama_model_load_from_file(os.fsencode(path), params)
+        if take_interrupt():
+            if ptr:
+                C.llama_model_free(ptr)
+            raise KeyboardInterrupt
         if not ptr:
             reason = log_errors_since(mark) or "no reason logged"
             raise ModelLoadError(f"llama.cpp could not load {path!r}: {reason}")

@@ -17,7 +17,6 @@ from typing import Any, Literal
 import lcgen
 from lcgen import Chunk, TokenLogprob
 from lcgen.tools import parse_calls, starts_call
-from lcgen.vocab import Vocab
 
 # lcgen's finish reasons as OpenAI's: "retries" (banned phrases or hooks rejected more than
 # max_retries candidates) is the closest OpenAI has to a refusal by a filter.
@@ -183,7 +182,8 @@ class Reply:
             # Offsets count the characters each token completes (a character the first one
             # begins is the next one's).
             vocab = self.model.vocab
-            after = len(head["token"]) if vocab.is_special(first) else len(_complete(first, vocab))
+            first_piece = vocab.piece(first)
+            after = len(head["token"]) if vocab.is_special(first) else len(_complete(first_piece))
             out.logprobs += [
                 {**entry, "text_offset": 0},
                 *self._entries(rest, after, echoed=text),
@@ -389,7 +389,7 @@ def _without(entry: dict[str, Any], key: str) -> dict[str, Any]:
     return {k: v for k, v in entry.items() if k != key}
 
 
-def _complete(token: int, vocab: Vocab) -> str:
-    """The characters ``token``'s bytes complete, at the start of a text (a character they
-    only begin: none)."""
-    return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(vocab.piece(token))
+def _complete(piece: bytes) -> str:
+    """The characters a token's bytes ``piece`` complete, at the start of a text (a character
+    they only begin: none)."""
+    return codecs.getincrementaldecoder("utf-8")(errors="replace").decode(piece)
