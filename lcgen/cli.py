@@ -730,6 +730,7 @@ class ChatSession:
         """The messages as JSON in ``path``, the model's KV cache in ``path.kv``."""
         if not path:
             raise ValueError("/save needs a file name")
+        path = os.path.expanduser(path)  # as a shell would: /save ~/notes/chat.json
         data = {"lcgen_chat": 1, "model": self.model.path.name, "messages": self.messages}
         text = json.dumps(data, ensure_ascii=False, indent=1)
         # Both written atomically: a crash or a full disk leaves the earlier save whole. A
@@ -742,6 +743,7 @@ class ChatSession:
         """Resume a conversation from :meth:`save`'s files (the KV cache when it matches)."""
         if not path:
             raise ValueError("/load needs a file name")
+        path = os.path.expanduser(path)
         try:
             messages = load_messages(Path(path))
         except OSError as exc:  # no such file, no permission: the file named

@@ -13,6 +13,7 @@ import hashlib
 import itertools
 import os
 import re
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -304,6 +305,12 @@ class Model(Unshared):
         self.path = Path(path)
         if n_gpu_layers is None:
             n_gpu_layers = -1 if supports_gpu_offload() else 0
+        elif n_gpu_layers and not supports_gpu_offload():
+            warnings.warn(
+                f"n_gpu_layers={n_gpu_layers}: this build of llama-cpp-python has no GPU "
+                "backend, so every layer runs on the CPU (README: GPU and Metal)",
+                stacklevel=2,
+            )
         self._handle = ModelHandle(str(self.path), n_gpu_layers, verbose=verbose)
         try:  # a load that fails frees what it loaded (a retry with a smaller n_ctx leaked it)
             self.vocab = Vocab(self._handle)

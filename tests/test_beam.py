@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -61,6 +62,20 @@ def test_width_four_scores_at_least_greedy(model: lcgen.Model) -> None:
         with greedy(prompt) as g:
             # The same tokens scored in another KV layout may differ in the last bits.
             assert found[b, 0] >= g.weights[0, 0] - 1e-3
+
+
+def test_beams_up_to_the_end_of_the_context_share_it(model_path: Path) -> None:
+    # max_tokens=None: each of k beams may take a k-th of the room the prompt leaves (they
+    # all had the whole room, and together ran out of cells: ContextFullError).
+    with lcgen.Model(model_path, n_ctx=256) as small:
+        n_prompt = len(small.tokenize(PROMPTS[0]))
+        for width in (2, 4):
+            search = continuous(
+                generate.text(small, max_tokens=None, logit_bias=no_end(small), beams=width)
+            )
+            with search(PROMPTS[0]) as beams:
+                lengths = {len(t) - n_prompt for t in beams.tokens[0]}
+            assert lengths == {(256 - n_prompt) // width}
 
 
 def test_length_penalty_ranks_finished_beams(model: lcgen.Model) -> None:

@@ -226,6 +226,20 @@ def test_slots_evict_the_least_recently_used(model_path: Path) -> None:
         assert small.context.n_decoded - before == n_prompt - 1 + 2  # but "A", which is shared
 
 
+def test_a_closed_models_cache_holds_nothing_and_keeps_its_counts(model_path: Path) -> None:
+    small = lcgen.Model(model_path, n_ctx=512, n_seq_max=2)
+    small.cache.pin("A cat is an animal that")
+    small.generate("A dog is an animal that", max_tokens=3)
+    before = small.cache.stats
+    assert before.cells_held > 0 and before.entries == 2 and before.free_slots == 0
+    small.close()
+    after = small.cache.stats  # the context and its cells are gone
+    held = [after.cells_held, after.entries, after.pinned, after.live, after.free_slots]
+    assert held == [0] * 5
+    counts = [(s.hits, s.misses, s.tokens_decoded) for s in (before, after)]
+    assert counts[0] == counts[1]
+
+
 def test_a_cell_budget_below_the_working_set_evicts_and_pins_survive(model_path: Path) -> None:
     with lcgen.Model(model_path, n_ctx=1024, n_seq_max=8, cache=120) as small:
         assert small.cache.pin(FEW_SHOT) == len(small.tokenize(FEW_SHOT))

@@ -419,6 +419,22 @@ def test_chat_file_errors_name_the_file(tmp_path: Path, capsys: pytest.CaptureFi
     assert chat.messages == []
 
 
+def test_chat_files_expand_the_home_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path))
+    chat = cli.ChatSession(cast(lcgen.Model, SimpleNamespace(path=Path("m.gguf"))), {}, None)
+    (tmp_path / "old.json").write_bytes(b"[1]")
+    assert chat.handle("/load ~/old.json") is True
+    assert chat.handle("/save ~/no-such-folder/c.json") is True
+    assert capsys.readouterr().err.splitlines() == [
+        f"lcgen: error: {tmp_path / 'old.json'} is not a saved lcgen chat (no list of role/content "
+        "messages)",
+        f"lcgen: error: cannot write chat file {str(tmp_path / 'no-such-folder' / 'c.json')!r}: "
+        "No such file or directory",
+    ]
+
+
 def test_a_saved_chat_resumes_in_another_process(tmp_path: Path) -> None:
     path = str(tmp_path / "chat.json")
     first = run("chat", "smollm2-135m", *ARGS, stdin=f"Name three colors.\n/save {path}\n/exit\n")

@@ -3,11 +3,13 @@ offloaded (llama.cpp's own description names a size class: "256M" for a 135M mod
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import pytest
 
 import lcgen
+from lcgen._native.log import supports_gpu_offload
 from lcgen._native.model import _offloaded_layers, gpu_devices
 from lcgen.model import backend_summary, describe, params_label
 
@@ -90,3 +92,19 @@ def test_no_layers_offloaded_when_asked_for_none(model: lcgen.Model, model_path:
         assert cpu.n_gpu_layers == 0 and cpu.backend.startswith("CPU")
         assert (cpu.n_params, cpu.description) == (model.n_params, model.description)
     assert "closed" in repr(cpu) and cpu.description in repr(cpu)
+
+
+def test_layers_asked_for_on_a_build_without_a_gpu_say_where_they_run(model_path: Path) -> None:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with lcgen.Model(model_path, n_gpu_layers=2, n_ctx=256, n_threads=1) as asked:
+            offloaded = asked.n_gpu_layers
+    said = [str(w.message) for w in caught]
+    if supports_gpu_offload():
+        assert offloaded == 2 and not any("no GPU backend" in m for m in said)
+    else:  # the layers ran on the CPU: a warning says so (lcgen info shows "CPU")
+        assert offloaded == 0
+        assert said == [
+            "n_gpu_layers=2: this build of llama-cpp-python has no GPU backend, so every layer "
+            "runs on the CPU (README: GPU and Metal)"
+        ]

@@ -109,16 +109,18 @@ class _Builder:
         )
 
 
-def search_tree(pattern: str) -> Node:
+def search_tree(pattern: str, *, portable: bool = False, either: bool = False) -> Node:
     """A tree without anchors whose full matches are the strings in which ``re.search`` finds
     ``pattern``: any text around each top-level alternative unless anchored (``$`` also
-    before a final newline).
+    before a final newline). With ``portable``, those in which both Python's ``re`` and
+    ECMA-262 find it, and with ``either`` too, those in which one of them does (see
+    :func:`~lcgen.constrain.regex.parse`).
 
     Raises:
         GrammarError: an invalid pattern or a construct outside the supported subset.
     """
     options: list[Node] = []
-    for body, start, end in branches(pattern):
+    for body, start, end in branches(pattern, portable=portable, either=either):
         items: list[Node] = [body]
         if start is None:
             items.insert(0, _ANY_TEXT)
@@ -130,13 +132,14 @@ def search_tree(pattern: str) -> Node:
     return options[0] if len(options) == 1 else Alt(tuple(options))
 
 
-def search_nfa(pattern: str) -> Nfa:
-    """An NFA accepting the strings ``s`` with ``re.search(pattern, s)`` (see :func:`search_tree`).
+def search_nfa(pattern: str, *, portable: bool = False, either: bool = False) -> Nfa:
+    """An NFA accepting the strings ``s`` with ``re.search(pattern, s)`` (and the variants of
+    :func:`search_tree`).
 
     Raises:
         GrammarError: as :func:`search_tree`; :class:`TooLarge` past :data:`MAX_NFA_STATES`.
     """
-    return _Builder().nfa(search_tree(pattern))
+    return _Builder().nfa(search_tree(pattern, portable=portable, either=either))
 
 
 def literal_nfa(names: Iterable[str]) -> Nfa:
@@ -263,7 +266,10 @@ def partition(
     patterns: Sequence[str], names: Collection[str], required: Sequence[str] = ()
 ) -> tuple[Product, dict[frozenset[int], frozenset[int]]]:
     """Strings that are none of ``names`` and match every ``required`` pattern, split by the
-    ``patterns`` they match (``re.search``).
+    ``patterns`` they match (found by ``re.search``, JSON Schema's reading of ECMA-262
+    patterns). A string that Python's ``re`` and ECMA-262 judge apart for some pattern (``$``
+    before a final newline, a non-ASCII ``\\d`` or ``\\w``, ...) is in no class, and the
+    ``required`` patterns are held to what both match.
 
     Returns:
         The product DFA, and for each non-empty class (the indexes of the patterns matched)
@@ -273,15 +279,16 @@ def partition(
         GrammarError: a pattern outside the supported subset; :class:`TooLarge` when the
             product would have more than :data:`MAX_STATES` states.
     """
-    nfas = [search_nfa(p) for p in patterns]
+    nfas = [search_nfa(p, portable=True) for p in patterns]  # matched by both
+    nfas += [search_nfa(p, portable=True, either=True) for p in patterns]  # by one or both
     nfas += [literal_nfa(names)] if names else []
-    nfas += [search_nfa(p) for p in required]
+    nfas += [search_nfa(p, portable=True) for p in required]
     dfa = product(nfas)
     n = len(patterns)
     classes: dict[frozenset[int], set[int]] = {}
     for state, accepts in enumerate(dfa.accepts):
-        is_name = bool(names) and accepts[n]
-        if is_name or not all(accepts[n + bool(names) :]):
+        is_name = bool(names) and accepts[2 * n]
+        if is_name or not all(accepts[2 * n + bool(names) :]) or accepts[:n] != accepts[n : 2 * n]:
             continue
         matched = frozenset(i for i in range(n) if accepts[i])
         classes.setdefault(matched, set()).add(state)

@@ -103,12 +103,14 @@ def portable_class(letter: str, *, widest: bool = False) -> g.Ranges:
 
 
 class _Parser:
-    def __init__(self, pattern: str, portable: bool = False) -> None:
+    def __init__(self, pattern: str, portable: bool = False, either: bool = False) -> None:
         self.p = pattern
         self.i = 0
         # JSON Schema's patterns are ECMA-262: match only what it and Python's re agree on
-        # (ASCII \d and \w, "." before any line terminator, "$" at the very end).
+        # (ASCII \d and \w, "." before any line terminator, "$" at the very end); with
+        # ``either``, what either of them matches.
         self.portable = portable
+        self.either = either
         self.negated = False  # inside a negated character class
 
     def fail(self, what: str, at: int | None = None) -> GrammarError:
@@ -178,9 +180,9 @@ class _Parser:
         if c == "[":
             return Chars(self.char_class())
         if c == ".":
-            return Chars(_PORTABLE_DOT if self.portable else _DOT)
+            return Chars(_PORTABLE_DOT if self.portable and not self.either else _DOT)
         if c in "^$":
-            return Anchor(end=c == "$", strict=self.portable)
+            return Anchor(end=c == "$", strict=self.portable and not self.either)
         if c == "\\":
             return self.escape(in_class=False)
         return Chars(((ord(c), ord(c)),))
@@ -246,8 +248,8 @@ class _Parser:
         start = self.i - 1
         c = self.take()
         if c in "dwsDWS":
-            if self.portable:
-                return Chars(portable_class(c, widest=in_class and self.negated))
+            if self.portable:  # (a negated class's items: the other way round)
+                return Chars(portable_class(c, widest=(in_class and self.negated) != self.either))
             return Chars(python_class(c))
         if c in "AZ" and not in_class:
             return Anchor(end=c == "Z", strict=True)
@@ -301,9 +303,10 @@ def python_spelling(pattern: str) -> str:
     return _ECMA_NAMED.sub(spelled, pattern) if "<" in pattern else pattern
 
 
-def parse(pattern: str, *, portable: bool = False) -> Node:
+def parse(pattern: str, *, portable: bool = False, either: bool = False) -> Node:
     """Parse ``pattern`` (checked with Python's ``re`` first) into a syntax tree; with
-    ``portable``, one that matches only strings Python's ``re`` and ECMA-262 both match.
+    ``portable``, one that matches only strings Python's ``re`` and ECMA-262 both match (and
+    with ``either`` too, every string one of them matches).
 
     Raises:
         GrammarError: the pattern is invalid, or uses a construct outside the subset.
@@ -317,7 +320,7 @@ def parse(pattern: str, *, portable: bool = False) -> Node:
         # OverflowError: a repetition count beyond re's (a{99999999999999999999});
         # RecursionError: groups nested deeper than re's parser goes
         raise GrammarError(f"invalid regex /{pattern:.200}/: {exc}") from None
-    return _Parser(pattern, portable).parse()
+    return _Parser(pattern, portable, either).parse()
 
 
 def nullable(node: Node) -> bool:
@@ -358,7 +361,7 @@ def without_empty(node: Node) -> Node | None:
 
 
 def branches(
-    pattern: str, *, portable: bool = False
+    pattern: str, *, portable: bool = False, either: bool = False
 ) -> list[tuple[Node, Anchor | None, Anchor | None]]:
     """The top-level alternatives of ``pattern`` (see :func:`parse`), each as (body without
     anchors, its start anchor, its end anchor).
@@ -367,7 +370,7 @@ def branches(
         GrammarError: an invalid pattern, a construct outside the subset, or an anchor that is
             not at an end of a top-level alternative.
     """
-    tree = parse(pattern, portable=portable)
+    tree = parse(pattern, portable=portable, either=either)
     options = tree.options if isinstance(tree, Alt) else (tree,)
     return [_strip_anchors(option, pattern) for option in options]
 

@@ -259,6 +259,9 @@ def _start(spec: GenerateSpec, root: Element, started: list[BeamSearch]) -> Run:
     # Every token is a step's choice among the beams' candidates: forced text too (forcing
     # it ahead would take tokens the beams' log-probabilities and texts do not hold).
     plan = dataclasses.replace(spec.element_plan(None), fast_forward=False)
+    if plan.max_tokens is None:  # up to the end of the context: beams share it, equally
+        room = spec.model.context.n_ctx - len(root.tokens)
+        plan = dataclasses.replace(plan, max_tokens=max(room // (spec.beams or 1), 1))
     gen = seq.run_plan(plan).generator
     search = BeamSearch(spec, root, text_of(spec.model, root.tokens), [_Beam(seq, gen)])
     started.append(search)

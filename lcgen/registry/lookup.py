@@ -339,8 +339,10 @@ def _failure_message(what: str, failures: Sequence[tuple[Source, str]], download
         lines.append("Get it with one of:" if len(hints) > 1 else "Get it with:")
         lines += [f"  {hint}" for hint in hints]
     downloadable = any(isinstance(source, HFSource) for source, _ in failures)
-    if downloadable and (not download or _is_offline()):
-        lines.append("  or run once with network access (download=True, HF_HUB_OFFLINE unset)")
+    if downloadable and _is_offline():
+        lines.append("  or unset HF_HUB_OFFLINE and run once with network access")
+    elif downloadable and not download:
+        lines.append("  or allow the download (download=True)")
     return "\n".join(lines)
 
 

@@ -451,6 +451,11 @@ class Context:
             if hi > lo:
                 self.ledger.decoded(req.seq_id, req.pos + lo - begin, hi - lo)
 
+    @property
+    def closing(self) -> bool:
+        """The model is closed or being closed: no new step starts."""
+        return self._closing
+
     def check_open(self) -> None:
         """Raise :class:`~lcgen.ClosedError` once the model is closed (or being closed)."""
         if self._closing:

@@ -708,22 +708,24 @@ class KVStore:
 
     @property
     def stats(self) -> CacheStats:
-        """What the store did and holds now (a value)."""
-        self._park_dropped_outside()
+        """What the store did and holds now (a value); a closed model's holds nothing."""
+        if not self._ctx.closing:
+            self._park_dropped_outside()
         with self._lock:
-            states = [e.state for e in self._entries.values()]
+            held = not self._ctx.closing
+            states = [e.state for e in self._entries.values()] if held else []
             return CacheStats(
                 hits=self._hits,
                 misses=self._misses,
                 tokens_reused=self._reused,
                 tokens_decoded=self._ctx.n_decoded,
                 evictions=self._evictions,
-                cells_held=self._ctx.ledger.n_cells(),
+                cells_held=self._ctx.ledger.n_cells() if held else 0,
                 budget=self.budget,
                 entries=states.count("parked") + states.count("pinned"),
                 pinned=states.count("pinned"),
                 live=states.count("live"),
-                free_slots=len(self._free),
+                free_slots=len(self._free) if held else 0,
                 waiting=len(self._waiters),
             )
 
