@@ -33,4 +33,5 @@ def test_wheel_contains_data_files(tmp_path: Path) -> None:
     shipped = {p.relative_to(ROOT).as_posix() for p in (ROOT / "grammars").iterdir()}
     assert shipped and {f"lcgen/{name}" for name in shipped} <= names
     assert "lcgen/py.typed" in names
+    assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)  # MIT, as declared
     assert not any(n.startswith(("tests/", "bench/", ".venv")) for n in names)
