@@ -195,6 +195,18 @@ def test_a_generation_that_ends_before_healing_is_done_keeps_the_prompt(
         assert next(stream).text == ""
         stream.close()
         assert seq.text == prompt
+    with model.sequence(prompt) as seq:  # closed before its first chunk (its body never ran)
+        seq.stream(max_tokens=4, token_healing=True).close()
+        assert seq.text == prompt and seq.tokens == model.tokenize(prompt)
+    with model.sequence(prompt) as seq:  # a run never stepped: dropped, or superseded
+        run = seq.run(max_tokens=4, token_healing=True)
+        del run
+        assert seq.text == prompt
+        held = seq.run(max_tokens=4, token_healing=True)
+        after = seq.generate(max_tokens=3)  # goes on from the whole prompt
+        assert seq.text == prompt + after
+        with pytest.raises(lcgen.RewindError, match="changed outside this generation"):
+            held.step()
     with model.sequence(prompt) as seq:
         outliving = seq.stream(max_tokens=4, token_healing=True, hooks=[first_a_space])
         next(outliving)

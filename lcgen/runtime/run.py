@@ -185,6 +185,12 @@ class SequenceRun:
     # Backtracking runs show every token to hooks, validators and banned-phrase checks.
     sees_every_token = False
 
+    def __del__(self) -> None:
+        # Dropped before a step re-created the text token healing removed (a stream closed
+        # before its first chunk, a run never stepped): the sequence spells its prompt again.
+        if self.generator.heal and not self.sequence.is_closed:
+            self.sequence.restore_heal()
+
     @property
     def token_logprobs(self) -> list[float]:
         """With ``logprobs``: each generated token's log-probability."""

@@ -226,6 +226,7 @@ class Sequence(TokenSequence):
             if self._drafters is None:
                 self._drafters = weakref.WeakSet()
             self._drafters.add(drafter)
+        self.restore_heal()  # what a run that never stepped took away (it can go on no more)
         before = self.checkpoint() if plan.token_healing else None
         heal = self.heal_last_token() if plan.token_healing else b""
         if plan.max_tokens is None:  # the room left, with the token healing took away

@@ -370,16 +370,26 @@ class TokenSequence(Unshared):
         """
         if not rest or self._healed is None:
             return 0
-        _, token, _, after = self._healed
         if self._at_healed_token():
-            self._tokens.append(token)  # as before the heal (its checkpoints reach it again)
-            self._stamps.append(after)
-            self._healed, self._heal_open = None, False
+            self._put_healed_back()
             return 0
         # (a rewind to a checkpoint from before the heal still puts the token back)
         tokens = self.vocab.spell(rest)
         self.append_tokens(tokens)
         return len(tokens)
+
+    def restore_heal(self) -> None:
+        """Put back the token healing removed where nothing has replaced it: the run that
+        removed it was dropped or superseded before a step re-created its text."""
+        if self._healed is not None and self._heal_open and self._at_healed_token():
+            self._put_healed_back()
+
+    def _put_healed_back(self) -> None:
+        assert self._healed is not None
+        _, token, _, after = self._healed
+        self._tokens.append(token)  # as before the heal (its checkpoints reach it again)
+        self._stamps.append(after)
+        self._healed, self._heal_open = None, False
 
     def _whole_tokens(self) -> list[int]:
         """The tokens, with the one token healing removed put back while nothing has replaced
