@@ -93,7 +93,11 @@ def test_the_partition_is_by_the_patterns_matched(
     for text in [*texts, *names]:
         expected = frozenset(i for i, p in enumerate(pats) if re.search(p, text))
         apart = expected != {i for i, p in enumerate(pats) if ecma_search(p, text)}
-        assert where.get(dfa.end(text)) == (None if text in names or apart else expected), text
+        got = where.get(dfa.end(text))
+        if text in names or apart:
+            assert got is None, text
+        else:  # (a few keys both readings agree on are left out too: fewer, never wrong)
+            assert got in (None, expected), text
 
 
 @pytest.mark.parametrize(
@@ -120,6 +124,7 @@ def test_the_partition_is_by_the_patterns_matched(
         ([r"^\w+$", "b"], [], [], "éb", None),  # \w: Unicode in Python, ASCII in ECMA-262
         ([r"^\w+$", "b"], [], [], "ab", {0, 1}),
         ([r"^\W"], [], [], "é", None),
+        ([r"^\w*\W"], [], [], "a.", {0}),
         ([r"^\d"], [], [], "\u0663", None),
     ],
 )

@@ -76,6 +76,11 @@ def test_beams_up_to_the_end_of_the_context_share_it(model_path: Path) -> None:
             with search(PROMPTS[0]) as beams:
                 lengths = {len(t) - n_prompt for t in beams.tokens[0]}
             assert lengths == {(256 - n_prompt) // width}
+        long_prompt = small.detokenize(small.tokenize("word " * 300)[: 256 - 3])
+        n_long = len(small.tokenize(long_prompt))
+        with pytest.raises(lcgen.ContextFullError, match=f"leave {256 - n_long} of .* 4 beams"):
+            continuous(generate.text(small, max_tokens=None, beams=4))(long_prompt)
+        assert small.cache.stats.live == 0
 
 
 def test_length_penalty_ranks_finished_beams(model: lcgen.Model) -> None:

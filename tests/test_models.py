@@ -517,7 +517,7 @@ def test_hf_file_missing_offline_lists_what_was_tried(hf_cache: HFCache) -> None
     assert f"not in the Hugging Face cache {hf_cache.root}" in message
     assert "HF_HUB_OFFLINE is set" in message
     assert HFSource("org/repo", "missing.gguf").install_hint() in message
-    assert message.endswith("\n  or unset HF_HUB_OFFLINE and run once with network access")
+    assert message.endswith("\n  or download it once with network access: unset HF_HUB_OFFLINE")
 
 
 def test_registry_entry_missing_everywhere_lists_every_source(
@@ -546,7 +546,9 @@ def test_download_false_only_looks_in_the_cache(
             models.resolve(ref, download=False)
     with pytest.raises(ModelNotFoundError) as caught:
         models.resolve("test-model", download=False)
-    assert str(caught.value).endswith("\n  or allow the download (download=True)")
+    assert str(caught.value).endswith(
+        "\n  or download it once with network access: allow it (download=True)"
+    )
     assert len(hf_calls) == 3
     assert all(call.get("local_files_only") is True for call in hf_calls)
 

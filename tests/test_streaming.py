@@ -207,6 +207,17 @@ def test_a_generation_that_ends_before_healing_is_done_keeps_the_prompt(
         assert seq.text == prompt + after
         with pytest.raises(lcgen.RewindError, match="changed outside this generation"):
             held.step()
+    with model.sequence(prompt) as seq:  # a healing run superseded by another healing one
+        run = seq.run(max_tokens=4, token_healing=True)
+        run = seq.run(max_tokens=4, token_healing=True)  # the first, dropped, leaves it be
+        assert seq.text == "The capital of"  # the second run's healing holds
+        out = ""
+        while not run.is_done:  # (the first run's finalizer put its token back: RewindError)
+            out += run.step().text
+        assert seq.text == prompt + out
+    with model.sequence(prompt) as seq:
+        seq.stream(max_tokens=4, token_healing=True)  # dropped at once, never started
+        assert seq.text == prompt
     with model.sequence(prompt) as seq:
         outliving = seq.stream(max_tokens=4, token_healing=True, hooks=[first_a_space])
         next(outliving)

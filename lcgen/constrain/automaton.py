@@ -267,9 +267,10 @@ def partition(
 ) -> tuple[Product, dict[frozenset[int], frozenset[int]]]:
     """Strings that are none of ``names`` and match every ``required`` pattern, split by the
     ``patterns`` they match (found by ``re.search``, JSON Schema's reading of ECMA-262
-    patterns). A string that Python's ``re`` and ECMA-262 judge apart for some pattern (``$``
-    before a final newline, a non-ASCII ``\\d`` or ``\\w``, ...) is in no class, and the
-    ``required`` patterns are held to what both match.
+    patterns). A string that Python's ``re`` and ECMA-262 may judge apart for some pattern
+    (by its ``$``, ``.``, ``\\d``, ``\\w``, ``\\s`` or their negations: ``$`` before a final
+    newline, a non-ASCII ``\\w``, ...) is in no class, and the ``required`` patterns are held
+    to what both match.
 
     Returns:
         The product DFA, and for each non-empty class (the indexes of the patterns matched)

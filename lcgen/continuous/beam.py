@@ -30,7 +30,7 @@ from lcgen.continuous.specs import GenerateSpec
 from lcgen.decoding import Chunk, Generator
 from lcgen.decoding.results import Text, incomplete
 from lcgen.decoding.sampling import log_normalizer, top_ids
-from lcgen.errors import IncompleteOutputError
+from lcgen.errors import ContextFullError, IncompleteOutputError
 from lcgen.runtime import Run, Scheduler, Sequence
 
 __all__ = ["BeamSearch", "search"]
@@ -260,8 +260,15 @@ def _start(spec: GenerateSpec, root: Element, started: list[BeamSearch]) -> Run:
     # it ahead would take tokens the beams' log-probabilities and texts do not hold).
     plan = dataclasses.replace(spec.element_plan(None), fast_forward=False)
     if plan.max_tokens is None:  # up to the end of the context: beams share it, equally
-        room = spec.model.context.n_ctx - len(root.tokens)
-        plan = dataclasses.replace(plan, max_tokens=max(room // (spec.beams or 1), 1))
+        width, room = spec.beams or 1, spec.model.context.n_ctx - len(root.tokens)
+        if room < width:
+            seq.close()
+            raise ContextFullError(
+                f"the prompt's {len(root.tokens)} tokens leave {max(room, 0)} of the context's "
+                f"{spec.model.context.n_ctx} cells: too few for one token on each of {width} "
+                "beams (shorten the prompt or load the model with a larger n_ctx)"
+            )
+        plan = dataclasses.replace(plan, max_tokens=room // width)
     gen = seq.run_plan(plan).generator
     search = BeamSearch(spec, root, text_of(spec.model, root.tokens), [_Beam(seq, gen)])
     started.append(search)

@@ -339,10 +339,11 @@ def _failure_message(what: str, failures: Sequence[tuple[Source, str]], download
         lines.append("Get it with one of:" if len(hints) > 1 else "Get it with:")
         lines += [f"  {hint}" for hint in hints]
     downloadable = any(isinstance(source, HFSource) for source, _ in failures)
-    if downloadable and _is_offline():
-        lines.append("  or unset HF_HUB_OFFLINE and run once with network access")
-    elif downloadable and not download:
-        lines.append("  or allow the download (download=True)")
+    if downloadable and (_is_offline() or not download):
+        change = ["unset HF_HUB_OFFLINE"] * _is_offline() + ["allow it (download=True)"] * (
+            not download
+        )
+        lines.append(f"  or download it once with network access: {' and '.join(change)}")
     return "\n".join(lines)
 
 

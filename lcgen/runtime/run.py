@@ -167,6 +167,7 @@ class SequenceRun:
 
     def __init__(self, seq: TokenSequence, gen: Generator, drafter: Drafter | None = None) -> None:
         self.sequence, self.generator = seq, gen
+        self._heal_mark = seq.heal_mark if gen.heal else None  # (see __del__)
         self._start = (seq.stats.tokens_decoded, seq.n_decoded)
         self._base = len(seq) - len(gen.tokens)  # where the generated tokens start
         # With ``logprobs``: each generated token's entry (its log-probability, alternatives).
@@ -188,8 +189,8 @@ class SequenceRun:
     def __del__(self) -> None:
         # Dropped before a step re-created the text token healing removed (a stream closed
         # before its first chunk, a run never stepped): the sequence spells its prompt again.
-        if self.generator.heal and not self.sequence.is_closed:
-            self.sequence.restore_heal()
+        if self._heal_mark is not None and not self.sequence.is_closed:
+            self.sequence.restore_heal(self._heal_mark)
 
     @property
     def token_logprobs(self) -> list[float]:

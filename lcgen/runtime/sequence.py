@@ -200,6 +200,7 @@ class Sequence(TokenSequence):
     def run_plan(self, plan: Plan) -> PlainRun | Backtracker:
         """:meth:`run` with the options already made into a plan."""
         self._check_open()
+        self.restore_heal()  # what a run that never stepped took away (it can go on no more)
         if not self._tokens:
             raise ValueError("the sequence is empty: append a prompt before generating")
         limit = plan.max_tokens
@@ -226,7 +227,6 @@ class Sequence(TokenSequence):
             if self._drafters is None:
                 self._drafters = weakref.WeakSet()
             self._drafters.add(drafter)
-        self.restore_heal()  # what a run that never stepped took away (it can go on no more)
         before = self.checkpoint() if plan.token_healing else None
         heal = self.heal_last_token() if plan.token_healing else b""
         if plan.max_tokens is None:  # the room left, with the token healing took away

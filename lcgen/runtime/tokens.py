@@ -378,9 +378,17 @@ class TokenSequence(Unshared):
         self.append_tokens(tokens)
         return len(tokens)
 
-    def restore_heal(self) -> None:
+    @property
+    def heal_mark(self) -> object:
+        """Which token healing removed the token now missing (None: none did)."""
+        return self._healed
+
+    def restore_heal(self, mark: object = None) -> None:
         """Put back the token healing removed where nothing has replaced it: the run that
-        removed it was dropped or superseded before a step re-created its text."""
+        removed it was dropped or superseded before a step re-created its text. ``mark``
+        (a :attr:`heal_mark`): only if that healing removed it."""
+        if mark is not None and mark is not self._healed:
+            return  # another run's healing (the dropped run's own was undone or done)
         if self._healed is not None and self._heal_open and self._at_healed_token():
             self._put_healed_back()
 
