@@ -1109,6 +1109,9 @@ def test_full_queue_answers_429(model_path: Path) -> None:
         with pytest.raises(openai.RateLimitError) as info:
             tiny.chat.completions.create(messages=USER, model=NAME, max_tokens=2)
         assert info.value.status_code == 429 and info.value.code == "queue_full"
+        assert "1 choices wait for a slot, and this request's 1 would make more than 1 wait" in (
+            str(info.value)
+        )
         assert info.value.response.headers["retry-after"] == "1"  # clients wait, then retry
         for stream in streams:
             stream.close()

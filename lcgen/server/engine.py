@@ -193,10 +193,11 @@ class Engine:
             # Those that find a slot free do not wait (submitted choices count as waiting
             # until the engine thread starts them).
             free = max(0, slots - self._counts.running)
-            if self._counts.waiting + job.n - free > self.max_queue:
+            queued = self._counts.waiting - free  # (those the free slots take do not wait)
+            if queued + job.n > self.max_queue:
                 raise QueueFullError(
-                    f"the server is busy: {self._counts.waiting} choices wait for a slot "
-                    f"(at most {self.max_queue}); retry later"
+                    f"the server is busy: {max(queued, 0)} choices wait for a slot, and this "
+                    f"request's {job.n} would make more than {self.max_queue} wait; retry later"
                 )
             self._counts.waiting += job.n
         self._inbox.put(("submit", job))
