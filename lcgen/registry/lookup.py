@@ -339,10 +339,12 @@ def _failure_message(what: str, failures: Sequence[tuple[Source, str]], download
         lines.append("Get it with one of:" if len(hints) > 1 else "Get it with:")
         lines += [f"  {hint}" for hint in hints]
     downloadable = any(isinstance(source, HFSource) for source, _ in failures)
-    if downloadable and (_is_offline() or not download):
-        change = ["unset HF_HUB_OFFLINE"] * _is_offline() + ["allow it (download=True)"] * (
-            not download
-        )
+    change = []
+    if _is_offline():
+        change.append("unset HF_HUB_OFFLINE")
+    if not download:
+        change.append("allow it (download=True)")
+    if downloadable and change:
         lines.append(f"  or download it once with network access: {' and '.join(change)}")
     return "\n".join(lines)
 

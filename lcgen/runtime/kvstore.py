@@ -709,10 +709,10 @@ class KVStore:
     @property
     def stats(self) -> CacheStats:
         """What the store did and holds now (a value); a closed model's holds nothing."""
-        if not self._ctx.closing:
+        held = not self._ctx.closing
+        if held:
             self._park_dropped_outside()
         with self._lock:
-            held = not self._ctx.closing
             states = [e.state for e in self._entries.values()] if held else []
             return CacheStats(
                 hits=self._hits,
