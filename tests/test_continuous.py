@@ -370,6 +370,13 @@ def test_state_api_and_errors(model: lcgen.Model) -> None:
     with pytest.raises(TypeError, match="42"):
         text(42)  # type: ignore[arg-type]
     s = text(PROMPTS[0])
+    # an element with no tokens (SmolLM2 adds no BOS) named none: "the sequence is empty:
+    # append a prompt", from deep inside, after the other elements' prompts were decoded
+    before = model.context.n_decoded
+    for empty, at in [(s[:0], "(0, 0)"), ([PROMPTS[0], ""], "(1, 0)"), (s[3:3], "(0, 0)")]:
+        with pytest.raises(ValueError, match=rf"element \{at[:-1]}\) of the state has no tokens"):
+            text(empty)
+    assert model.context.n_decoded == before
     assert "shape=(1, 1)" in repr(s) and repr(str(s)) in repr(s)
     assert s.shape == (1, 1) and len(s) == 1 and s.weights.shape == (1, 1)
     assert s.texts == [[str(s)]]

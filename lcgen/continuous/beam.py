@@ -49,6 +49,19 @@ class _Beam:
         return math.fsum(self.logprobs)
 
 
+@dataclass(frozen=True, slots=True)
+class Finished:
+    """A finished beam: its rank, its element and text, and how a constraint was left cut short
+    (``max_tokens`` or a stop string before the grammar was complete), or None. (Held here:
+    in a dict by ``id(element)``, a dropped beam's flag went to the later beam Python gave its
+    id, and a complete beam was reported cut.)"""
+
+    rank: float
+    elem: Element
+    text: str
+    cut: IncompleteOutputError | None
+
+
 @dataclass(slots=True, eq=False)
 class BeamSearch:
     """The beam search of one batch element, as a run the scheduler steps: each step decodes
@@ -58,10 +71,7 @@ class BeamSearch:
     root: Element
     text_before: str
     live: list[_Beam]
-    finished: list[tuple[float, Element]] = field(default_factory=list)  # (rank, beam), best first
-    # id of a finished beam a constraint left cut short -> how
-    cut: dict[int, IncompleteOutputError] = field(default_factory=dict)
-    texts: dict[int, str] = field(default_factory=dict)  # id of a finished beam -> its text
+    finished: list[Finished] = field(default_factory=list)  # best first
 
     @property
     def width(self) -> int:
@@ -79,7 +89,7 @@ class BeamSearch:
         # The summed log-probability only falls; over the lengths still possible, the rank of
         # a negative sum is highest at the longest one (length_penalty > 0) or the next (< 0).
         n = best.gen.max_tokens if length_penalty > 0 else len(best.gen.tokens) + 1
-        return best.score / math.pow(max(n, 1), length_penalty) <= self.finished[width - 1][0]
+        return best.score / math.pow(max(n, 1), length_penalty) <= self.finished[width - 1].rank
 
     def sequences(self) -> list[Sequence]:
         return [beam.seq for beam in self.live if beam.seq is not None]
@@ -100,7 +110,7 @@ class BeamSearch:
     def results(self) -> list[tuple[Element, IncompleteOutputError | None]]:
         """The finished beams, best first, each with how its constrained output was cut short
         (``max_tokens`` or a stop string before the grammar was complete), or None."""
-        return [(elem, self.cut.get(id(elem))) for _, elem in self.finished]
+        return [(done.elem, done.cut) for done in self.finished]
 
 
 def _best_tokens(beam: _Beam, row: np.ndarray, width: int, bans: list[int]) -> list[int]:
@@ -190,26 +200,21 @@ def _step(search: BeamSearch, rows: list[np.ndarray]) -> None:
     spec, width = search.spec, search.width
     kept = _expand(search, rows, width, spec.bans)
     going = [k for k in kept if not k[2].gen.is_done]
-    ranked: list[tuple[float, Element]] = list(search.finished)
+    ranked = list(search.finished)
     for _, _, child in kept:
         if child.gen.is_done:
-            elem = _finished(search, child)
-            search.texts[id(elem)] = "".join(child.parts)
-            cut = _incomplete(spec, child)
-            if cut is None:
-                ranked.append((_rank(child, spec.length_penalty), elem))
-            else:  # ranked below every complete beam
-                search.cut[id(elem)] = cut
-                ranked.append((-math.inf, elem))
-    ranked.sort(key=lambda e: -e[0])
+            cut = _incomplete(spec, child)  # ranked below every complete beam
+            rank = _rank(child, spec.length_penalty) if cut is None else -math.inf
+            ranked.append(Finished(rank, _finished(search, child), "".join(child.parts), cut))
+    ranked.sort(key=lambda done: -done.rank)
     texts = set()  # one beam per text: the best ranked (an earlier step's may be it)
     search.finished = []
-    for rank, elem in ranked:
+    for done in ranked:
         if len(search.finished) == width:
             break
-        if search.texts[id(elem)] not in texts:
-            texts.add(search.texts[id(elem)])
-            search.finished.append((rank, elem))
+        if done.text not in texts:
+            texts.add(done.text)
+            search.finished.append(done)
     _fork_children(search.live, going)
     search.live = [child for _, _, child in going]
 
@@ -274,12 +279,8 @@ def _start(spec: GenerateSpec, root: Element, started: list[BeamSearch]) -> Run:
     started.append(search)
     if gen.is_done:  # max_tokens=0: the root is the one result, as without beams
         beam = search.live.pop()
-        elem = _finished(search, beam)
-        search.texts[id(elem)] = ""
-        search.finished = [(0.0, elem)]
         cut = _incomplete(spec, beam)  # (a constraint the empty output does not match)
-        if cut is not None:
-            search.cut[id(elem)] = cut
+        search.finished = [Finished(0.0, _finished(search, beam), "", cut)]
         seq.close()
     return search
 

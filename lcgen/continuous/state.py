@@ -371,7 +371,8 @@ class Continuous:
             SampleMismatchError: samples (or beams) were asked of a state that has several per
                 batch element already.
             ValueError: ``num_samples`` < 1 or over :data:`MAX_SAMPLES` (with the batch), a
-                ``seed`` that is not an int >= 0, or a state of another model.
+                ``seed`` that is not an int >= 0, a state of another model, or an element
+                with no tokens.
         """
         model, spec = self.spec.model, self.spec
         num_samples = _check_num_samples(num_samples)  # before the prompts are tokenized
@@ -388,6 +389,21 @@ class Continuous:
             raise SampleMismatchError(
                 f"the state of shape {state.shape} already has {n_in} samples per batch element; "
                 f"index one sample before asking for {width} {'beams' if spec.beams else 'samples'}"
+            )
+        empty = next(
+            (
+                (b, s)
+                for b in range(n_batch)
+                for s in range(n_in)
+                if not state.element_at(b, s).tokens
+            ),
+            None,
+        )
+        if empty is not None:  # (Sequence.run_plan's "append a prompt" named no element)
+            raise ValueError(
+                f"element {empty} of the state has no tokens (an empty prompt or slice, and "
+                "the model adds no BOS): there is nothing to generate after; give it text, "
+                "such as state + 'Once upon a time'"
             )
         if spec.beams is not None:
             roots = [state.element_at(b, 0).copy() for b in range(n_batch)]
