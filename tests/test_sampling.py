@@ -198,3 +198,49 @@ def test_penalties_in_a_real_generation_follow_the_recent_tokens(model: lcgen.Mo
         history.append(token)
     plain = model.generate("one one one one one one", **options)  # type: ignore[call-overload]
     assert plain.tokens != out.tokens
+
+
+def test_a_draw_moves_with_the_logits_not_with_their_order() -> None:
+    """Two near-equal logits trading places by rounding (another batch shape, other cells)
+    change a seeded draw only where it falls within the rounding of an edge: the draw walked
+    the tokens by likelihood, so every draw that fell on either of them swapped (53 of 200)."""
+    logits = np.random.default_rng(5).normal(size=50).astype(np.float32)
+    logits[[3, 8]] = 2.0
+    logits[3] += 1e-6
+    rounded = logits.copy()
+    rounded[[3, 8]] = logits[[8, 3]]  # 8 is now the more likely, by 1e-6
+    cfg = SamplerConfig(temperature=0.8, top_k=40, top_p=0.95, min_p=0.0)
+    draws = [
+        (sample(logits, cfg, new_rng(s)), sample(rounded, cfg, new_rng(s))) for s in range(200)
+    ]
+    assert {a for a, _ in draws} >= {3, 8}  # both are drawn
+    assert all(a == b for a, b in draws)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        SamplerConfig(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0),
+        SamplerConfig(temperature=0.7, top_k=4, top_p=1.0, min_p=0.0),
+        SamplerConfig(temperature=1.3, top_k=0, top_p=0.85, min_p=0.05),
+    ],
+)
+def test_draws_follow_the_filtered_distribution(cfg: SamplerConfig) -> None:
+    logits = np.log(np.array([0.05, 0.3, 0.02, 0.25, 0.18, 0.1, 0.07, 0.03], dtype=np.float32))
+    rng = new_rng(11)
+    n = 20_000
+    counts = np.bincount([sample(logits, cfg, rng) for _ in range(n)], minlength=8)
+    # the distribution the filters leave, computed here on its own
+    order = np.argsort(-logits, kind="stable")
+    scaled = np.exp((logits[order] - logits[order[0]]) / cfg.temperature)
+    probs = scaled / scaled.sum()
+    keep = len(order) if cfg.top_k == 0 else cfg.top_k
+    if cfg.top_p < 1.0:
+        keep = min(keep, int(np.searchsorted(np.cumsum(np.exp(logits[order])), cfg.top_p)) + 1)
+    keep = min(
+        keep, int(np.count_nonzero(np.exp(logits[order]) >= cfg.min_p * np.exp(logits[order[0]])))
+    )
+    expected = np.zeros(8)
+    expected[order[:keep]] = probs[:keep] / probs[:keep].sum()
+    assert np.all(counts[expected == 0] == 0)
+    assert np.abs(counts / n - expected).max() < 0.015

@@ -306,6 +306,10 @@ def sample(
     # to -inf (greedy, the limit) instead of the logits to +-inf and their difference to NaN.
     with np.errstate(over="ignore"):
         final = _softmax((vals[:keep] - vals[0]) / cfg.temperature)
-    cdf = np.cumsum(final)
+    # The draw walks the kept tokens in id order, not by likelihood: logits that moved by
+    # rounding (another batch shape, other cells) then move the edges between tokens only as
+    # much, where two near-equal logits trading places moved every draw that fell on either.
+    kept = np.argsort(ids[:keep])
+    cdf = np.cumsum(final[kept])
     idx = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-    return int(ids[min(idx, keep - 1)])
+    return int(ids[kept[min(idx, keep - 1)]])
