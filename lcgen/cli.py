@@ -21,7 +21,13 @@ from lcgen._files import MAX_FILE_BYTES, read_bounded
 from lcgen.decoding import Chunk, Text
 from lcgen.decoding.options import DEFAULT_MAX_RETRIES
 from lcgen.decoding.results import check_complete
-from lcgen.errors import ContextFullError, GrammarError, IncompleteOutputError, LcgenError
+from lcgen.errors import (
+    ContextFullError,
+    GrammarError,
+    IncompleteOutputError,
+    LcgenError,
+    StateFileError,
+)
 from lcgen.runtime.sequence import chunks_of
 from lcgen.runtime.statefile import write_atomic
 
@@ -736,7 +742,12 @@ class ChatSession:
         # Both written atomically: a crash or a full disk leaves the earlier save whole. A
         # missing folder or no permission is a StateFileError naming the file.
         write_atomic(path, text.encode("utf-8"), CHAT_FILE)
-        self.model.cache.save(path + ".kv")
+        try:
+            self.model.cache.save(path + ".kv")
+        except StateFileError as exc:  # the messages are saved: say so (a /load decodes them)
+            raise StateFileError(
+                f"saved {len(self.messages)} messages to {path}, but not the KV cache: {exc}"
+            ) from None
         print(f"lcgen: saved {len(self.messages)} messages to {path}", file=sys.stderr)
 
     def load(self, path: str) -> None:

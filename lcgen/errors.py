@@ -9,6 +9,10 @@ reason llama.cpp logged. ``assert`` guards lcgen's own invariants only.
 
 from __future__ import annotations
 
+import os
+import sys
+import warnings
+
 
 class LcgenError(Exception):
     """Base class of every error lcgen raises."""
@@ -118,3 +122,15 @@ class SampleMismatchError(LcgenError):
 SequenceClosedError = ClosedError
 BatchMismatch = BatchMismatchError
 SampleMismatch = SampleMismatchError
+
+
+def warn(message: str) -> None:
+    """``warnings.warn`` a UserWarning at the first caller outside lcgen: the user's own line,
+    however deep inside lcgen the warning was raised."""
+    frame, level = sys._getframe(1), 2
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, UserWarning, stacklevel=level)
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep

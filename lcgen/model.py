@@ -13,7 +13,6 @@ import hashlib
 import itertools
 import os
 import re
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -31,9 +30,9 @@ from lcgen._version import __version__
 from lcgen.decoding import Chunk, GenerateOptions, Plan, Text, make_plan
 from lcgen.decoding.generator import logprobs_of
 from lcgen.decoding.options import shown
-from lcgen.decoding.results import SchemaLike, TokenLogprob, parse_structured
+from lcgen.decoding.results import SchemaLike, TokenLogprob, check_parsed, parse_structured
 from lcgen.decoding.sampling import check_seed
-from lcgen.errors import ContextFullError, ModelLoadError
+from lcgen.errors import ContextFullError, ModelLoadError, warn
 from lcgen.runtime import Context, Run, Scheduler, Sequence
 from lcgen.runtime.kvstore import KVStore, check_slot_timeout, shared_prefixes
 from lcgen.runtime.run import decode
@@ -306,10 +305,9 @@ class Model(Unshared):
         if n_gpu_layers is None:
             n_gpu_layers = -1 if supports_gpu_offload() else 0
         elif n_gpu_layers and not supports_gpu_offload():
-            warnings.warn(
+            warn(
                 f"n_gpu_layers={n_gpu_layers}: this build of llama-cpp-python has no GPU "
-                "backend, so every layer runs on the CPU (README: GPU and Metal)",
-                stacklevel=2,
+                "backend, so every layer runs on the CPU (README: GPU and Metal)"
             )
         self._handle = ModelHandle(str(self.path), n_gpu_layers, verbose=verbose)
         try:  # a load that fails frees what it loaded (a retry with a smaller n_ctx leaked it)
@@ -817,6 +815,7 @@ class Model(Unshared):
             hint = " (token ids: model.sequence(tokens).generate(...))" if ids else ""
             raise TypeError(f"a prompt is a str or a list of str, got {shown(prompt)}{hint}")
         plan = make_plan(schema=schema, **options)
+        check_parsed(schema, plan.logprobs)
         tokens = [
             self.tokenize(p) if suffix is None else self.infill_tokens(p, suffix) for p in prompt
         ]

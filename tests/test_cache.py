@@ -232,12 +232,28 @@ def test_a_closed_models_cache_holds_nothing_and_keeps_its_counts(model_path: Pa
     small.generate("A dog is an animal that", max_tokens=3)
     before = small.cache.stats
     assert before.cells_held > 0 and before.entries == 2 and before.free_slots == 0
+    pinned = small.tokenize("A cat is an animal that")
+
+    def room() -> list[int]:
+        cache = small.cache
+        return [cache.cached(pinned), cache.free_cells(), cache.available_slots()]
+
+    assert room()[0] == len(pinned) and room()[1] > 0 and room()[2] == 1  # the parked one's
     small.close()
     after = small.cache.stats  # the context and its cells are gone
     held = [after.cells_held, after.entries, after.pinned, after.live, after.free_slots]
     assert held == [0] * 5
     counts = [(s.hits, s.misses, s.tokens_decoded) for s in (before, after)]
     assert counts[0] == counts[1]
+    # what it would reuse or have room for is a ClosedError, as everything but stats (the
+    # ledger outlived the context: cached() and free_cells() answered from it)
+    for ask in (
+        lambda: small.cache.cached(pinned),
+        small.cache.free_cells,
+        small.cache.available_slots,
+    ):
+        with pytest.raises(lcgen.ClosedError):
+            ask()
 
 
 def test_a_cell_budget_below_the_working_set_evicts_and_pins_survive(model_path: Path) -> None:
@@ -259,6 +275,11 @@ def test_a_cell_budget_below_the_working_set_evicts_and_pins_survive(model_path:
         assert small.context.n_decoded - before == len(question) - kept + 1
         assert small.cache.pin(FEW_SHOT) == 0  # already pinned
         assert small.cache.unpin(FEW_SHOT) and not small.cache.unpin(FEW_SHOT)
+    with lcgen.Model(model_path, n_ctx=512, n_seq_max=2, cache=20) as tiny:
+        tiny.cache.pin("The quick brown fox jumps over the lazy dog. " * 4)
+        assert tiny.cache.stats.cells_held > 20  # the pinned prefix alone is over the budget
+        assert tiny.cache.unpin("The quick brown fox jumps over the lazy dog. " * 4)
+        assert tiny.cache.stats.cells_held <= 20  # at once, not at the next call
 
 
 def test_a_full_memory_evicts_parked_prefixes_instead_of_failing(model_path: Path) -> None:

@@ -434,6 +434,9 @@ def test_a_closed_model_s_cache_load_raises_closed_error(model_path: Path, tmp_p
     small.close()
     with pytest.raises(lcgen.ClosedError):
         small.cache.load(path)
+    with pytest.raises(lcgen.ClosedError):  # it wrote a file of the entries it still listed
+        small.cache.save(tmp_path / "d.lcc")
+    assert not (tmp_path / "d.lcc").exists()
 
 
 def test_save_paths_no_file_can_have_raise_state_file_error(

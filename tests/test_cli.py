@@ -1032,3 +1032,25 @@ def test_a_prompt_over_the_context_names_the_options() -> None:
         "lcgen: error: the prompt's 1 tokens and --max-tokens 5000 need 5001, over the context "
         "of 4096 tokens: shorten the prompt, lower --max-tokens or raise --n-ctx\n"
     )
+
+
+def test_a_chat_saved_without_its_cache_says_the_messages_were_saved(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The messages file is written first: an error naming only the .kv read as if nothing was
+    # saved, while the file held the new messages.
+    (tmp_path / "c.json.kv").mkdir()
+
+    def save(path: str) -> int:
+        raise lcgen.StateFileError(f"cannot write cache file {path!r}: it is a directory")
+
+    stand_in = SimpleNamespace(path=Path("m.gguf"), cache=SimpleNamespace(save=save))
+    chat = cli.ChatSession(cast(lcgen.Model, stand_in), {}, None)
+    chat.set_system("Be brief.")
+    assert chat.handle(f"/save {tmp_path / 'c.json'}") is True
+    kv = str(tmp_path / "c.json.kv")
+    assert capsys.readouterr().err.splitlines() == [
+        f"lcgen: error: saved 1 messages to {tmp_path / 'c.json'}, but not the KV cache: "
+        f"cannot write cache file {kv!r}: it is a directory"
+    ]
+    assert cli.load_messages(tmp_path / "c.json") == chat.messages

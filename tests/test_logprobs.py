@@ -305,3 +305,27 @@ def test_prompt_logprobs_refuse_what_cannot_be_scored(model: lcgen.Model) -> Non
     with pytest.raises(lcgen.ContextFullError, match=rf"context is {model.n_ctx}"):
         model.prompt_logprobs("word " * (model.n_ctx + 5))
     assert model.prompt_logprobs(model.tokenize("Hi")[:1]) == []
+
+
+def test_logprobs_beside_a_parsed_schema_are_refused_not_lost(model: lcgen.Model) -> None:
+    """generate and chat with ``schema=`` return the parsed value: the logprobs asked for were
+    computed, then dropped with no word (a plain dict came back)."""
+    city = {"type": "string", "maxLength": 12}
+    schema = {"properties": {"city": city}, "required": ["city"], "additionalProperties": False}
+    messages = [{"role": "user", "content": "Name a city as JSON."}]
+    calls = [
+        lambda: model.generate(PROMPT, schema=schema, logprobs=1),
+        lambda: model.generate([PROMPT, PROMPT], schema=schema, logprobs=0),
+        lambda: model.chat(messages, schema=schema, logprobs=2),
+    ]
+    before = model.context.n_decoded
+    for call in calls:
+        with pytest.raises(ValueError, match=r"logprobs=\d with schema=: the result is the parsed"):
+            call()
+    assert model.context.n_decoded == before  # refused before decoding
+    # the ways the message names keep them
+    chunks = list(model.stream(PROMPT, schema=schema, logprobs=1, max_tokens=60))
+    assert all(len(c.logprobs) == len(c.tokens) for c in chunks)
+    grammar = lcgen.Grammar.from_json_schema(schema)
+    text = model.generate(PROMPT, grammar=grammar, logprobs=1, max_tokens=60)
+    assert text.logprobs is not None and len(text.logprobs) == len(text.tokens)

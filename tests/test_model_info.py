@@ -100,6 +100,7 @@ def test_layers_asked_for_on_a_build_without_a_gpu_say_where_they_run(model_path
         with lcgen.Model(model_path, n_gpu_layers=2, n_ctx=256, n_threads=1) as asked:
             offloaded = asked.n_gpu_layers
     said = [str(w.message) for w in caught if "n_gpu_layers" in str(w.message)]
+    assert all(w.filename == __file__ for w in caught if "n_gpu_layers" in str(w.message))
     if supports_gpu_offload():
         assert offloaded == 2 and not any("no GPU backend" in m for m in said)
     else:  # the layers ran on the CPU: a warning says so (lcgen info shows "CPU")

@@ -212,6 +212,16 @@ def test_directory_is_not_a_model(tmp_path: Path) -> None:
         models.resolve("/dev/null")
 
 
+def test_a_bare_name_that_is_a_folder_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a file of that name is taken as a path; a folder was "unknown model 'refs'"
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "refs").mkdir()
+    with pytest.raises(ModelNotFoundError, match="refs is a directory, not a GGUF file"):
+        models.resolve("refs")
+
+
 def test_unknown_name_lists_known_names_and_other_forms() -> None:
     with pytest.raises(ModelNotFoundError) as caught:
         models.resolve("smollm2-13m")
@@ -628,6 +638,8 @@ def test_an_installed_source_is_not_offered_for_install(
         models.resolve_entry(chunked)
     message = str(caught.value)
     assert "set LCGEN_CACHE" in message and "pip install lcgen-fake" not in message
+    # the folder is a file: "free disk space there" was the advice
+    assert "a file stands where its folder would be" in message and "disk space" not in message
     assert "Get it with" not in message  # nothing to get: the one source is installed
     hf = HFSource("org/repo", "m.gguf")
     both = ModelEntry(**{**_fields(chunked), "sources": (*chunked.sources, hf)})

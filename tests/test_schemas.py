@@ -1182,8 +1182,26 @@ def test_an_enum_is_a_prefix_tree() -> None:
     # number keeps its optional zeros, an object stays whole.
     gbnf = Grammar.from_json_schema({"enum": ["v10", "v1", "v2", 1, 1.5, {"a": 1}]}).gbnf
     assert gbnf.startswith(
-        'root ::= ("\\"v" ("1" ("0\\"" | "\\"") | "2\\"") | "1" (("." "0"+)? | ".5" "0"*) | "{" ws'
+        'root ::= ("\\"v" ("1" ("0\\"" | "\\"") | "2\\"") '
+        '| "1" (("." "0"{1,20})? | ".5" "0"{0,19}) | "{" ws'
     )
+
+
+def test_an_enum_or_const_number_takes_the_places_any_number_has(model: lcgen.Model) -> None:
+    """Its zeros were unbounded: SmolLM2 wrote ``1.000…`` for a rating enum until max_tokens
+    (IncompleteOutputError at every seed); a number the schema bounds has 20 places at most."""
+    for schema in ({"enum": [1, 2, 3, 4, 5]}, {"const": 1}, {"enum": [1.5, "x"]}):
+        grammar = Grammar.from_json_schema(schema)
+        first = schema.get("const", schema.get("enum", [None])[0])
+        shortest = json.dumps(first)
+        zeros = "0" * (21 - len(shortest.partition(".")[2]))
+        point = "" if "." in shortest else "."
+        assert grammar.accepts(model, shortest + point + zeros[1:])  # 20 places
+        assert not grammar.accepts(model, shortest + point + zeros)  # 21
+    prompt = "Review: 'Great food, slow service.'\nRating from 1 to 5:"
+    for seed in range(3):
+        rating = model.generate(prompt, schema={"enum": [1, 2, 3, 4, 5]}, seed=seed, max_tokens=40)
+        assert rating in {1, 2, 3, 4, 5}
 
 
 def test_a_large_enum_keeps_few_alternatives_alive(model: lcgen.Model) -> None:
@@ -1301,8 +1319,14 @@ def test_bounds_too_close_for_the_places_written_say_so() -> None:
 
 
 def test_unknown_keywords_are_ignored_and_misspellings_warn() -> None:
-    with pytest.warns(UserWarning, match="'proprties' at # is ignored .did you mean 'properties'"):
+    with pytest.warns(
+        UserWarning, match="'proprties' at # is ignored .did you mean 'properties'"
+    ) as said:
         Grammar.from_json_schema({"type": "object", "proprties": {"a": {}}})
+    assert [w.filename for w in said] == [__file__]  # the line that passed the schema
+    with pytest.warns(UserWarning, match="'requird' at #/properties/a") as said:
+        Grammar.from_json_schema({"properties": {"a": {"type": "object", "requird": []}}})
+    assert [w.filename for w in said] == [__file__]  # however deep in lcgen it was found
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Grammar.from_json_schema({"type": "string", "javaType": "x", "example": "y"})
@@ -1460,6 +1484,18 @@ def test_recursion_that_never_ends_names_its_ref() -> None:
         {"type": "array", "items": {"type": "integer"}, "uniqueItems": True, "maxItems": 3},
         {"type": "string", "format": "regex", "minLength": 2},
         {"type": "string", "pattern": "a(?=b)"},
+        {"type": "string", "pattern": "a$b"},  # an anchor inside
+        {"type": "string", "minLength": 3000},  # past llama.cpp's bound on a repetition
+        # a not lcgen writes in part left nothing: "no value satisfies the schema" (1.5, {"z": 0}
+        # and "bcd" do)
+        {"type": "number", "not": {"type": "integer"}},
+        {"type": "object", "not": {"const": {}}},
+        {"type": "array", "items": {"type": "integer"}, "not": {"const": [1, 2]}},
+        {
+            "if": {"type": "string", "pattern": "^a"},
+            "then": {"type": "number"},
+            "else": {"type": "string"},
+        },
         {"type": "array", "contains": {"type": "integer"}, "maxContains": 2},
         {"type": "array", "minItems": 100000},
         {"type": ["object", "null"], "$ref": "#"},

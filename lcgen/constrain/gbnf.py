@@ -14,6 +14,12 @@ from typing import Literal
 
 from lcgen.errors import GrammarError
 
+
+class Unsupported(GrammarError):
+    """What lcgen cannot compile, valid as it is: a regex construct, a bound past llama.cpp's
+    (a schema's pattern or length raising it is an UnsupportedSchemaError, not invalid)."""
+
+
 MAX_CODEPOINT = 0x10FFFF
 SURROGATES = ((0xD800, 0xDFFF),)
 # llama.cpp turns a bounded repetition above this into an unbounded one, silently.
@@ -225,7 +231,7 @@ def repeat(item: str, low: int, high: int | None) -> str:
     """``item`` repeated ``low`` to ``high`` times (None: no upper bound)."""
     for bound in (low, high):
         if bound is not None and bound > MAX_REPEAT:
-            raise GrammarError(
+            raise Unsupported(
                 f"a repetition bound of {bound} is over llama.cpp's limit of {MAX_REPEAT}"
             )
     if high is not None and high < low:

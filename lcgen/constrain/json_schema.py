@@ -27,7 +27,6 @@ import difflib
 import functools
 import itertools
 import re
-import warnings
 from collections.abc import Iterable
 from typing import Any, Literal
 from urllib.parse import unquote, urldefrag, urljoin
@@ -46,7 +45,7 @@ from lcgen.constrain.json_values import (
     first_satisfiable,
 )
 from lcgen.constrain.regex import python_spelling
-from lcgen.errors import GrammarError, UnsupportedSchemaError
+from lcgen.errors import GrammarError, UnsupportedSchemaError, warn
 
 MAX_ALTERNATIVES = 256
 # Marks a schema made by negating a plain schema in part (its value: what was left out).
@@ -213,6 +212,7 @@ class _Compiler(ValueCompiler):
         self.recursive: dict[tuple[Any, ...], tuple[Any, str]] = {}  # shape: (schema, rule)
         self.cycles: dict[str, str] = {}  # rules a recursion came back to: which $ref, where
         self.followed: list[str] = []  # every $ref followed, in order ("$ref '#' at #/...")
+        self.narrowed: list[str] = []  # negations written in part ("not at #/not: what of it")
         name = type(self.validator).__name__
         self.old_draft = name in _OLD_DRAFTS  # $ref ignores its siblings
         self.draft4 = name in _OLD_DRAFTS[:2]  # boolean exclusiveMinimum/Maximum
@@ -220,7 +220,16 @@ class _Compiler(ValueCompiler):
         self.anchors, self.embedded = _index(root, self.id_key, self.old_draft)
 
     def compile(self) -> str:
-        text = self.rules.text(self.visit(self.root, "#"))
+        try:
+            text = self.rules.text(self.visit(self.root, "#"))
+        except Unsatisfiable as exc:
+            if self.narrowed:  # the values a negation left out may have been the valid ones
+                parts = "; ".join(dict.fromkeys(self.narrowed))
+                raise UnsupportedSchemaError(
+                    f"lcgen writes only in part {parts}: what it can write of the schema has "
+                    f"no value, but the values left out may be valid ({exc})"
+                ) from None
+            raise
         if self.cycles:
             self.check_finite(text)
         return text
@@ -518,10 +527,9 @@ class _Compiler(ValueCompiler):
             if key not in spec.KNOWN and key not in spec.QUIET and not key.startswith("x-"):
                 close = difflib.get_close_matches(key, spec.KNOWN, n=1, cutoff=0.85)
                 if close:
-                    warnings.warn(
+                    warn(
                         f"unknown JSON Schema keyword {key!r} at {path} is ignored (did you "
-                        f"mean {close[0]!r}?)",
-                        stacklevel=5,
+                        f"mean {close[0]!r}?)"
                     )
 
     @staticmethod
@@ -623,6 +631,7 @@ class _Compiler(ValueCompiler):
             keys = ", ".join(sorted(set(member) & spec.CONSTRAINING))
             raise UnsupportedSchemaError(f"not of {keys} (at {path}) is not supported")
         if left_out:
+            self.narrowed.append(f"the not at {path}, whose {', '.join(left_out)} it cannot negate")
             return [{**n, PARTIAL: ", ".join(left_out)} for n in out]
         return out
 

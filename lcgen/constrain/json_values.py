@@ -284,7 +284,8 @@ class ValueCompiler:
     @staticmethod
     def number_const(value: float, path: str) -> tuple[str, str]:
         """A constant number: its shortest text and the GBNF of the zeros that may follow it
-        (equal numbers are equal values: 1, 1.0 and 1.00 all match the constant 1)."""
+        (equal numbers are equal values: 1, 1.0 and 1.00 all match the constant 1), up to the
+        places any number has (a small model wrote ``1.000…`` until max_tokens)."""
         if isinstance(value, float) and not math.isfinite(value):
             raise GrammarError(f"the constant {value!r} at {path} is not JSON")
         number = Decimal(repr(value)) if isinstance(value, float) else Decimal(value)
@@ -294,8 +295,12 @@ class ValueCompiler:
             # Past 2**53 a float and an int of one text are unequal numbers once read (JSON
             # readers make "…0.0" a float): an int constant is written as an integer only, a
             # float one with a fraction (12345678901234567890.0 came back as 1.2345…e+19).
-            return (text, '"." "0"+') if isinstance(value, float) else (text, '""')
-        return (text, '("." "0"+)?') if whole else (text, '"0"*')
+            point = f'"." {g.repeat(_ZERO, 1, g.MAX_PLACES)}'
+            return (text, point) if isinstance(value, float) else (text, '""')
+        if whole:
+            return text, f'("." {g.repeat(_ZERO, 1, g.MAX_PLACES)})?'
+        places = len(text) - text.index(".") - 1
+        return text, g.repeat(_ZERO, 0, max(0, g.MAX_PLACES - places))
 
     def string(self, conj: Conj, path: str) -> str:
         for member in conj:
@@ -748,10 +753,10 @@ def _key_patterns(rules: list[Any]) -> list[str] | None:
     return patterns
 
 
+_ZERO = '"0"'
+
+
 def _kind_of(exc: GrammarError) -> type[GrammarError]:
     """The error a pattern's or a length's ``exc`` is in a schema: unsupported where it names
     a regex construct or a bound past llama.cpp's, else invalid or unsatisfiable."""
-    text = str(exc)
-    if text.startswith("unsupported") or "over llama.cpp's limit" in text:
-        return UnsupportedSchemaError
-    return GrammarError
+    return UnsupportedSchemaError if isinstance(exc, g.Unsupported) else GrammarError

@@ -115,7 +115,7 @@ class _Parser:
 
     def fail(self, what: str, at: int | None = None) -> GrammarError:
         pos = self.i if at is None else at
-        return GrammarError(f"unsupported in regex /{self.p}/ at position {pos}: {what}")
+        return g.Unsupported(f"unsupported in regex /{self.p}/ at position {pos}: {what}")
 
     def peek(self, n: int = 1) -> str:
         return self.p[self.i : self.i + n]
@@ -386,7 +386,7 @@ def _strip_anchors(branch: Node, pattern: str) -> tuple[Node, Anchor | None, Anc
     assert end is None or isinstance(end, Anchor)
     body = Seq(tuple(items))
     if _has_anchor(body):
-        raise GrammarError(
+        raise g.Unsupported(
             f"unsupported in regex /{pattern}/: an anchor (^ $ \\A \\Z) other than at the start "
             "or end of the pattern or of a top-level alternative"
         )

@@ -309,6 +309,21 @@ def cut_reason(finish_reason: str | None, stop: str | None, stop_token: int | No
     return f"the stop token{'' if stop_token is None else f' {stop_token}'} (stop_tokens) ended it"
 
 
+def check_parsed(schema: SchemaLike | None, logprobs: int | None) -> None:
+    """Refuse ``logprobs`` where the result is ``schema``'s parsed value, which has no place for
+    them (they were computed, then lost: a dict came back).
+
+    Raises:
+        ValueError: both are given.
+    """
+    if schema is not None and logprobs is not None:
+        raise ValueError(
+            f"logprobs={logprobs} with schema=: the result is the parsed value, which holds no "
+            "log-probabilities; use stream(..., schema=...), or grammar=Grammar.from_json_schema"
+            "(...) (or from_pydantic) for a Text with .logprobs, and parse its text"
+        )
+
+
 def parse_structured(text: str, schema: SchemaLike, healed: str = "") -> Any:
     """The value a schema-constrained generation produced: a dict (JSON Schema) or an instance
     of the pydantic model. ``healed``: the prompt's text that token healing had the generation

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import errno
 import glob
 import hashlib
 import importlib.metadata
@@ -70,8 +71,8 @@ def resolve(ref: str | os.PathLike[str], *, download: bool = True) -> Path:
     if entry is not None:
         return resolve_entry(entry, download=download)
     with contextlib.suppress(OSError):  # (a name too long for a file)
-        if Path(ref).is_file():
-            return Path(ref)
+        if Path(ref).is_file() or Path(ref).is_dir():  # a folder: it says it is one
+            return _existing_file(Path(ref))
     raise ModelNotFoundError(_unknown_name_message(ref))
 
 
@@ -192,10 +193,13 @@ def _from_local(entry: ModelEntry, source: Source, *, assemble: bool) -> Path:
         _remove_stale_temps(target)
         _assemble(parts, target, entry)
     except OSError as exc:
-        raise _Unavailable(
-            f"cannot assemble {target}: {exc}; free disk space there or set LCGEN_CACHE "
-            "to a writable folder"
-        ) from exc
+        if exc.errno == errno.ENOSPC:
+            hint = "free disk space there or set LCGEN_CACHE to a writable folder"
+        elif any(p.exists() and not p.is_dir() for p in target.parents):
+            hint = "a file stands where its folder would be: set LCGEN_CACHE to a folder"
+        else:
+            hint = "set LCGEN_CACHE to a writable folder"
+        raise _Unavailable(f"cannot assemble {target}: {exc}; {hint}") from exc
     return target
 
 

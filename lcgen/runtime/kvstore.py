@@ -406,20 +406,35 @@ class KVStore:
 
     def cached(self, tokens: Seq[int]) -> int:
         """How many of ``tokens`` a sequence opened on them now would not decode (all of them
-        where an entry kept the logits after exactly ``tokens``)."""
+        where an entry kept the logits after exactly ``tokens``).
+
+        Raises:
+            ClosedError: the model is closed.
+        """
+        self._ctx.check_open()
         with self._lock:
             return self._best(tokens, max(0, len(tokens) - 1), True)[1]
 
     def free_cells(self) -> int:
         """Cells a decode could have now: free ones and those only parked entries hold (they
-        are evicted for it)."""
+        are evicted for it).
+
+        Raises:
+            ClosedError: the model is closed (its cells are gone).
+        """
+        self._ctx.check_open()
         self._park_dropped_outside()
         with self._lock:
             kept = {slot for slot, e in self._entries.items() if e.state != "parked"}
             return self._ctx.n_cells - self._ctx.ledger.n_cells(kept)
 
     def available_slots(self) -> int:
-        """Slots a new sequence could have now: free ones and those of parked entries."""
+        """Slots a new sequence could have now: free ones and those of parked entries.
+
+        Raises:
+            ClosedError: the model is closed.
+        """
+        self._ctx.check_open()
         self._park_dropped_outside()
         with self._lock:
             return self._n_available()
@@ -697,6 +712,7 @@ class KVStore:
             for entry in self._entries.values():
                 if entry.state == "pinned" and entry.tokens == tokens:
                     entry.state, entry.last_used = "parked", next(self._clock)
+                    self._fit_budget()  # (it may hold more cells than the budget)
                     self._cond.notify_all()
                     return True
             return False
@@ -754,8 +770,10 @@ class KVStore:
 
         Raises:
             StateFileError: ``path`` cannot be written (a directory, a missing folder...).
+            ClosedError: the model is closed (its entries are gone).
         """
         check_bool("pinned_only", pinned_only)
+        self._ctx.check_open()
         self._park_dropped_outside()
         with self._lock:
             kept = [

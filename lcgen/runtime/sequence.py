@@ -12,7 +12,7 @@ from typing import Any, TypeVar, Unpack, overload
 import numpy as np
 
 from lcgen.decoding import Chunk, GenerateOptions, Generator, Plan, Text, make_plan
-from lcgen.decoding.results import SchemaLike, parse_structured
+from lcgen.decoding.results import SchemaLike, check_parsed, parse_structured
 from lcgen.decoding.sampling import check_seed
 from lcgen.decoding.speculation import Drafter
 from lcgen.errors import ContextFullError, StateFileError
@@ -293,6 +293,7 @@ class Sequence(TokenSequence):
                 Schema but the model's own validation refused it.
         """
         plan = make_plan(schema=schema, **options)
+        check_parsed(schema, plan.logprobs)
         run = self.run_plan(plan)
         text = Text.of(chunks_of(run), plan.logprobs is not None)
         healed = run.generator.healed
