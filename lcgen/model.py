@@ -806,6 +806,7 @@ class Model(Unshared):
                 partial text is on the exception.
             SchemaValidationError: with a pydantic ``schema``, the output matched its JSON
                 Schema but the model's own validation refused it.
+            ValueError: ``logprobs`` with ``schema`` (the parsed value has no place for them).
         """
         if isinstance(prompt, str):
             with self.sequence(self._prompt(prompt, suffix)) as seq:

@@ -75,6 +75,8 @@ def test_everything_after_close_raises_closed_error() -> None:
             lambda: state.allows(3), lambda: state.allowed(), lambda: text(s),
             lambda: m.sequence("again"), lambda: fresh.fork(), lambda: fresh.append(" x"),
             lambda: seq.append_tokens([5]), lambda: seq.checkpoint(), lambda: m.cache.clear(),
+            lambda: m.cache.unpin([1, 2]), lambda: m.cache.cached([1, 2]), m.cache.free_cells,
+            m.cache.available_slots, lambda: m.cache.save("/nonexistent-lcgen/c.lcc"),
         ]:
             expect(lcgen.ClosedError, call)
         assert "closed" in repr(m)

@@ -270,4 +270,5 @@ def test_a_beam_is_cut_only_where_its_own_output_stopped_short(
                 continuous(spec)(prompt)
             for text, cut in seen:
                 assert cut == (re.fullmatch(pattern, text[len(prompt) :]) is None), text
+            assert seen  # (the searches ran through the watched function)
             seen.clear()

@@ -1519,6 +1519,22 @@ def test_what_lcgen_cannot_enforce_is_unsupported(schema: dict[str, Any]) -> Non
         {"type": "foo"},
         {"type": "string", "minLength": 3, "maxLength": 2},
         {"type": "string", "pattern": "(a"},
+        # no value, whatever the not lcgen writes in part beside it (a server falls back to a
+        # looser grammar for unsupported ones: a 200 where no reply can be valid)
+        {
+            "allOf": [
+                {"not": {"type": "string", "pattern": "^x"}},
+                {"type": "integer", "maximum": -1, "minimum": 0},
+            ]
+        },
+        {
+            "type": "object",
+            "properties": {
+                "a": {"not": {"type": "integer"}},
+                "b": {"minLength": 5, "maxLength": 2, "type": "string"},
+            },
+            "required": ["a", "b"],
+        },
     ],
 )
 def test_an_invalid_schema_or_one_no_value_validates_is_not_unsupported(

@@ -201,8 +201,13 @@ def _index(root: Any, id_key: str, old_draft: bool) -> tuple[dict[str, Any], dic
 class _Compiler(ValueCompiler):
     """Schemas to alternatives of conjunctions (the per-type GBNF is :class:`ValueCompiler`'s)."""
 
-    def __init__(self, root: dict[str, Any] | bool, close_objects: bool, compact: bool) -> None:
+    def __init__(
+        self, root: dict[str, Any] | bool, close_objects: bool, compact: bool, widen: bool = False
+    ) -> None:
         super().__init__(root, close_objects, compact)
+        self.options = (close_objects, compact)
+        # A not lcgen can negate only in part counts as true: what it leaves out comes back.
+        self.widen = widen
         self.refs: dict[str, str] = {}
         self.expanding: list[str] = []
         # Recursion through anything but a plain {"$ref": ...} (a $ref in anyOf, oneOf, beside
@@ -223,13 +228,20 @@ class _Compiler(ValueCompiler):
         try:
             text = self.rules.text(self.visit(self.root, "#"))
         except Unsatisfiable as exc:
-            if self.narrowed:  # the values a negation left out may have been the valid ones
-                parts = "; ".join(dict.fromkeys(self.narrowed))
-                raise UnsupportedSchemaError(
-                    f"lcgen writes only in part {parts}: what it can write of the schema has "
-                    f"no value, but the values left out may be valid ({exc})"
-                ) from None
-            raise
+            if not self.narrowed:
+                raise
+            # The values a negation left out may have been the valid ones: where the schema
+            # without those negations (wider) has values, lcgen cannot write it; else no value
+            # validates it at all.
+            try:
+                _Compiler(self.root, *self.options, widen=True).visit(self.root, "#")
+            except Unsatisfiable:
+                raise exc from None
+            parts = "; ".join(dict.fromkeys(self.narrowed))
+            raise UnsupportedSchemaError(
+                f"lcgen writes only in part {parts}: what it can write of the schema has "
+                f"no value, but the values left out may be valid ({exc})"
+            ) from None
         if self.cycles:
             self.check_finite(text)
         return text
@@ -630,6 +642,8 @@ class _Compiler(ValueCompiler):
         if not out and set(member) & spec.CONSTRAINING:
             keys = ", ".join(sorted(set(member) & spec.CONSTRAINING))
             raise UnsupportedSchemaError(f"not of {keys} (at {path}) is not supported")
+        if left_out and self.widen:
+            return [{}]  # any value: the not as true
         if left_out:
             self.narrowed.append(f"the not at {path}, whose {', '.join(left_out)} it cannot negate")
             return [{**n, PARTIAL: ", ".join(left_out)} for n in out]

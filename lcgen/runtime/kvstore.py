@@ -706,7 +706,12 @@ class KVStore:
             return len(tokens) - n_reused
 
     def unpin(self, prompt: str | Seq[int], *, special: bool = False) -> bool:
-        """Let a pinned prefix be evicted like any parked one. Returns whether it was pinned."""
+        """Let a pinned prefix be evicted like any parked one. Returns whether it was pinned.
+
+        Raises:
+            ClosedError: the model is closed.
+        """
+        self._ctx.check_open()
         tokens = self._tokens_of(prompt, special)
         with self._lock:
             for entry in self._entries.values():

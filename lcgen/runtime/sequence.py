@@ -291,6 +291,7 @@ class Sequence(TokenSequence):
                 exception).
             SchemaValidationError: with a pydantic ``schema``, the output matched its JSON
                 Schema but the model's own validation refused it.
+            ValueError: ``logprobs`` with ``schema`` (the parsed value has no place for them).
         """
         plan = make_plan(schema=schema, **options)
         check_parsed(schema, plan.logprobs)
