@@ -217,7 +217,7 @@ class _Compiler(ValueCompiler):
         self.recursive: dict[tuple[Any, ...], tuple[Any, str]] = {}  # shape: (schema, rule)
         self.cycles: dict[str, str] = {}  # rules a recursion came back to: which $ref, where
         self.followed: list[str] = []  # every $ref followed, in order ("$ref '#' at #/...")
-        self.narrowed: list[str] = []  # negations written in part ("not at #/not: what of it")
+        self.narrowed: list[str] = []  # negations written in part ("the not at #/not, whose ...")
         name = type(self.validator).__name__
         self.old_draft = name in _OLD_DRAFTS  # $ref ignores its siblings
         self.draft4 = name in _OLD_DRAFTS[:2]  # boolean exclusiveMinimum/Maximum
