@@ -308,6 +308,23 @@ def test_tokens_without_text_at_the_end_keep_their_logprobs(client: openai.OpenA
     assert len(streamed) == 3
 
 
+def test_special_top_tokens_are_named_by_their_text(model: lcgen.Model) -> None:
+    """Special tokens write no text: as top tokens they were all the key "", so a completion
+    position's special alternatives fell into one. They are named by their text (as lcgen's
+    own TopLogprob names them), in chat too; a sampled special token still adds no text."""
+    from lcgen.server.responses import Output, Reply
+
+    top = (lcgen.TopLogprob(1, "<|im_start|>", -0.5), lcgen.TopLogprob(3, "<repo_name>", -1.0))
+    chunk = lcgen.Chunk("", (1,), "length", logprobs=(lcgen.TokenLogprob(1, "", -0.5, top),))
+    text = Reply("text", NAME, model, True)
+    entries = text.take(Output(0), chunk)
+    (alternatives,) = text._logprobs_object(entries)["top_logprobs"]
+    assert {"<|im_start|>", "<repo_name>"} <= set(alternatives)
+    assert [e["token"] for e in entries] == [""]
+    content = Reply("chat", NAME, model, True).take(Output(0), chunk)
+    assert [t["token"] for t in content[0]["top_logprobs"]] == ["<|im_start|>", "<repo_name>"]
+
+
 def test_completion_logprobs_hold_the_sampled_token(client: openai.OpenAI) -> None:
     """OpenAI's API "will always return the logprob of the sampled token": a token sampled
     outside the top ones is among its top_logprobs too."""

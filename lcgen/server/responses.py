@@ -197,11 +197,13 @@ class Reply:
         self, logprobs: Iterable[TokenLogprob], offset: int, echoed: str | None = None
     ) -> list[dict[str, Any]]:
         """An entry per token; ``echoed``: the echoed prompt's text these tokens are of (a
-        special token it writes at the token's offset is that text, in the top ones too)."""
+        special token it writes at the token's offset is that text). A top token that is
+        special is named by its text (``<|im_end|>``): it wrote none, and every special token
+        was the one key ``""`` of a completion's top tokens."""
         entries = []
         special = echoed is not None
         for each in logprobs:
-            top = [{**self._token((t.token,), special), "logprob": t.logprob} for t in each.top]
+            top = [{**self._token((t.token,), True), "logprob": t.logprob} for t in each.top]
             if echoed is None:
                 token = self._token((each.token,))
             else:
