@@ -388,6 +388,52 @@ CASES = [
         [["a", 1], ["a"], []],
         [["a", "b"], ["a", 1, 2], [1]],
     ),
+    # No value satisfies an optional property or an item: objects go without it, arrays
+    # end before it (the whole schema was refused).
+    Case(
+        "optional-property-no-value-satisfies",
+        {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer"},
+                "b": {"type": "string", "minLength": 3, "maxLength": 1},
+            },
+            "additionalProperties": False,
+        },
+        [{"a": 1}, {}],
+        [{"b": ""}, {"a": 1, "b": "xy"}],
+    ),
+    Case(
+        # a $ref's rule was reserved, then never defined: llama.cpp refused the grammar
+        "optional-ref-no-value-satisfies",
+        {
+            "$defs": {"bad": {"type": "integer", "minimum": 5, "maximum": 3}},
+            "type": "object",
+            "properties": {
+                "a": {"$ref": "#/$defs/bad"},
+                "b": {"type": "array", "items": {"$ref": "#/$defs/bad"}},
+                "c": {"type": "boolean"},
+            },
+            "additionalProperties": False,
+        },
+        [{}, {"b": []}, {"b": [], "c": True}],
+        [{"a": 4}, {"b": [4]}],
+    ),
+    Case(
+        "items-no-value-satisfies",
+        {"type": "array", "items": {"type": "integer", "minimum": 5, "maximum": 3}},
+        [[]],
+        [[4], [5]],
+    ),
+    Case(
+        "prefix-item-no-value-satisfies",
+        {
+            "type": "array",
+            "prefixItems": [{"type": "integer"}, {"type": "integer", "minimum": 5, "maximum": 3}],
+        },
+        [[], [1]],
+        [[1, 2], [1, 5, 3]],
+    ),
     Case(
         "tuple-draft7",
         {
@@ -1534,6 +1580,16 @@ def test_what_lcgen_cannot_enforce_is_unsupported(schema: dict[str, Any]) -> Non
                 "b": {"minLength": 5, "maxLength": 2, "type": "string"},
             },
             "required": ["a", "b"],
+        },
+        # the arrays must reach an item no value satisfies
+        {"type": "array", "items": {"type": "integer", "minimum": 5, "maximum": 3}, "minItems": 1},
+        {
+            "type": "array",
+            "prefixItems": [
+                {"type": "integer"},
+                {"type": "string", "maxLength": 1, "minLength": 2},
+            ],
+            "minItems": 2,
         },
     ],
 )

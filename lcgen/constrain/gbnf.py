@@ -281,9 +281,23 @@ class RuleSet:
         self.rules[name] = body
 
     def text(self, root_body: str) -> str:
+        """The grammar: root and the rules it reaches. A visit that failed (a property or an
+        alternative no value satisfies) leaves rules nothing refers to, one of them reserved
+        and never defined, which llama.cpp would refuse."""
+        used: set[str] = set()
+        todo = [root_body]
+        while todo:
+            for word in _WORDS.findall(todo.pop()):
+                if word in self.rules and word not in used:
+                    used.add(word)
+                    todo.append(self.rules[word])
         lines = [f"root ::= {root_body}"]
-        lines += [f"{name} ::= {body}" for name, body in self.rules.items()]
+        lines += [f"{name} ::= {body}" for name, body in self.rules.items() if name in used]
         return "\n".join(lines) + "\n"
+
+
+# A rule body's literals, character classes and names (a name is a word outside the others).
+_WORDS = re.compile(r'"(?:\\.|[^"\\])*"|\[(?:\\.|[^\]\\])*\]|[a-zA-Z0-9-]+')
 
 
 # integer ranges -------------------------------------------------------------------------------

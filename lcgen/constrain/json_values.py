@@ -427,12 +427,25 @@ class ValueCompiler:
         ]
         if contains:
             return self.contains(contains, elems, rest_all, low, high, path)
-        names = [self.visit(s, f"{path}/prefixItems/{i}") for i, s in enumerate(elems[:high])]
+        # An item no value satisfies ends the arrays before it, as false does.
+        names: list[str] = []
+        unmet: Unsatisfiable | None = None
+        for i, elem in enumerate(elems[:high]):
+            try:
+                names.append(self.visit(elem, f"{path}/prefixItems/{i}"))
+            except Unsatisfiable as exc:
+                high, unmet = i, exc
+                break
         rest_rule = None
-        if rest_all is not False:
-            # A named rule: the chain below writes the item twice, and inlined in nested
-            # arrays that would double the grammar at every level.
-            rest_rule = self.named("item", self.visit(rest_all, f"{path}/items"))
+        if rest_all is not False and (high is None or high > length):
+            try:
+                # A named rule: the chain below writes the item twice, and inlined in nested
+                # arrays that would double the grammar at every level.
+                rest_rule = self.named("item", self.visit(rest_all, f"{path}/items"))
+            except Unsatisfiable as exc:
+                high, unmet = length, exc
+        if high is not None and low > high:
+            raise Unsatisfiable(f"minItems {low} at {path} needs item {high}: {unmet}")
         return '"[" ws ' + self.item_chain(names, rest_rule, low, high, 0) + ' "]"'
 
     def contains(
@@ -506,7 +519,16 @@ class ValueCompiler:
         if not names and extras == [(None, True, False)] and (low, high) == (0, None):
             return self.prim("object")
         self.prim("ws")
-        kvs = [(n in required, self.member(n, s, f"{path}/properties/{n}")) for n, s in allowed]
+        kvs = []
+        for name, schema in allowed:
+            try:
+                kvs.append(
+                    (name in required, self.member(name, schema, f"{path}/properties/{name}"))
+                )
+            except Unsatisfiable:
+                if name in required:
+                    raise
+                # No value satisfies an optional property's schema: objects go without it.
         extra_kvs, numbered, repeats = [], None, False
         for key, value, repeating in extras:
             with contextlib.suppress(Unsatisfiable):  # no such key then
