@@ -167,8 +167,18 @@ def _checked_options(
             _check_text(getattr(args, flag[2:], None) or "", flag)
         lcgen.make_plan(**options, grammar=constraint)
     except (LcgenError, ValueError, TypeError) as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(_as_flag(str(exc), args.parser)) from None
     return options
+
+
+def _as_flag(message: str, parser: argparse.ArgumentParser) -> str:
+    """A message that starts with an option's keyword (``top_p must be in (0, 1], got 2.0``)
+    with the flag that sets it instead (``--top-p``)."""
+    name, _, rest = message.partition(" ")
+    for action in parser._actions:
+        if action.dest == name and action.option_strings:
+            return f"{max(action.option_strings, key=len)} {rest}"
+    return message
 
 
 def _options(args: argparse.Namespace) -> dict[str, Any]:

@@ -123,7 +123,7 @@ def test_errors_are_one_line_not_tracebacks() -> None:
     assert out.stderr.startswith("lcgen: error: unknown model 'no-such-model'")
     assert "Traceback" not in out.stderr
     out = run("generate", "smollm2-135m", "hi", "--temperature", "-1")
-    assert out.returncode == 2 and "temperature must be >= 0 and finite, got -1.0" in out.stderr
+    assert out.returncode == 2 and "--temperature must be >= 0 and finite, got -1.0" in out.stderr
 
 
 def test_generate_with_token_healing(model: lcgen.Model) -> None:
@@ -549,9 +549,11 @@ def test_usage_errors_are_one_line_with_status_2(
     [
         (["hi", "--grammar", "json", "--regex", "a"], "give at most one of --grammar, --json"),
         (["hi", "--system", "Be terse."], "--system needs --chat"),
-        (["hi", "--max-tokens", "-1"], "max_tokens must be"),
-        (["hi", "--top-p", "2"], "top_p must be"),
-        (["hi", "--seed", "-1"], "seed must be"),
+        # an option's keyword as its flag
+        (["hi", "--max-tokens", "-1"], "--max-tokens must be >= 0, got -1"),
+        (["hi", "--top-p", "2"], "--top-p must be in (0, 1], got 2.0"),
+        (["hi", "--seed", "-1"], "--seed must be"),
+        (["hi", "--stop", ""], "--stop string '' is empty"),
         (["hi", "--speculate", "--draft", "x.gguf"], "not both"),
         (["hi", "--regex", "("], "--regex '(': invalid regex"),
         (["hi", "--grammar", "/no/such.gbnf"], "--grammar /no/such.gbnf: No such file"),
@@ -597,7 +599,7 @@ def test_a_float_option_that_is_not_finite_is_a_usage_error(
 def test_chat_option_errors_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["chat", "no-such-model", "--temperature", "-1"]) == 2
     assert capsys.readouterr().err == (
-        "lcgen: error: temperature must be >= 0 and finite, got -1.0\n"
+        "lcgen: error: --temperature must be >= 0 and finite, got -1.0\n"
     )
 
 
