@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import threading
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +187,20 @@ def test_chat_uses_the_gguf_template(model: lcgen.Model) -> None:
     assert tokens[0] == model.tokenize("<|im_start|>", special=True)[0]
     reply = model.chat([{"role": "user", "content": "Name three colors."}], max_tokens=40)
     assert reply.strip()
+
+
+def test_a_developer_message_is_the_system_prompt(model: lcgen.Model) -> None:
+    """OpenAI's "developer" role, which the server already read as "system": the template
+    wrote its own default system prompt and a turn of a role it does not know. A role close
+    to a known one warns."""
+    user = {"role": "user", "content": "hi"}
+    as_system = model.format_chat([{"role": "system", "content": "Be brief."}, user])
+    assert model.format_chat([{"role": "developer", "content": "Be brief."}, user]) == as_system
+    with pytest.warns(UserWarning, match="role 'sytem': did you mean 'system'"):
+        model.format_chat([{"role": "sytem", "content": "Be brief."}, user])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a role of the template's own passes quietly
+        assert "<|im_start|>narrator" in model.format_chat([{"role": "narrator", "content": "x"}])
 
 
 def test_control_token_text_in_a_message_is_text(model: lcgen.Model) -> None:

@@ -115,6 +115,29 @@ def test_stream_joins_to_generate(model: lcgen.Model) -> None:
     assert chunks[-1].finish_reason == out.finish_reason and chunks[-1].stats == out.stats
 
 
+@pytest.mark.parametrize(
+    "options",
+    [{"hooks": [lambda step: None]}, {"banned": ["tapestry"]}, {"validators": [lambda t: None]}],
+)
+def test_a_stream_closed_early_leaves_the_sequence_as_streamed(
+    model: lcgen.Model, options: dict[str, object]
+) -> None:
+    """The tokens held back for a rewind were kept in the sequence though never streamed (16
+    of 20 with hooks): a later generate went on after text the caller never saw. Dropped, the
+    sequence spells what was streamed and goes on as the whole run did."""
+    prompt = model.chat_tokens(ROME)
+    whole = chat(model, ROME, max_tokens=40, **options)
+    with model.sequence(prompt) as seq:
+        stream = seq.stream(max_tokens=40, **options)  # type: ignore[arg-type]
+        streamed = [next(stream) for _ in range(20)]
+        stream.close()
+        text = "".join(c.text for c in streamed)
+        assert seq.tokens[len(prompt) :] == [t for c in streamed for t in c.tokens]
+        assert seq.text == model.detokenize(prompt) + text and text
+        rest = seq.generate(max_tokens=40 - (len(seq) - len(prompt)), **options)  # type: ignore[call-overload]
+        assert text + rest == whole
+
+
 def test_streaming_holds_back_only_what_could_still_be_banned(model: lcgen.Model) -> None:
     phrases = ["tapestry", "a testament to"]
     bans = BannedPhrases(phrases)
@@ -309,6 +332,23 @@ def test_bans_with_stop_strings(model: lcgen.Model) -> None:
     out = chat(model, ROME, max_tokens=120, stop=["\n"], banned=["tapestry"])
     assert out.finish_reason == "stop" and out.stop == "\n"
     assert "tapestry" not in out and "\n" not in out
+
+
+def test_a_ban_waits_for_the_text_a_stop_string_may_cut(model: lcgen.Model) -> None:
+    """ "city of" in "city of New", which the stop "of New" ends at "city ", was taken for
+    a match: a rewind changed an output that never held the phrase. Once the stop string
+    fails, the text it held is looked at and the ban holds."""
+    prompt, ask = "Once upon a time", {"max_tokens": 30}
+    plain = model.generate(prompt, stop=["of New"], **ask)
+    assert plain.stop == "of New" and str(plain).endswith("city ")  # measured
+    banned = model.generate(prompt, stop=["of New"], banned=["city of"], **ask)
+    assert banned == plain and banned.stop == "of New" and banned.stats.rewinds == 0
+    streamed = "".join(
+        c.text for c in model.stream(prompt, stop=["of New"], banned=["city of"], **ask)
+    )
+    assert streamed == plain
+    cut_later = model.generate(prompt, stop=["of Old"], banned=["city of"], **ask)
+    assert "city of" not in cut_later and cut_later.stats.rewinds >= 1
 
 
 def test_batched_prompts_with_bans_equal_each_alone(model: lcgen.Model) -> None:

@@ -32,8 +32,11 @@ class GenerationStats:
             tokens included.
         redecoded: of those, the ones decoded again because a rewind dropped them (a rewind
             also re-decodes the last kept token, whose logits the next step needs).
-        rewinds: rewinds done in it: by hooks, validators, banned phrases or the caller.
-        resamples: candidates redrawn because a hook returned ``Resample``.
+        rewinds: rewinds done in it: by hooks, validators, banned phrases or the caller (the
+            one past ``max_retries``, which removes what was rejected and ends the
+            generation, is not a retry and is not counted).
+        resamples: candidates redrawn because a hook returned ``Resample`` (within
+            ``max_retries``).
         steps: decode steps it took (one batch each); without speculation, one per token.
         drafted: draft tokens verified (with ``speculate``).
         accepted: of those, the ones that equalled the token sampled there (each saved a

@@ -146,10 +146,14 @@ class Backtracker(SequenceRun):
                     )
                 return self._rewind(verdict, "a validator")
         if self.banned:
-            # A constraint may force the text that follows: a phrase it completes is written
-            # whatever is sampled next, so the token that led there is taken back now (it
-            # would be final, out of reach, by the time the phrase is).
-            ahead = text + gen.forced_text()
+            # Banned phrases are looked for in the text a stop string can no longer cut (text
+            # held as the start of one is seen once released: "city of" is no match in
+            # "city of New" that the stop "of New" ends). A constraint may force the text that
+            # follows: a phrase it completes is written whatever is sampled next, so the token
+            # that led there is taken back now (it would be final, out of reach, by the time
+            # the phrase is).
+            text = self._out
+            ahead = text if gen.text_state.held_text else text + gen.forced_text()
             start = self.banned.find(ahead, self._scan_from, gen.is_done)
             if start is not None and start >= len(text):
                 return self._rewind_to(index, ban=True)
@@ -267,7 +271,7 @@ class Backtracker(SequenceRun):
         self._out = self._out[: mark.out_len]
         for later in [i for i in self._bans if i > index]:
             del self._bans[later]  # the text before them changed: they no longer apply
-        self._scan_from = min(self._scan_from, self.banned.hold_from(self._visible()))
+        self._scan_from = min(self._scan_from, self.banned.hold_from(self._out))
 
     def rewind(self, checkpoint: Checkpoint) -> None:
         """Go back to a checkpoint taken with :meth:`checkpoint` in this generation, while the
@@ -297,6 +301,13 @@ class Backtracker(SequenceRun):
             self._rewind_quietly(index)
         self.finish_reason = self.generator.finish_reason  # a finished run's end stays finished
         self._user_rewinds += 1
+
+    def drop_unreleased(self) -> None:
+        """Drop the tokens whose text was not released yet (held back while a rewind could
+        reach it): a stream closed early leaves the sequence spelling what it streamed."""
+        index = self._emitted_tokens
+        if index < len(self.generator.tokens) and self._marks[index].checkpoint is not None:
+            self._rewind_quietly(index)
 
     def _is_end(self, checkpoint: Checkpoint) -> bool:
         """Whether ``checkpoint`` was taken at the sequence's current end."""
@@ -357,10 +368,10 @@ class Backtracker(SequenceRun):
         second was banned for the "The" after it, and the model wrote ".\\nThe"). One level:
         a rewind after a rewind may still find a match that starts in released text (see
         :meth:`_match_token`)."""
-        text = self._visible()
+        text = self._out  # (text held for a stop string is not looked at yet)
         hold = self.banned.hold_from(text)
         for index in range(max(self._emitted_tokens, self._token_of(hold)), len(self._marks)):
-            hold = min(hold, self.banned.hold_from(text, self._visible_at[index]))
+            hold = min(hold, self.banned.hold_from(text, min(self._visible_at[index], len(text))))
         return self._token_of(hold)
 
     def _end(self, reason: FinishReason) -> Chunk:

@@ -319,6 +319,10 @@ def chunks_of(run: PlainRun | Backtracker) -> Iterator[Chunk]:
     try:
         while not run.is_done:
             yield run.step()
+    except GeneratorExit:  # closed early: tokens held back for a rewind were never streamed
+        if isinstance(run, Backtracker) and not run.sequence.is_closed:
+            run.drop_unreleased()
+        raise
     finally:  # (ended, closed or failed: the sequence spells the prompt whole again)
         seq = run.sequence
         if run.generator.heal and not seq.is_closed and run.ends_sequence:

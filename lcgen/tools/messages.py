@@ -11,6 +11,7 @@ roles they know; every one knows ``user``).
 from __future__ import annotations
 
 import contextlib
+import difflib
 import json
 from collections import Counter
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from collections.abc import Sequence as Seq
 from typing import Any, NamedTuple
 
 from lcgen.decoding.results import ToolCall
+from lcgen.errors import warn
 from lcgen.tools.define import Tool
 from lcgen.tools.schema import parameters
 
@@ -77,7 +79,16 @@ def _checked(i: int, message: object) -> dict[str, Any]:
                 f"chat message {i} needs a str {key!r} (or, for content, a list of "
                 f"text parts): {message!r:.200}"
             )
+    role = out["role"]
+    if role == "developer":  # OpenAI's newer name for the system message, which templates know
+        out["role"] = "system"
+    elif role not in _ROLES and (close := difflib.get_close_matches(role, _ROLES, n=1)):
+        warn(f"chat message {i} has the role {role!r}: did you mean {close[0]!r}?")
     return out
+
+
+# Roles chat templates know (a template may take others: those close to one of these warn).
+_ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 class _Written(NamedTuple):
