@@ -523,6 +523,7 @@ class Model(Unshared):
                 a tool option is refused (see :meth:`chat`).
             TypeError: a message or tool option of the wrong type.
         """
+        check_bool("add_generation_prompt", add_generation_prompt)
         plan = make_tool_plan(tools, tool_choice, parallel_tool_calls)
         return self._render_chat(messages, plan, add_generation_prompt)
 

@@ -18,6 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from lcgen._native.model import SPECIAL_ATTRS, ModelHandle
+from lcgen._numbers import check_bool
 
 
 class Vocab:
@@ -64,6 +65,8 @@ class Vocab:
         """
         if not isinstance(text, str):
             raise TypeError(f"text to tokenize must be a str, got {type(text).__name__}")
+        check_bool("special", special)
+        check_bool("add_bos", add_bos, none=True)
         try:
             data = text.encode("utf-8")
         except UnicodeEncodeError as exc:
@@ -114,6 +117,7 @@ class Vocab:
 
     def detokenize(self, tokens: Iterable[int], *, special: bool = False) -> str:
         """Token ids to text (invalid UTF-8 becomes U+FFFD)."""
+        check_bool("special", special)
         data = self._handle.detokenize(self.check_tokens(tokens), special)
         return data.decode("utf-8", "replace")
 

@@ -446,6 +446,29 @@ def test_bad_generation_options_are_named(
     assert message in str(caught.value)
 
 
+def test_flags_of_tokenize_pin_and_format_chat_are_booleans(model: lcgen.Model) -> None:
+    """special="no" parsed the special tokens, add_generation_prompt="no" added the prompt:
+    any value was true."""
+    calls = [
+        (lambda: model.tokenize("<|im_start|>", special="no"), "special"),  # type: ignore[arg-type]
+        (lambda: model.tokenize("hi", add_bos="no"), "add_bos"),  # type: ignore[arg-type]
+        (lambda: model.detokenize([1], special=1), "special"),  # type: ignore[arg-type]
+        (lambda: model.cache.pin("<|im_start|>", special="no"), "special"),  # type: ignore[arg-type]
+        (lambda: model.cache.unpin("<|im_start|>", special="no"), "special"),  # type: ignore[arg-type]
+        (
+            lambda: model.format_chat(
+                [{"role": "user", "content": "hi"}],
+                add_generation_prompt="no",  # type: ignore[arg-type]
+            ),
+            "add_generation_prompt",
+        ),
+    ]
+    for call, name in calls:
+        with pytest.raises(TypeError, match=f"{name} must be True"):
+            call()
+    assert model.cache.stats.pinned == 0
+
+
 def test_infinite_logit_biases_ban_and_force(model: lcgen.Model) -> None:
     inf = float("inf")
     first = model.generate("Hi", max_tokens=1).tokens[0]

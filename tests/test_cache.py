@@ -876,6 +876,52 @@ def _interrupts(script: str, *args: Path) -> int:
     return int(done.stdout)
 
 
+def test_a_sequence_whose_parking_ctrl_c_cut_short_gives_its_slot_back(
+    model_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C inside a sequence's finalizer, after the store took its entry to park: the slot
+    stayed live, held by no sequence, for good (all slots so after a few hundred interrupts).
+    A live entry whose sequence is gone is parked at the next look."""
+    model = lcgen.Model(model_path, n_ctx=256, n_seq_max=2, n_threads=1)
+    store = model.cache
+    seq = model.sequence("Hello there")
+    park = store._park
+
+    def interrupted(entry: object) -> None:
+        monkeypatch.setattr(store, "_park", park)  # once
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store, "_park", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        seq.close()
+    assert store._entries[seq._slot].state == "live"  # the window: taken, not parked
+    del seq
+    assert store.stats.live == 0 and store.available_slots() == 2
+    with model.sequence("one") as one, model.sequence("two") as two:
+        assert one.generate(max_tokens=2) and two.generate(max_tokens=2)
+    model.close()
+
+
+def test_cells_of_a_sequence_in_a_reference_cycle_are_taken_back_when_memory_runs_out(
+    model_path: Path,
+) -> None:
+    """A sequence dropped inside a reference cycle holds its cells until the garbage
+    collector runs: a generation that fits the context failed part-way (its tokens lost)."""
+    model = lcgen.Model(model_path, n_ctx=512, n_seq_max=4, n_threads=1)
+    gc.disable()
+    try:
+        cycle: dict[str, object] = {}
+        cycle["me"] = cycle
+        cycle["seq"] = model.sequence("one two three " * 100)
+        cycle["seq"].prefill()  # type: ignore[attr-defined]
+        del cycle
+        out = model.generate("Once upon a time", max_tokens=300)
+    finally:
+        gc.enable()
+    assert len(out.tokens) == 300
+    model.close()
+
+
 _INTERRUPTED_EDITS = """
 import random, signal, sys, time
 import lcgen

@@ -621,7 +621,9 @@ def test_a_draft_model_closed_mid_stream_leaves_the_generation_going(
     assert_same_where_clear(text.tokens, ref, rows)
     # Closed, it is refused as a draft model (it was taken, and drafted nothing, once its
     # vocabulary had been read).
-    with pytest.raises(lcgen.ClosedError):
+    # It is named as the draft model: of the same file, "the model ... is closed" read as
+    # the model generating, which is open.
+    with pytest.raises(lcgen.ClosedError, match=r"the draft model \(speculate=\) is closed"):
         model.generate("Once upon a time", speculate=small, **greedy)  # type: ignore[call-overload]
 
 

@@ -128,7 +128,10 @@ def check_draft_model(target: ModelLike, draft: ModelLike) -> None:
     """
     check_model(target, "the model must be an lcgen.Model")
     check_model(draft, "the draft model must be an lcgen.Model")
-    draft.context.check_open()  # (its vocabulary, read once, would not tell)
+    try:
+        draft.context.check_open()  # (its vocabulary, read once, would not tell)
+    except ClosedError as exc:  # (the same file as the model's reads as the model itself)
+        raise ClosedError(f"the draft model (speculate=) is closed: {exc}") from None
     if draft.context is target.context:
         raise ValueError(
             "the draft model is the model generating: load the file again as a separate "

@@ -78,6 +78,9 @@ class Entry:
             decode that made their cells (read-only; None once those cells or tokens change).
         broken: its cells gave logits with NaN (a forged saved state): dropped, not parked,
             when the sequence closes (every call that reused them failed).
+        holder: the sequence that holds a live entry (a weak reference): one gone while its
+            entry is live did not park it (Ctrl-C cut its finalizer short), and
+            :meth:`KVStore._collect` does.
     """
 
     slot: int
@@ -87,6 +90,7 @@ class Entry:
     owner: ThreadRef | None = None
     end_logits: tuple[int, np.ndarray] | None = None
     broken: bool = False
+    holder: weakref.ref[Any] | None = None
 
     def keep_logits(self, n: int, row: np.ndarray) -> None:
         """Keep a copy of ``row``, the logits after the first ``n`` tokens."""
@@ -335,7 +339,7 @@ class KVStore:
     def _register(self, entry: Entry, tokens: list[int]) -> None:
         """Make ``entry`` this thread's live one, registered; it goes live last, once
         :meth:`abandon_opened` can find it."""
-        entry.tokens, entry.owner = tokens, this_thread()
+        entry.tokens, entry.owner, entry.holder = tokens, this_thread(), None
         entry.last_used = next(self._clock)
         self._entries[entry.slot] = entry
         self._local.opened, self._local.taken = entry, None
@@ -384,6 +388,7 @@ class KVStore:
         if not self._ctx.lock._is_owned():  # type: ignore[attr-defined]  # as Condition uses it
             with self._lock:
                 self._park_dropped()
+                self._park_orphans()
 
     def _park_dropped(self) -> None:
         while self._dropped:
@@ -566,7 +571,15 @@ class KVStore:
         before = self._n_available()
         gc.collect()
         self._park_dropped()
+        self._park_orphans()
         return self._n_available() > before
+
+    def _park_orphans(self) -> None:
+        """Park live entries whose sequence is gone: Ctrl-C inside its finalizer (which
+        parks it) left the slot held by nothing, for good."""
+        for entry in list(self._entries.values()):
+            if entry.state == "live" and entry.holder is not None and entry.holder() is None:
+                self._park(entry)
 
     def _n_available(self) -> int:
         return len(self._free) + sum(e.state == "parked" for e in self._entries.values())
@@ -611,9 +624,16 @@ class KVStore:
         self._evictions += 1
 
     def _evict_for_cells(self) -> bool:
-        """The memory is full: evict the least recently used parked entry (False: none)."""
+        """The memory is full: evict the least recently used parked entry (False: none). With
+        none, the garbage collector runs first: a sequence dropped inside a reference cycle
+        holds its cells until it does (a generation that fits failed part-way)."""
         with self._lock:
             victim = self._lru_parked()
+            if victim is None:
+                gc.collect()
+                self._park_dropped()
+                self._park_orphans()
+                victim = self._lru_parked()
             if victim is None:
                 return False
             self._evict(victim)

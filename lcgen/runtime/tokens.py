@@ -106,6 +106,7 @@ class TokenSequence(Unshared):
 
     def _adopt(self, model: ModelLike, entry: Entry, n_decoded: int, seed: int | None) -> None:
         """Take ``entry`` (a live slot whose first ``n_decoded`` tokens have cells)."""
+        entry.holder = weakref.ref(self)
         self.model = model
         self.vocab = model.vocab
         self._ctx: Context = model.context
