@@ -17,6 +17,9 @@ def plain(value: object) -> object:
     return value
 
 
+MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: the most sequences a context holds
+
+
 def check_bool(name: str, value: object, *, none: bool = False) -> None:
     """Refuse a flag that is not True or False (or None, where ``none`` allows it): a string
     such as ``"no"`` was taken as true."""

@@ -24,7 +24,7 @@ from lcgen._native.context import KV_TYPES
 from lcgen._native.cpu import performance_cores
 from lcgen._native.log import init, supports_gpu_offload, system_info
 from lcgen._native.model import ModelHandle, render_chat_template
-from lcgen._numbers import check_bool
+from lcgen._numbers import MAX_SEQ, check_bool
 from lcgen._unshared import Unshared
 from lcgen._version import __version__
 from lcgen.decoding import Chunk, GenerateOptions, Plan, Text, make_plan
@@ -54,7 +54,6 @@ _M = TypeVar("_M")
 # Slots are cheap with one unified cell pool (measured: decode speed alike at 8 and 32) and
 # every parked prefix needs one: 32 by default.
 DEFAULT_SLOTS = 32
-_MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ
 _MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS
 _MAX_SIZE = 2**31 - 1  # llama.cpp takes sizes as uint32; larger values would wrap
 
@@ -115,7 +114,7 @@ def _check_sizes(n_ctx: int, n_batch: int, n_seq_max: int | None) -> int:
     _check_int("n_batch", n_batch, 1, _MAX_SIZE)
     if n_seq_max is None:
         n_seq_max = min(DEFAULT_SLOTS, n_batch, n_ctx or DEFAULT_SLOTS)
-    _check_int("n_seq_max", n_seq_max, 1, _MAX_SEQ)
+    _check_int("n_seq_max", n_seq_max, 1, MAX_SEQ)
     # Every slot may output a row in one batch: llama.cpp asserts room for n_seq_max outputs.
     for name, value in (("n_batch", n_batch), ("n_ctx", n_ctx)):
         if value and value < n_seq_max:
@@ -499,6 +498,8 @@ class Model(Unshared):
             )
         if "\0" in key:
             raise ValueError(f"a metadata key holds no NUL character, got {key!r:.80}")
+        if not key.isascii() and any(0xD800 <= ord(c) <= 0xDFFF for c in key):
+            raise ValueError(f"a metadata key holds no lone surrogate, got {key!r:.80}")
         return self._handle.meta(key)
 
     # chat ------------------------------------------------------------------------------

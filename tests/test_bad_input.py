@@ -469,6 +469,28 @@ def test_flags_of_tokenize_pin_and_format_chat_are_booleans(model: lcgen.Model) 
     assert model.cache.stats.pinned == 0
 
 
+def test_small_errors_name_what_is_wrong(model: lcgen.Model, tmp_path: Path) -> None:
+    """An empty model name read as the folder "."; beams past the most slots a model can have
+    advised loading with as many; a lone surrogate in a metadata key was a codec's error; a
+    NUL in a state file's path was "embedded null byte", naming no file."""
+    with pytest.raises(lcgen.ModelNotFoundError, match="the model reference is empty"):
+        lcgen.load("")
+    with pytest.raises(ValueError, match="a model has 256 at most: use fewer beams"):
+        lcgen.generate.text(model, max_tokens=3, beams=1000)
+    with pytest.raises(ValueError, match="a metadata key holds no lone surrogate"):
+        model.metadata("\ud800")
+    bad = str(tmp_path / "a\0b.lcs")
+    with (
+        model.sequence("Hi") as seq,
+        pytest.raises(lcgen.StateFileError, match="a path holds no NUL character"),
+    ):
+        seq.save(bad)
+    with pytest.raises(lcgen.StateFileError, match="embedded null byte"):
+        lcgen.Sequence.load(model, bad)
+    with pytest.raises(lcgen.StateFileError, match="a path holds no NUL character"):
+        model.cache.save(bad)
+
+
 def test_infinite_logit_biases_ban_and_force(model: lcgen.Model) -> None:
     inf = float("inf")
     first = model.generate("Hi", max_tokens=1).tokens[0]

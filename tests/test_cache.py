@@ -1276,6 +1276,25 @@ def test_loading_waits_for_slots_other_threads_hold(model_path: Path, tmp_path: 
         assert other.cache.stats.entries == 1  # nothing loaded
 
 
+def test_a_file_whose_pinned_entries_take_every_slot_loads_them_without_its_parked(
+    model_path: Path, tmp_path: Path
+) -> None:
+    """One pinned and one parked entry into one slot: refused, saying "1 of them pinned, and
+    1 of the 1 slots can take them", though pinning it by hand fit. The parked entry, which
+    the pinned one would evict at once, is skipped."""
+    path = tmp_path / "both.lcc"
+    with lcgen.Model(model_path, n_ctx=256, n_threads=1) as saving:
+        saving.generate("The quick brown fox", max_tokens=4)
+        saving.cache.pin("pinned doc")
+        assert saving.cache.save(path) == 2
+    with lcgen.Model(model_path, n_ctx=256, n_threads=1, n_seq_max=1) as one:
+        assert one.cache.load(path) == 1
+        stats = one.cache.stats
+        assert stats.pinned == stats.entries == 1
+        doc = one.tokenize("pinned doc")
+        assert one.cache.cached(doc) >= len(doc) - 1  # (the last, for its logits, at most)
+
+
 def test_loading_waits_slot_timeout_once_for_the_whole_file(
     model_path: Path, tmp_path: Path
 ) -> None:

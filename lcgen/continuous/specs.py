@@ -21,7 +21,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any, Unpack
 
-from lcgen._numbers import plain
+from lcgen._numbers import MAX_SEQ, plain
 from lcgen.constrain import Grammar
 from lcgen.decoding import GenerateOptions, Plan, SamplerConfig, make_plan
 from lcgen.decoding.results import SchemaLike
@@ -119,9 +119,14 @@ def _check_beams(model: ModelLike, beams: int, options: Mapping[str, Any]) -> No
         raise ValueError(f"beams must be an integer >= 1, got {beams!r}")
     n_slots = model.context.n_seq_max
     if beams > n_slots:
+        advice = (
+            f"load it with n_seq_max >= {beams}"
+            if beams <= MAX_SEQ
+            else f"a model has {MAX_SEQ} at most: use fewer beams"
+        )
         raise ValueError(
             f"beams={beams} needs {beams} live sequences but the model has n_seq_max="
-            f"{n_slots} slots: load it with n_seq_max >= {beams}"
+            f"{n_slots} slots: {advice}"
         )
     truncation = _changed(options, ("top_k", "top_p", "min_p"))
     if (options.get("temperature") or 0) > 0 or options.get("sampler") is not None or truncation:

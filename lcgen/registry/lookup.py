@@ -63,6 +63,11 @@ def resolve(ref: str | os.PathLike[str], *, download: bool = True) -> Path:
         return _existing_file(Path(ref))
     if not isinstance(ref, str):
         raise TypeError(f"a model reference must be a str or a path, got {type(ref).__name__}")
+    if not ref.strip():
+        raise ModelNotFoundError(
+            f"the model reference is empty ({ref!r}): pass a registry name "
+            f"({', '.join(registry())}), a .gguf path or an hf:org/repo/file.gguf reference"
+        )
     if ref.startswith("hf:"):
         return _resolve_hf_ref(ref, download=download)
     if ref.endswith(".gguf") or ref.startswith("~") or "/" in ref or os.sep in ref:

@@ -842,9 +842,10 @@ class KVStore:
             StateFileError: the file is corrupt, truncated, of another format version or of
                 another model (nothing is loaded then).
             SlotsExhaustedError: the slots neither pinned prefixes nor this thread's live
-                sequences hold cannot take the file's pinned entries and one more (nothing is
-                loaded then); or, as for any open, none came free in time (slots other
-                threads hold are waited for, up to ``slot_timeout`` for the whole file).
+                sequences hold cannot take the file's pinned entries (nothing is loaded then;
+                where they take every such slot, the file's parked entries are skipped); or,
+                as for any open, none came free in time (slots other threads hold are waited
+                for, up to ``slot_timeout`` for the whole file).
         """
         self._ctx.check_open()  # (a closed model's ledger answered: a count came back)
         header, kv = statefile.decode(statefile.read_file(path, statefile.CACHE), statefile.CACHE)
@@ -876,7 +877,9 @@ class KVStore:
             pinned_now = sum(e.state == "pinned" for e in self._entries.values())
             mine = sum(e.state == "live" and e.owner is me for e in self._entries.values())
             room = self._ctx.n_seq_max - pinned_now - mine
-            if todo and n_pinned + (n_pinned < len(todo)) > room:
+            if n_pinned == room:  # no slot beside the pinned ones: the parked are skipped
+                todo = [item for item in todo if item[1]]
+            if todo and n_pinned > room:
                 raise SlotsExhaustedError(
                     f"the cache file {os.fspath(path)!r} has {len(todo)} entries to load, "
                     f"{n_pinned} of them pinned, and {room} of the {self._ctx.n_seq_max} slots "

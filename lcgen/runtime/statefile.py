@@ -156,6 +156,8 @@ def write_atomic(
 
     if os.fspath(path).endswith(("/", os.sep)):  # (Path drops the slash: a file was written)
         raise refused("the path ends in a separator, as a folder's does")
+    if "\0" in str(os.fspath(path)):  # (os calls say "embedded null byte", naming no file)
+        raise refused("a path holds no NUL character")
     target = Path(path)
     try:
         if target.is_symlink():
@@ -229,5 +231,5 @@ def read_file(path: str | os.PathLike[str], kind: FileKind = SEQUENCE) -> bytes:
                 "directory, a device or a pipe)"
             )
         return Path(path).read_bytes()
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # (ValueError: a NUL in the path)
         raise StateFileError(f"cannot read {kind[1]} file {str(path)!r}: {exc}") from exc
