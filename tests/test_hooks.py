@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -136,6 +137,34 @@ def test_a_stream_closed_early_leaves_the_sequence_as_streamed(
         assert seq.text == model.detokenize(prompt) + text and text
         rest = seq.generate(max_tokens=40 - (len(seq) - len(prompt)), **options)  # type: ignore[call-overload]
         assert text + rest == whole
+
+
+def test_a_stream_closed_after_the_sequence_moved_on_changes_nothing(
+    model: lcgen.Model, model_path: Path
+) -> None:
+    """Closing (or dropping) an old stream rewound its sequence past what was appended and
+    generated since; after the model closed, it raised ClosedError."""
+    with model.sequence("Once upon a time") as seq:
+        stream = seq.stream(max_tokens=30, hooks=[lambda step: None])
+        for _ in range(20):
+            next(stream)
+        seq.append(" THE END.")
+        seq.generate(max_tokens=10)
+        tokens = list(seq.tokens)
+        stream.close()
+        assert seq.tokens == tokens
+        again = seq.stream(max_tokens=30, hooks=[lambda step: None])
+        next(again)
+        seq.generate(max_tokens=2)  # a later run: the first one's end is not its own
+        tokens = list(seq.tokens)
+        again.close()
+        assert seq.tokens == tokens
+    other = lcgen.Model(model_path, n_ctx=256, n_threads=1)
+    seq = other.sequence("Once upon a time")
+    stream = seq.stream(max_tokens=30, hooks=[lambda step: None])
+    next(stream)
+    other.close()
+    stream.close()  # (no ClosedError)
 
 
 def test_streaming_holds_back_only_what_could_still_be_banned(model: lcgen.Model) -> None:

@@ -319,10 +319,12 @@ def test_special_top_tokens_are_named_by_their_text(model: lcgen.Model) -> None:
     text = Reply("text", NAME, model, True)
     entries = text.take(Output(0), chunk)
     (alternatives,) = text._logprobs_object(entries)["top_logprobs"]
-    assert {"<|im_start|>", "<repo_name>"} <= set(alternatives)
+    assert alternatives == {"<|im_start|>": -0.5, "<repo_name>": -1.0}  # the sampled one once
     assert [e["token"] for e in entries] == [""]
-    content = Reply("chat", NAME, model, True).take(Output(0), chunk)
-    assert [t["token"] for t in content[0]["top_logprobs"]] == ["<|im_start|>", "<repo_name>"]
+    chat = Reply("chat", NAME, model, True)
+    (content,) = chat._logprobs_object(chat.take(Output(0), chunk))["content"]
+    assert [t["token"] for t in content["top_logprobs"]] == ["<|im_start|>", "<repo_name>"]
+    assert set(content) == {"token", "bytes", "logprob", "top_logprobs"}
 
 
 def test_completion_logprobs_hold_the_sampled_token(client: openai.OpenAI) -> None:

@@ -11,7 +11,7 @@ from decimal import Decimal
 
 from lcgen.constrain import gbnf as g
 from lcgen.constrain import json_rules as spec
-from lcgen.constrain.json_rules import Conj, Unsatisfiable
+from lcgen.constrain.json_rules import Conj, NoValue, Unsatisfiable
 from lcgen.errors import GrammarError, UnsupportedSchemaError
 
 MAX_LISTED = 256  # multiples within bounds written out as literals
@@ -85,9 +85,7 @@ class NumberRules:
                     f"{places} decimal places, the most "
                     "lcgen writes: widen the bounds"
                 )
-            raise Unsatisfiable(
-                f"no {'integer' if integer else 'number'} satisfies the bounds at {path}"
-            )
+            raise NoValue(f"no {'integer' if integer else 'number'} satisfies the bounds at {path}")
         return g.alternatives(options)
 
     def multiples(self, step: int, lo: int | None, hi: int | None, path: str) -> str:
@@ -95,7 +93,7 @@ class NumberRules:
         if lo is not None and hi is not None:
             first, last = -(-lo // step) * step, hi // step * step
             if first > last:
-                raise Unsatisfiable(f"no multiple of {step} lies within the bounds at {path}")
+                raise NoValue(f"no multiple of {step} lies within the bounds at {path}")
             if step > 1 and (last - first) // step < MAX_LISTED:
                 texts = [str(v) for v in range(first, last + 1, step)]
                 return g.trie(texts, self.rules, "multiple")  # a prefix tree: see g.trie
@@ -112,7 +110,7 @@ class NumberRules:
             options.append(f'"-" {magnitude}' if magnitude else None)
         found = [o for o in options if o]
         if not found:
-            raise Unsatisfiable(f"no multiple of {step} lies within the bounds at {path}")
+            raise NoValue(f"no multiple of {step} lies within the bounds at {path}")
         return g.alternatives(found)
 
     def natural_multiples(self, step: int, lo: int, hi: int | None, path: str) -> str | None:
@@ -194,7 +192,7 @@ class NumberRules:
                 texts = [_plain(n * step) for n in range(first, last + 1)]
                 inside = [t for t in texts if spec.within(Decimal(t), lo, hi)]
                 if not inside:
-                    raise Unsatisfiable(f"no multiple of {step} lies within the bounds at {path}")
+                    raise NoValue(f"no multiple of {step} lies within the bounds at {path}")
                 return g.trie(inside, self.rules, "multiple")  # a prefix tree: see g.trie
         if hi is None and (lo is None or lo[0] < 0 or lo == (Decimal(0), False)):
             return self.divisible(unit, scale, signed=lo is None, path=path)

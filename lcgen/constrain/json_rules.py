@@ -23,6 +23,11 @@ class Unsatisfiable(GrammarError):
     compiler raises it to users as a plain :class:`GrammarError`."""
 
 
+class NoValue(Unsatisfiable):
+    """Provably no value validates (``false``, bounds that cross, an empty enum), not only
+    none that lcgen writes: an optional property or an item of it is left out."""
+
+
 ANNOTATIONS = frozenset(
     ["title", "description", "default", "examples", "$comment", "deprecated", "readOnly",
      "writeOnly", "discriminator", "contentEncoding", "contentMediaType", "contentSchema", "$defs",

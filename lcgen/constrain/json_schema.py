@@ -288,6 +288,9 @@ class _Compiler(ValueCompiler):
                 )
 
     # schemas to alternatives of conjunctions -------------------------------------------------
+    def n_narrowed(self) -> int:
+        return len(self.narrowed)
+
     def visit(self, schema: Any, path: str) -> str:
         """The GBNF expression of the values ``schema`` allows; a rule that refers to itself
         where the schema's values hold values of the same schema (a visit of it comes back

@@ -23,7 +23,7 @@ from lcgen.constrain import automaton, lark
 from lcgen.constrain import gbnf as g
 from lcgen.constrain import json_rules as spec
 from lcgen.constrain.json_numbers import NumberRules
-from lcgen.constrain.json_rules import Conj, Unsatisfiable
+from lcgen.constrain.json_rules import Conj, NoValue, Unsatisfiable
 from lcgen.constrain.regex import json_string_literal, json_string_rules, regex_to_gbnf
 from lcgen.errors import GrammarError, UnsupportedSchemaError
 
@@ -41,19 +41,21 @@ def count(schema: dict[str, Any], key: str, default: int = 0) -> int:
 
 def first_satisfiable(options: list[Callable[[], str]], path: str) -> str:
     """The alternatives of the options that some value satisfies (raising when none is)."""
-    found, reasons = [], []
+    found, reasons, proven = [], [], True
     for option in options:
         try:
             found.append(option())
         except Unsatisfiable as exc:
             reasons.append(str(exc))
+            proven &= isinstance(exc, NoValue)
     if found:
         return g.alternatives(found)
     unique = list(dict.fromkeys(reasons))
+    kind = NoValue if proven else Unsatisfiable
     if len(unique) == 1:
-        raise Unsatisfiable(unique[0])
+        raise kind(unique[0])
     shown = "; ".join(unique[:3]) + "; ..." * (len(unique) > 3)
-    raise Unsatisfiable(f"no value satisfies the schema at {path}" + f" ({shown})" * bool(shown))
+    raise kind(f"no value satisfies the schema at {path}" + f" ({shown})" * bool(shown))
 
 
 @dataclasses.dataclass
@@ -155,6 +157,11 @@ class ValueCompiler:
         """The GBNF expression of the values ``schema`` allows."""
         raise NotImplementedError
 
+    def n_narrowed(self) -> int:
+        """How many negations were written in part so far (a value a failed visit found
+        none of may then still exist)."""
+        return 0
+
     def named(self, name: str, expr: str) -> str:
         """``expr`` as a rule name (itself when it is one already)."""
         return expr if _RULE_NAME.fullmatch(expr) else self.rules.add(name, expr)
@@ -169,7 +176,7 @@ class ValueCompiler:
     # one conjunction, per type ------------------------------------------------------------------
     def conjunction(self, conj: Conj, path: str) -> str:
         if any(member == FALSE for member in conj):
-            raise Unsatisfiable(f"no value satisfies the schema at {path}")
+            raise NoValue(f"no value satisfies the schema at {path}")
         if not any(set(m) & spec.CONSTRAINING for m in conj):
             return self.prim("value")
         consts = [m for m in conj if "const" in m or "enum" in m]
@@ -182,7 +189,7 @@ class ValueCompiler:
                 types = [t for t in types if t in allowed]
         if not types:
             declared = " and ".join(json.dumps(m["type"]) for m in conj if "type" in m)
-            raise Unsatisfiable(
+            raise NoValue(
                 f"no value satisfies the schema at {path}: the types {declared} (joined by "
                 "allOf or $ref) have none in common"
             )
@@ -237,9 +244,9 @@ class ValueCompiler:
             and all(value not in m.get(NOT_IN, ()) for m in conj)
         ]
         if not values:
-            raise Unsatisfiable(f"enum at {path} is empty: no value satisfies it")
+            raise NoValue(f"enum at {path} is empty: no value satisfies it")
         if not kept:
-            raise Unsatisfiable(f"no value of enum/const at {path} satisfies the other keywords")
+            raise NoValue(f"no value of enum/const at {path} satisfies the other keywords")
         return g.trie((self.const_pieces(v, path) for v in kept), self.rules, "enum")
 
     def const_pieces(self, value: Any, path: str) -> list[g.Piece]:
@@ -326,7 +333,7 @@ class ValueCompiler:
                 f"{' with '.join(used)} on one string (at {path}) is not supported"
             )
         if high is not None and low > high:
-            raise Unsatisfiable(f"no string satisfies minLength {low} / maxLength {high} at {path}")
+            raise NoValue(f"no string satisfies minLength {low} / maxLength {high} at {path}")
         if high is not None and high > g.MAX_REPEAT >= low:
             high = g.MAX_REPEAT  # longer strings are never written (the grammar's size)
         fmt = formats.pop() if formats else None
@@ -418,7 +425,7 @@ class ValueCompiler:
         if max(low, high or 0) > g.MAX_REPEAT:
             raise UnsupportedSchemaError(f"minItems/maxItems at {path} are over {g.MAX_REPEAT}")
         if high is not None and low > high:
-            raise Unsatisfiable(f"no array satisfies minItems {low} / maxItems {high} at {path}")
+            raise NoValue(f"no array satisfies minItems {low} / maxItems {high} at {path}")
         self.prim("ws")
         contains = [
             m
@@ -429,23 +436,29 @@ class ValueCompiler:
             return self.contains(contains, elems, rest_all, low, high, path)
         # An item no value satisfies ends the arrays before it, as false does.
         names: list[str] = []
-        unmet: Unsatisfiable | None = None
+        unmet: NoValue | None = None
         for i, elem in enumerate(elems[:high]):
+            narrowed = self.n_narrowed()
             try:
                 names.append(self.visit(elem, f"{path}/prefixItems/{i}"))
-            except Unsatisfiable as exc:
+            except NoValue as exc:
+                if self.n_narrowed() != narrowed:  # (values lcgen does not write may exist)
+                    raise
                 high, unmet = i, exc
                 break
         rest_rule = None
         if rest_all is not False and (high is None or high > length):
+            narrowed = self.n_narrowed()
             try:
                 # A named rule: the chain below writes the item twice, and inlined in nested
                 # arrays that would double the grammar at every level.
                 rest_rule = self.named("item", self.visit(rest_all, f"{path}/items"))
-            except Unsatisfiable as exc:
+            except NoValue as exc:
+                if self.n_narrowed() != narrowed:
+                    raise
                 high, unmet = length, exc
         if high is not None and low > high:
-            raise Unsatisfiable(f"minItems {low} at {path} needs item {high}: {unmet}")
+            raise NoValue(f"minItems {low} at {path} needs item {high}: {unmet}")
         return '"[" ws ' + self.item_chain(names, rest_rule, low, high, 0) + ' "]"'
 
     def contains(
@@ -512,7 +525,7 @@ class ValueCompiler:
                 schema = False
             if schema is False:
                 if name in required:
-                    raise Unsatisfiable(f"required property {name!r} at {path} is not allowed")
+                    raise NoValue(f"required property {name!r} at {path} is not allowed")
                 continue
             allowed.append((name, schema))
         extras = self.extras(conj, names, allowed, key_rules, path)
@@ -521,12 +534,13 @@ class ValueCompiler:
         self.prim("ws")
         kvs = []
         for name, schema in allowed:
+            narrowed = self.n_narrowed()
             try:
                 kvs.append(
                     (name in required, self.member(name, schema, f"{path}/properties/{name}"))
                 )
-            except Unsatisfiable:
-                if name in required:
+            except NoValue:
+                if name in required or self.n_narrowed() != narrowed:
                     raise
                 # No value satisfies an optional property's schema: objects go without it.
         extra_kvs, numbered, repeats = [], None, False

@@ -73,6 +73,7 @@ class Backtracker(SequenceRun):
         drafter: Drafter | None = None,
     ) -> None:
         super().__init__(seq, gen, drafter)
+        self._epoch = seq.run_epoch  # (see drop_unreleased)
         self.hooks, self.validators = settings.hooks, settings.validators
         self.banned = settings.banned
         self.max_retries, self.lookback = settings.max_retries, settings.lookback
@@ -304,7 +305,17 @@ class Backtracker(SequenceRun):
 
     def drop_unreleased(self) -> None:
         """Drop the tokens whose text was not released yet (held back while a rewind could
-        reach it): a stream closed early leaves the sequence spelling what it streamed."""
+        reach it): a stream closed early leaves the sequence spelling what it streamed.
+
+        Nothing changes where the sequence has moved on (appended to, rewound, or another
+        run started on it since), is closed or its model is, or where this thread is inside
+        a decode (a stream the garbage collector closes there: the decode may be the
+        sequence's own)."""
+        seq, ctx = self.sequence, self.sequence.model.context
+        if seq.is_closed or not ctx.is_open or ctx.lock._is_owned():  # type: ignore[attr-defined]
+            return
+        if seq.run_epoch != self._epoch or not self.ends_sequence:
+            return
         index = self._emitted_tokens
         if index < len(self.generator.tokens) and self._marks[index].checkpoint is not None:
             self._rewind_quietly(index)

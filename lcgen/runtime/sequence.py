@@ -199,6 +199,7 @@ class Sequence(TokenSequence):
 
     def run_plan(self, plan: Plan) -> PlainRun | Backtracker:
         """:meth:`run` with the options already made into a plan."""
+        self.run_epoch += 1  # first: older runs no longer own the sequence's end
         self._check_open()
         self.restore_heal()  # what a run that never stepped took away (it can go on no more)
         if not self._tokens:
@@ -320,7 +321,7 @@ def chunks_of(run: PlainRun | Backtracker) -> Iterator[Chunk]:
         while not run.is_done:
             yield run.step()
     except GeneratorExit:  # closed early: tokens held back for a rewind were never streamed
-        if isinstance(run, Backtracker) and not run.sequence.is_closed:
+        if isinstance(run, Backtracker):
             run.drop_unreleased()
         raise
     finally:  # (ended, closed or failed: the sequence spells the prompt whole again)

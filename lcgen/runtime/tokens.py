@@ -130,6 +130,7 @@ class TokenSequence(Unshared):
         # follow its prompt).
         self.keep_next = False
         self.stats = SequenceStats()
+        self.run_epoch = 0  # runs started on it (a stream of an older one no longer drops)
 
     def mark_broken(self) -> None:
         """Its cells gave NaN logits: drop them when it closes, rather than park them for other
