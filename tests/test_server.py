@@ -561,6 +561,24 @@ def test_a_streamed_tool_call_carries_its_logprobs(client: openai.OpenAI) -> Non
     assert [e.token for e in streamed] == [e.token for e in whole.logprobs.content]
 
 
+def test_a_job_submitted_after_the_engine_closed_is_refused(model: lcgen.Model) -> None:
+    """Ctrl-C while a request was still being made ready (a long echo scored, a grammar
+    compiled): its job went to an engine that had stopped, and the server waited on it for
+    ever. It is refused: the handler answers 503 shutting_down."""
+    from lcgen.server.engine import Engine, Job
+
+    engine = Engine(model, max_queue=4)
+    engine.start()
+    engine.close()
+    loop = asyncio.new_event_loop()
+    try:
+        job = Job([model.tokenize("Hi")], [lcgen.make_plan(max_tokens=2)], loop)
+        with pytest.raises(lcgen.ClosedError, match="shutting down"):
+            engine.submit(job)
+    finally:
+        loop.close()
+
+
 def test_a_stream_with_tools_opens_a_text_reply_with_its_role(model: lcgen.Model) -> None:
     """With tools, a choice's role waits for its first chunk: text gets the usual role chunk
     (content "") before it, a call carries the role itself, and an empty reply opens with the

@@ -339,6 +339,8 @@ class _Server:
             return JSONResponse(reply.whole(outputs, count.usage(outputs)))
         try:
             self.engine.submit(job)
+        except lcgen.ClosedError as exc:  # it came after the engine stopped
+            raise APIError(503, str(exc), type="server_error", code="shutting_down") from None
         except QueueFullError as exc:
             # Retry-After: what clients (the openai package among them) wait before retrying
             raise APIError(

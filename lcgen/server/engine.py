@@ -155,6 +155,7 @@ class Engine:
         self._choices: dict[int, _Choice] = {}  # ticket -> a choice not ended yet
         self._tickets: dict[Job, list[int]] = {}
         self._counts = _Counts()
+        self._closed = False  # (a job submitted after close would wait on nobody, for ever)
         self._thread = threading.Thread(target=self._loop, name="lcgen-engine", daemon=True)
 
     @property
@@ -169,9 +170,12 @@ class Engine:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop the thread: running and waiting choices fail; their sequences are closed."""
+        """Stop the thread: running and waiting choices fail; their sequences are closed;
+        jobs submitted later are refused."""
+        with self._counts.lock:
+            self._closed = True
+            self._inbox.put(("close", None))  # (the engine ends the jobs sent before it)
         if self._thread.is_alive():
-            self._inbox.put(("close", None))
             self._thread.join()
 
     # called from the event loop ------------------------------------------------------------
@@ -182,6 +186,7 @@ class Engine:
             ValueError: the job has more choices than the slots and ``max_queue`` hold: it
                 could never wait.
             QueueFullError: more than ``max_queue`` choices would wait for a slot.
+            ClosedError: the engine was closed (the server is shutting down).
         """
         slots = self.model.context.n_seq_max
         if job.n > self.max_queue + slots:
@@ -190,6 +195,8 @@ class Engine:
                 f"{slots} at once and queues at most {self.max_queue}: ask for fewer"
             )
         with self._counts.lock:
+            if self._closed:
+                raise lcgen.ClosedError("the server is shutting down")
             # Those that find a slot free do not wait (submitted choices count as waiting
             # until the engine thread starts them).
             free = max(0, slots - self._counts.running)
@@ -200,7 +207,7 @@ class Engine:
                     f"request's {job.n} would make more than {self.max_queue} wait; retry later"
                 )
             self._counts.waiting += job.n
-        self._inbox.put(("submit", job))
+            self._inbox.put(("submit", job))  # (under the lock: before a close, or refused)
 
     def cancel(self, job: Job) -> None:
         """Drop a job whose client went away (nothing happens when it has ended)."""
