@@ -456,9 +456,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     timer = _Timer()
     with model.sequence(tokens) as seq:
         run = seq.run(**options, grammar=grammar)
-        if grammar is not None:  # the constrained value whole: with the prompt text healing
-            sys.stdout.write(run.generator.healed)  # re-creates (its "{" of a JSON object)
-        chunks = list(timer.each(_tee(chunks_of(run))))
+        # The constrained value whole: with the prompt text healing re-creates (its "{" of a
+        # JSON object), written with the first chunk (none where the first step fails).
+        healed = run.generator.healed if grammar is not None else ""
+        chunks = list(timer.each(_tee(chunks_of(run), healed)))
     sys.stdout.write("\n")
     sys.stdout.flush()
     last = chunks[-1] if chunks else None
@@ -564,10 +565,12 @@ def _incomplete(
     return f"the output is incomplete: {reason} before it matched {flag}"
 
 
-def _tee(chunks: Iterable[Chunk]) -> Iterator[Chunk]:
+def _tee(chunks: Iterable[Chunk], before: str = "") -> Iterator[Chunk]:
+    """The chunks, each written to stdout as it comes (``before`` with the first)."""
     for chunk in chunks:
-        sys.stdout.write(chunk.text)
+        sys.stdout.write(before + chunk.text)
         sys.stdout.flush()
+        before = ""
         yield chunk
 
 

@@ -139,6 +139,12 @@ def test_generate_with_token_healing(model: lcgen.Model) -> None:
     assert out.returncode == 0, out.stderr
     expected = model.generate(prompt, regex="2[0-9]*", token_healing=True, max_tokens=2)
     assert out.stdout == "2" + expected + "\n"
+    # Healing that cannot start (the grammar allows no token that re-creates " n"): no
+    # value, so nothing on stdout (the healed text was written before the step failed).
+    argv = ["--grammar", "yes_no", "--token-healing"]
+    out = run("generate", "smollm2-135m", "Is it? Answer n", *argv)
+    assert out.returncode == 1 and "token healing must re-create" in out.stderr
+    assert out.stdout == ""
 
 
 def test_generate_with_constraints(model: lcgen.Model, tmp_path: Path) -> None:

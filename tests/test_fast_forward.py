@@ -287,3 +287,30 @@ def test_a_token_that_does_not_continue_the_healed_text_leaves_the_generator_as_
     assert gen.tokens == [] and gen.heal == b"a"
     assert gen.accept(a).text == ""  # the healed text, re-created
     assert gen.accept(model.tokenize("b", add_bos=False)[0]).finish_reason == "stop"
+
+
+def _to_the_end(run: lcgen.PlainRun | lcgen.Backtracker) -> str:
+    text = ""
+    while not run.is_done:
+        text += run.step().text
+    return text
+
+
+def test_a_rewind_to_before_the_first_step_gives_the_forced_opening_again(
+    model: lcgen.Model,
+) -> None:
+    """The text forced before the first step comes with the first step's chunk: rewound to
+    a checkpoint taken before it, the chunks lost it (' small' for ' Paris is small')."""
+    name = {"type": "object", "properties": {"name": {"type": "string"}}, "required": ["name"]}
+    for options in (
+        {"choice": [" Paris is big", " Paris is small"]},
+        {"schema": name, "json_whitespace": "compact", "max_tokens": 30},
+    ):
+        with model.sequence("Q:") as seq:
+            run = seq.run(**options)  # type: ignore[arg-type]
+            before = run.checkpoint()
+            first = _to_the_end(run)
+            run.rewind(before)
+            again = _to_the_end(run)
+            assert again == first == model.detokenize(run.generator.tokens)
+            assert first.startswith((" Paris is ", '{"name":"'))

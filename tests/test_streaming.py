@@ -120,6 +120,20 @@ def test_token_healing(model: lcgen.Model, prompt: str, starts: str) -> None:
         assert first_new.startswith(removed) or removed.startswith(first_new)
 
 
+def test_the_token_healing_re_creates_is_not_a_stop_token(model: lcgen.Model) -> None:
+    """A prompt ending in a newline, with the newline a stop token: the token that wrote the
+    prompt's own newline again ended the generation, empty (a stop string never matched it)."""
+    prompt = "List:\n1. apples\n"
+    newline = model.tokenize("\n")[-1]
+    ask = {"max_tokens": 20, "stop_tokens": [newline], "token_healing": True}
+    healed = model.generate(prompt, **ask)  # type: ignore[arg-type]
+    assert healed == model.generate(prompt, max_tokens=20, stop=["\n"], token_healing=True)
+    assert healed and healed.finish_reason == "stop" and healed.tokens[0] == newline
+    assert healed.tokens[-1] == newline  # the next newline, the generation's own, ends it
+    streamed = list(model.stream(prompt, logprobs=1, **ask))  # type: ignore[arg-type]
+    assert "".join(c.text for c in streamed) == healed
+
+
 def test_token_healing_composes_with_checkpoints(model: lcgen.Model) -> None:
     with model.sequence('<a href="http:', seed=3) as seq:
         cp = seq.checkpoint()

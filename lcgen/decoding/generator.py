@@ -326,12 +326,17 @@ class Generator:
         return self._accept_with_logprobs(token, logits, self.logprobs)
 
     def _accept(self, token: int) -> Chunk:
-        return self._take(token, self._healed_piece(token))
+        healing = bool(self.heal)
+        piece = self._healed_piece(token)
+        return self._take(token, piece, healing and not piece)
 
-    def _take(self, token: int, piece: bytes) -> Chunk:
+    def _take(self, token: int, piece: bytes, prompt_text: bool = False) -> Chunk:
+        """Append ``token`` (``piece``: the bytes it adds to the output). ``prompt_text``: it
+        only re-creates the prompt text healing removed, which no stop token ends (as no stop
+        string matches it)."""
         self.tokens.append(token)
         self.recent.append(token)
-        if token in self.plan.stop_tokens or self.vocab.is_eog(token):
+        if (token in self.plan.stop_tokens and not prompt_text) or self.vocab.is_eog(token):
             return self._finish((token,), "stop", None)
         state, text, hit = text_step(self.text_state, piece, self.plan.stops)
         self.text_state = state
@@ -345,9 +350,9 @@ class Generator:
 
     def _accept_with_logprobs(self, token: int, logits: np.ndarray, n_top: int) -> Chunk:
         """:meth:`_accept`, with the token's :class:`TokenLogprob` on the chunk."""
-        held = self.text_state.held_bytes
+        held, healing = self.text_state.held_bytes, bool(self.heal)
         piece = self._healed_piece(token)
-        chunk = self._take(token, piece)
+        chunk = self._take(token, piece, healing and not piece)
         fields = logprobs_of(logits, token, n_top, self.vocab)
         text = self._own_text(chunk, held, piece)
         entry = TokenLogprob(token, text, fields["logprob"], fields["top_logprobs"])

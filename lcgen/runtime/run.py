@@ -387,6 +387,9 @@ class PlainRun(SequenceRun):
     def __init__(self, seq: TokenSequence, gen: Generator, drafter: Drafter | None = None) -> None:
         super().__init__(seq, gen, drafter)
         self._rewinds = 0
+        # The text forced before the first step and the tokens then: a rewind to there gives
+        # it with the next step again (it was given with the first, then lost).
+        self._opening = (self._held, len(gen.tokens))
 
     def _advance_one(self, row: np.ndarray) -> Chunk:
         seq, gen = self.sequence, self.generator
@@ -411,6 +414,9 @@ class PlainRun(SequenceRun):
         self.sequence.rewind(checkpoint, self.generator)
         del self.token_entries[len(self.generator.tokens) :]
         self._rewinds += 1
+        opening, n_tokens = self._opening
+        if opening is not None and len(self.generator.tokens) == n_tokens:
+            self._held = opening
 
 
 def _joined(chunks: list[Chunk]) -> Chunk:
