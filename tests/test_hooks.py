@@ -159,6 +159,13 @@ def test_a_stream_closed_after_the_sequence_moved_on_changes_nothing(
         tokens = list(seq.tokens)
         again.close()
         assert seq.tokens == tokens
+        # a run refused leaves the stream its own: closed, it drops what it held back
+        third = seq.stream(max_tokens=12, hooks=[lambda step: None])
+        streamed = [next(third) for _ in range(3)]
+        with pytest.raises(lcgen.ContextFullError):
+            seq.run(max_tokens=10**6)
+        third.close()
+        assert seq.tokens == [*tokens, *(t for c in streamed for t in c.tokens)]
     other = lcgen.Model(model_path, n_ctx=256, n_threads=1)
     seq = other.sequence("Once upon a time")
     stream = seq.stream(max_tokens=30, hooks=[lambda step: None])

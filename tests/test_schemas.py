@@ -420,6 +420,22 @@ CASES = [
         [{"a": 4}, {"b": [4]}],
     ),
     Case(
+        # through a $ref, and bounds of an object's properties that cross
+        "optional-members-no-value-satisfies-by-ref",
+        {
+            "$defs": {"never": False},
+            "type": "object",
+            "properties": {
+                "x": {"$ref": "#/$defs/never"},
+                "y": {"type": "object", "minProperties": 2, "maxProperties": 1},
+                "z": {"type": "array", "items": {"$ref": "#/$defs/never"}},
+            },
+            "additionalProperties": False,
+        },
+        [{}, {"z": []}],
+        [{"x": 1}, {"y": {}}, {"z": [1]}],
+    ),
+    Case(
         "items-no-value-satisfies",
         {"type": "array", "items": {"type": "integer", "minimum": 5, "maximum": 3}},
         [[]],
@@ -1617,3 +1633,11 @@ def test_an_optional_member_lcgen_cannot_write_is_not_left_out(schema: dict[str,
     values exist ({"x": 1.5}), was dropped without a word: it stays unsupported."""
     with pytest.raises(lcgen.UnsupportedSchemaError, match="writes only in part the not"):
         Grammar.from_json_schema(schema)
+
+
+def test_a_number_lcgen_cannot_write_is_not_left_out() -> None:
+    """Equal inclusive bounds hold one number: with more places than lcgen writes it is
+    refused, not taken for a member no value satisfies (and left out)."""
+    one = {"type": "number", "minimum": 1.5e-25, "maximum": 1.5e-25}
+    with pytest.raises(lcgen.GrammarError, match="at most 20 decimal places"):
+        Grammar.from_json_schema({"type": "object", "properties": {"x": one}})

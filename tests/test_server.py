@@ -319,7 +319,8 @@ def test_special_top_tokens_are_named_by_their_text(model: lcgen.Model) -> None:
     text = Reply("text", NAME, model, True)
     entries = text.take(Output(0), chunk)
     (alternatives,) = text._logprobs_object(entries)["top_logprobs"]
-    assert alternatives == {"<|im_start|>": -0.5, "<repo_name>": -1.0}  # the sampled one once
+    # the sampled token as the text it adds too: top_logprobs[i][tokens[i]] is its own
+    assert alternatives == {"<|im_start|>": -0.5, "<repo_name>": -1.0, "": -0.5}
     assert [e["token"] for e in entries] == [""]
     chat = Reply("chat", NAME, model, True)
     (content,) = chat._logprobs_object(chat.take(Output(0), chunk))["content"]

@@ -77,7 +77,13 @@ class NumberRules:
                     )
                 )
         if not options:
-            if not integer and (lo is None or hi is None or lo < hi):
+            between = (
+                lo is None
+                or hi is None
+                or lo[0] < hi[0]
+                or (lo[0] == hi[0] and not lo[1] and not hi[1])  # (one number: both inclusive)
+            )
+            if not integer and between:
                 # Numbers lie between: none with the places lcgen writes (1e-300 to 2e-300);
                 # as for no number, another alternative may still serve.
                 raise Unsatisfiable(

@@ -35,7 +35,7 @@ import jsonschema
 
 from lcgen.constrain import json_rules as spec
 from lcgen.constrain import lark
-from lcgen.constrain.json_rules import Conj, Unsatisfiable, not_finite
+from lcgen.constrain.json_rules import Conj, NoValue, Unsatisfiable, not_finite
 from lcgen.constrain.json_values import (
     FALSE,
     NOT_IN,
@@ -352,7 +352,7 @@ class _Compiler(ValueCompiler):
 
     def visit_once(self, schema: Any, path: str) -> str:
         if schema is False:
-            raise Unsatisfiable(f"the schema at {path} is false: no value validates")
+            raise NoValue(f"the schema at {path} is false: no value validates")
         if isinstance(schema, dict) and "$ref" in schema and self.only_ref(schema):
             self.check_keywords(schema, path)
             return self.ref(schema["$ref"], path)

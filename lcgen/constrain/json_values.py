@@ -517,6 +517,10 @@ class ValueCompiler:
         low = max((count(m, "minProperties") for m in conj), default=0)
         highs = [count(m, "maxProperties") for m in conj if "maxProperties" in m]
         high = min(highs) if highs else None
+        if high is not None and low > high:
+            raise NoValue(
+                f"no object satisfies minProperties {low} / maxProperties {high} at {path}"
+            )
         key_rules = [m["propertyNames"] for m in conj if "propertyNames" in m]
         allowed: list[tuple[str, Any]] = []
         for name in names:
@@ -555,7 +559,7 @@ class ValueCompiler:
         extra = self.named("extra", g.alternatives(extra_kvs)) if extra_kvs else None
         n_required = sum(r for r, _ in kvs)
         if n_required > (high if high is not None else math.inf):
-            raise Unsatisfiable(
+            raise NoValue(
                 f"{n_required} properties are required at {path}, more than maxProperties {high}"
             )
         members = _Members(kvs, extra, repeats, numbered, (low, high))

@@ -13,6 +13,7 @@ a banned phrase and, when hooks or validators are given, the last ``lookback`` t
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 from collections.abc import Set
 from dataclasses import dataclass, replace
@@ -24,7 +25,7 @@ from lcgen.decoding.options import Backtracking
 from lcgen.decoding.results import FinishReason
 from lcgen.decoding.speculation import Drafter
 from lcgen.decoding.text import decode_flush
-from lcgen.errors import NoCandidatesError, RewindError
+from lcgen.errors import ClosedError, NoCandidatesError, RewindError
 from lcgen.runtime.checkpoint import Checkpoint
 from lcgen.runtime.run import SequenceRun
 from lcgen.runtime.tokens import TokenSequence
@@ -318,7 +319,9 @@ class Backtracker(SequenceRun):
             return
         index = self._emitted_tokens
         if index < len(self.generator.tokens) and self._marks[index].checkpoint is not None:
-            self._rewind_quietly(index)
+            # (a model being closed, or a history rewound and written again alike: as it is)
+            with contextlib.suppress(ClosedError, RewindError):
+                self._rewind_quietly(index)
 
     def _is_end(self, checkpoint: Checkpoint) -> bool:
         """Whether ``checkpoint`` was taken at the sequence's current end."""

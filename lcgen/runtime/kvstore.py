@@ -227,7 +227,6 @@ class KVStore:
         self._uncounted = threading.local()  # see uncounted()
         self._waiters: set[ThreadRef] = set()  # threads waiting for a slot
         self._dropped: collections.deque[Entry] = collections.deque()  # see dropped
-        self._loading = False  # a file's entries are being restored (see _evict_for_cells)
         self._collected_at = -math.inf  # when a waiting thread last ran the garbage collector
         # Beam searches take turns: each holds slots while it forks more, and two in different
         # threads could each wait for the other's slots forever.
@@ -630,7 +629,8 @@ class KVStore:
         holds its cells until it does (a generation that fits failed part-way)."""
         with self._lock:
             victim = self._lru_parked()
-            if victim is None and not self._loading:  # (parking could drop the one loading)
+            loading = getattr(self._local, "loading", False)
+            if victim is None and not loading:  # (parking could drop the entry it loads)
                 gc.collect()
                 self._park_dropped()
                 self._park_orphans()
@@ -889,7 +889,7 @@ class KVStore:
                     f"a larger n_seq_max"
                 )
             deadline = self._deadline()  # one slot_timeout for the whole file
-            self._loading = True
+            self._local.loading = True
             try:
                 for tokens, pinned, blob in todo:
                     loaded.append(self._load_entry(tokens, blob, deadline))
@@ -900,7 +900,7 @@ class KVStore:
                         self._drop(entry)
                 raise
             finally:
-                self._loading = False
+                self._local.loading = False
             for entry in loaded:
                 if entry.state != "dropped":
                     self._dedupe(entry)

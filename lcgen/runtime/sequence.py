@@ -199,7 +199,15 @@ class Sequence(TokenSequence):
 
     def run_plan(self, plan: Plan) -> PlainRun | Backtracker:
         """:meth:`run` with the options already made into a plan."""
-        self.run_epoch += 1  # first: older runs no longer own the sequence's end
+        epoch = self.run_epoch = self.run_epoch + 1  # first: older runs lose the end
+        try:
+            return self._new_run(plan)
+        except BaseException:  # refused: an older run keeps it
+            if self.run_epoch == epoch:
+                self.run_epoch = epoch - 1
+            raise
+
+    def _new_run(self, plan: Plan) -> PlainRun | Backtracker:
         self._check_open()
         self.restore_heal()  # what a run that never stepped took away (it can go on no more)
         if not self._tokens:

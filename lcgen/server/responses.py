@@ -209,10 +209,7 @@ class Reply:
             else:
                 token = self._echoed((each.token,), echoed, offset)
             entry = {**token, "logprob": each.logprob, "top_logprobs": top}
-            # (a completion's top tokens name the sampled one once: a special token is its
-            # text there, "" here)
-            listed = any(t.token == each.token for t in each.top)
-            entries.append({**entry, "text_offset": offset, _LISTED: listed})
+            entries.append({**entry, "text_offset": offset})
             is_special = special and self.model.vocab.is_special(each.token)
             offset += len(token["token"]) if is_special else len(each.text)
         return entries
@@ -252,7 +249,7 @@ class Reply:
         if not self.with_logprobs:
             return None
         if self.kind == "chat":
-            return {"content": [_without(e, "text_offset", _LISTED) for e in entries]}
+            return {"content": [_without(e, "text_offset") for e in entries]}
         return {
             "tokens": [_text_token(e) for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
@@ -263,7 +260,7 @@ class Reply:
                 if e["top_logprobs"] is None
                 else {
                     **{_text_token(top): top["logprob"] for top in e["top_logprobs"]},
-                    **({} if e.get(_LISTED) else {_text_token(e): e["logprob"]}),
+                    _text_token(e): e["logprob"],
                 }
                 for e in entries
             ],
@@ -390,11 +387,8 @@ def _text_token(entry: dict[str, Any]) -> str:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in data)
 
 
-def _without(entry: dict[str, Any], *keys: str) -> dict[str, Any]:
-    return {k: v for k, v in entry.items() if k not in keys}
-
-
-_LISTED = "_listed"  # an entry's key (never sent): whether its token is among its top ones
+def _without(entry: dict[str, Any], key: str) -> dict[str, Any]:
+    return {k: v for k, v in entry.items() if k != key}
 
 
 def _complete(piece: bytes) -> str:
