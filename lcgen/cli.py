@@ -167,17 +167,17 @@ def _checked_options(
             _check_text(getattr(args, flag[2:], None) or "", flag)
         lcgen.make_plan(**options, grammar=constraint)
     except (LcgenError, ValueError, TypeError) as exc:
-        raise UsageError(_as_flag(str(exc), args.parser)) from None
+        raise UsageError(_as_flag(str(exc), options, args)) from None
     return options
 
 
-def _as_flag(message: str, parser: argparse.ArgumentParser) -> str:
+def _as_flag(message: str, options: dict[str, Any], args: argparse.Namespace) -> str:
     """A message that starts with an option's keyword (``top_p must be in (0, 1], got 2.0``)
-    with the flag that sets it instead (``--top-p``)."""
+    with the flag that sets it instead (``--top-p``): a keyword the command line gives
+    under its own name."""
     name, _, rest = message.partition(" ")
-    for action in parser._actions:
-        if action.dest == name and action.option_strings:
-            return f"{max(action.option_strings, key=len)} {rest}"
+    if name in options and name in vars(args):
+        return f"--{name.replace('_', '-')} {rest}"
     return message
 
 

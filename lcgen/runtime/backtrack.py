@@ -313,7 +313,7 @@ class Backtracker(SequenceRun):
         a decode (a stream the garbage collector closes there: the decode may be the
         sequence's own)."""
         seq, ctx = self.sequence, self.sequence.model.context
-        if seq.is_closed or not ctx.is_open or ctx.lock._is_owned():  # type: ignore[attr-defined]
+        if seq.is_closed or not ctx.is_open or ctx.locked_here:
             return
         if seq.run_epoch != self._epoch or not self.ends_sequence:
             return

@@ -166,6 +166,12 @@ class Context:
     def is_open(self) -> bool:
         return self._handle.ptr is not None
 
+    @property
+    def locked_here(self) -> bool:
+        """Whether this thread holds :attr:`lock` (inside a decode or the store's work: a
+        finalizer the garbage collector runs there must not change what they walk)."""
+        return bool(self.lock._is_owned())  # type: ignore[attr-defined]  # as Condition uses it
+
     # memory ------------------------------------------------------------------------------
     def truncate(self, seq_id: int, n_keep: int) -> bool:
         """Drop positions >= n_keep of a sequence, keeping [0, n_keep) usable.

@@ -385,10 +385,9 @@ class KVStore:
     def _park_dropped_outside(self) -> None:
         """Park the dropped entries now, unless this thread is inside the store's or the
         context's work (see :meth:`park`)."""
-        if not self._ctx.lock._is_owned():  # type: ignore[attr-defined]  # as Condition uses it
+        if not self._ctx.locked_here:
             with self._lock:
-                self._park_dropped()
-                self._park_orphans()
+                self._park_pending()
 
     def _park_dropped(self) -> None:
         while self._dropped:
@@ -570,13 +569,13 @@ class KVStore:
         self._collected_at = now
         before = self._n_available()
         gc.collect()
-        self._park_dropped()
-        self._park_orphans()
+        self._park_pending()
         return self._n_available() > before
 
-    def _park_orphans(self) -> None:
-        """Park live entries whose sequence is gone: Ctrl-C inside its finalizer (which
-        parks it) left the slot held by nothing, for good."""
+    def _park_pending(self) -> None:
+        """Park the dropped entries, and the live ones whose sequence is gone: Ctrl-C inside
+        its finalizer (which parks it) left the slot held by nothing, for good."""
+        self._park_dropped()
         for entry in list(self._entries.values()):
             if entry.state == "live" and entry.holder is not None and entry.holder() is None:
                 self._park(entry)
@@ -632,8 +631,7 @@ class KVStore:
             loading = getattr(self._local, "loading", False)
             if victim is None and not loading:  # (parking could drop the entry it loads)
                 gc.collect()
-                self._park_dropped()
-                self._park_orphans()
+                self._park_pending()
                 victim = self._lru_parked()
             if victim is None:
                 return False

@@ -26,7 +26,7 @@ from starlette.routing import Route
 
 import lcgen
 import lcgen.tools
-from lcgen.server.engine import Engine, Failed, Finished, Job, Piece, QueueFullError
+from lcgen.server.engine import Engine, Finished, Job, Piece, QueueFullError
 from lcgen.server.requests import (
     APIError,
     ChatRequest,
@@ -340,7 +340,7 @@ class _Server:
         try:
             self.engine.submit(job)
         except lcgen.ClosedError as exc:  # it came after the engine stopped
-            raise APIError(503, str(exc), type="server_error", code="shutting_down") from None
+            raise _failure(exc) from None
         except QueueFullError as exc:
             # Retry-After: what clients (the openai package among them) wait before retrying
             raise APIError(
@@ -363,7 +363,7 @@ class _Server:
                 elif isinstance(item, Finished):
                     outputs[item.index].cached_tokens = item.cached_tokens
                 else:
-                    raise _failure(item)
+                    raise _failure(item.error)
         finally:
             gone = watcher.done() and not watcher.cancelled()
             watcher.cancel()
@@ -416,7 +416,7 @@ class _Server:
                     for event in opened(reply.end_chunks(outputs[item.index]), item.index):
                         yield json.dumps(event)
                 else:
-                    yield json.dumps(_failure(item).body())
+                    yield json.dumps(_failure(item.error).body())
             if include_usage:
                 yield json.dumps(reply.usage_chunk(count.usage(outputs)))
             yield "[DONE]"
@@ -458,8 +458,8 @@ def _check_constraint(grammar: lcgen.Grammar, model: lcgen.Model, field: str | N
             raise APIError(400, str(exc), param=field, code="unsatisfiable_constraints") from None
 
 
-def _failure(item: Failed) -> APIError:
-    exc = item.error
+def _failure(exc: BaseException) -> APIError:
+    """The answer to a job's failure (or a submission the stopped engine refused)."""
     if isinstance(exc, lcgen.ContextFullError):  # the cells ran out as the choices grew
         return APIError(
             503,
