@@ -183,6 +183,20 @@ def test_completion_n3_seeded_stream_equals_whole(
             assert best[1] - best[0] < 0.4, f"choices differ at token {at} at a clear margin"
 
 
+def test_n_choices_decode_their_prompt_once(client: openai.OpenAI, model: lcgen.Model) -> None:
+    prompt = "The three primary colors are red, yellow and"
+    model.cache.clear()  # nothing cached: the prompt is decoded here
+    before = model.context.n_decoded
+    reply = client.completions.create(
+        model=NAME, prompt=prompt, max_tokens=4, n=3, temperature=0.9, seed=5
+    )
+    decoded = model.context.n_decoded - before
+    assert [c.finish_reason for c in reply.choices] == ["length"] * 3
+    # The whole prompt once, then each choice's tokens but its last (the first of them is
+    # sampled from the logits kept after the prompt): no choice decodes a prompt token again.
+    assert decoded == reply.usage.prompt_tokens + reply.usage.completion_tokens - 3
+
+
 def test_stop_cuts_the_greedy_text(client: openai.OpenAI) -> None:
     free = chat(client, max_tokens=24).choices[0].message.content
     assert "\n" in free

@@ -45,8 +45,9 @@ class Element:
 
 
 def open_prefilled(model: ModelLike, tokens: list[int]) -> Sequence:
-    """A sequence of ``tokens`` with every one but the last decoded now (from the longest
-    cached prefix), so that siblings opened next share these cells instead of decoding them."""
+    """A sequence of ``tokens`` decoded now (from the longest cached prefix), the logits after
+    them kept, so that siblings opened next share these cells and logits instead of decoding
+    them."""
     seq = Sequence(model, tokens)
     try:
         seq.prefill()

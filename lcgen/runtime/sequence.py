@@ -19,7 +19,7 @@ from lcgen.errors import ContextFullError, StateFileError
 from lcgen.runtime import statefile
 from lcgen.runtime.backtrack import Backtracker
 from lcgen.runtime.checkpoint import RngState
-from lcgen.runtime.context import DecodeRequest, check_fits
+from lcgen.runtime.context import check_fits
 from lcgen.runtime.drafts import drafter_for
 from lcgen.runtime.run import PlainRun
 from lcgen.runtime.tokens import ModelLike, TokenSequence, check_model
@@ -82,24 +82,30 @@ class Sequence(TokenSequence):
         return child
 
     def prefill(self) -> int:
-        """Decode every pending token but the last now (the last stays pending, as always), so
-        forks taken next share the cells instead of each decoding the prompt.
+        """Decode the pending tokens now, keeping the logits after the last one in the store,
+        so that forks taken next, and sequences opened on these tokens, share the cells and
+        sample their first token from those logits instead of each decoding the end again.
+        Where only the last token is pending, nothing is decoded: the next step decodes it
+        in one batch with the other sequences'.
 
         Returns:
             How many tokens were decoded.
         """
         self._check_open()
         check_fits(len(self._tokens), self._ctx.n_ctx)
-        pending = self._tokens[self._n_decoded : -1]
-        if pending:
-            request = DecodeRequest(self._slot, pending, self._n_decoded, False)
-            try:
-                self._ctx.decode([request])
-            except BaseException:
-                self.resync()
-                raise
-            self.mark_decoded(request)
-        return len(pending)
+        if len(self._tokens) - self._n_decoded < 2:
+            return 0
+        self._draft = []  # (a guess at the next tokens: the next step may make another)
+        request = self.pending_request()
+        try:
+            (row,) = self._ctx.decode([request])
+        except BaseException:
+            self.resync()
+            raise
+        assert row is not None
+        self.mark_decoded(request)
+        self.keep_logits(row)
+        return len(request.tokens)
 
     # save / load -----------------------------------------------------------------------
     def to_bytes(self) -> bytearray:
