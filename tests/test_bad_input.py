@@ -348,6 +348,40 @@ def test_ctrl_c_in_the_middle_of_a_generation_leaves_the_sequence_usable() -> No
     )
 
 
+def test_ctrl_c_as_a_step_ends_while_another_thread_decodes_lets_the_model_close() -> None:
+    """Ctrl-C while the main thread waited for the lock (another thread's decode held it) to
+    leave a step left it counted inside one for good: close() from it raised ValueError, and
+    from any other thread waited for ever."""
+    assert_passes(
+        run_case("""
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        m = lcgen.load(n_ctx=256)
+        held, entered = threading.Event(), threading.Event()
+
+        def decode_elsewhere() -> None:  # holds the lock as a decode does, past the Ctrl-C
+            entered.wait()
+            with m.context.lock:
+                held.set()
+                time.sleep(0.5)
+
+        threading.Thread(target=decode_elsewhere).start()
+        threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT)).start()
+        try:
+            with m.context.in_use():
+                entered.set()
+                held.wait()
+            raise AssertionError("no KeyboardInterrupt")
+        except KeyboardInterrupt:
+            pass
+        assert not m.context._in_use, m.context._in_use
+        closer = threading.Thread(target=m.close)
+        closer.start()
+        closer.join(10)
+        assert not closer.is_alive() and not m.context.is_open
+        """)
+    )
+
+
 def test_ctrl_c_while_a_model_loads_stops_the_load() -> None:
     """llama.cpp logs while it loads: Ctrl-C was raised in the log callback, where ctypes
     printed it and dropped it, and the load went on to the end."""

@@ -1046,13 +1046,47 @@ def test_a_saved_cache_loads_in_another_model_and_skips_the_prefix(
     expected = model.generate(FEW_SHOT + "Q: What is 4 plus 4?\nA:", max_tokens=4)
     path = tmp_path / "few-shot.lcc"
     assert model.cache.save(path, pinned_only=True) == 1
+    whole = model.generate(FEW_SHOT, max_tokens=4, logprobs=0)
     with lcgen.Model(model_path) as other:
         assert other.cache.load(path) == 1 and other.cache.stats.pinned == 1
         before = other.context.n_decoded
         out = other.generate(FEW_SHOT + "Q: What is 4 plus 4?\nA:", max_tokens=4)
         assert str(out) == str(expected)
         assert other.context.n_decoded - before == out.stats.decoded < 20
+        # The file keeps the logits after the pinned prompt: the prompt itself decodes none
+        # of its tokens, and its first token is drawn from the saving process's logits.
+        n_few = len(other.tokenize(FEW_SHOT))
+        assert other.cache.cached(FEW_SHOT) == other.cache.cached(other.tokenize(FEW_SHOT)) == n_few
+        with pytest.raises(TypeError, match="token ids are a list of int, got float"):
+            other.cache.cached(2.5)  # type: ignore[arg-type]
+        before = other.context.n_decoded
+        again = other.generate(FEW_SHOT, max_tokens=4, logprobs=0)
+        assert other.context.n_decoded - before == again.stats.decoded == 3
+        assert again.tokens == whole.tokens
+        assert again.logprobs[0].logprob == whole.logprobs[0].logprob  # the same row
     model.cache.unpin(FEW_SHOT)
+
+
+def test_an_entry_parked_with_cells_past_its_tokens_keeps_its_tokens_only(
+    model: lcgen.Model, tmp_path: Path
+) -> None:
+    """A step cut short as the model closed left cells (and kept logits) past the tokens of a
+    parked entry: the cache file written then listed logits after more tokens than the entry
+    had, and loading it back raised StateFileError."""
+    model.cache.clear()
+    seq = model.sequence("Cells past the tokens of a parked entry")
+    seq.generate(max_tokens=4)
+    entry = seq._entry
+    n = len(entry.tokens) - 2
+    del entry.tokens[n:]  # (as a step cut short leaves it: its cells and logits run on)
+    entry.keep_logits(n + 1, np.zeros(model.n_vocab, dtype=np.float32))
+    seq.close()
+    assert entry.state == "parked" and len(entry.tokens) == n
+    assert model.context.ledger.held(entry.slot) == n and entry.end_logits is None
+    path = tmp_path / "parked.lcc"
+    assert model.cache.save(path) == 1
+    model.cache.clear()
+    assert model.cache.load(path) == 1
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "model", "missing"])
@@ -1086,7 +1120,12 @@ def test_a_damaged_cache_file_raises_and_loads_nothing(
 
 @pytest.mark.parametrize(
     ("forgery", "message"),
-    [("long entry", "more than the context's 256"), ("far cell", "not at consecutive positions")],
+    [
+        ("long entry", "more than the context's 256"),
+        ("far cell", "not at consecutive positions"),
+        ("short logits", "logits are 16 bytes, not 49152 float32 values"),
+        ("logits past the tokens", "logits follow 99 of its tokens"),
+    ],
 )
 def test_a_forged_cache_file_with_a_valid_checksum_loads_nothing(
     model_path: Path, tmp_path: Path, forgery: str, message: str
@@ -1106,12 +1145,17 @@ def test_a_forged_cache_file_with_a_valid_checksum_loads_nothing(
         header, kv = statefile.decode(path.read_bytes(), statefile.CACHE)
         (size,) = struct.unpack_from("<Q", kv, 0)
         blob = bytearray(kv[8 : 8 + size])
+        logits = bytes(kv[8 + size :])  # the row kept after the pinned tokens
         n = len(tokens)
         if forgery == "long entry":
-            header["entries"] = [{"tokens": tokens * 40, "pinned": True}]
-        else:
+            header["entries"][0]["tokens"] = tokens * 40
+        elif forgery == "far cell":
             struct.pack_into("<i", blob, 16 + 12 * (n - 1), 4999)  # the last cell's position
-        forged = struct.pack("<Q", len(blob)) + bytes(blob)
+        elif forgery == "short logits":
+            logits = struct.pack("<Q", 16) + bytes(16)
+        else:
+            header["entries"][0]["logits"] = 99
+        forged = struct.pack("<Q", len(blob)) + bytes(blob) + logits
 
         def write(out: bytearray, at: int, size: int) -> int:
             out[at : at + size] = forged
@@ -1404,7 +1448,9 @@ def test_a_loaded_cache_shares_prefix_cells_as_the_saved_one_did(
         for prompt in prompts:
             before = other.context.n_decoded
             ours, _ = steps_of(other, prompt, 6)
-            assert other.context.n_decoded - before == 6  # the prompt's last token, 5 new
+            # 5 new tokens: the logits after each prompt came with the file (each entry kept
+            # the logits after its prompt), so no prompt token is decoded
+            assert other.context.n_decoded - before == 5
             cold, cold_rows = steps_of(cold_model, prompt, 6)
             assert_same_where_clear(ours, cold, cold_rows, prompt[-20:])
 

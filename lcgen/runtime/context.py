@@ -472,18 +472,36 @@ class Context:
     def in_use(self) -> Iterator[None]:
         """A step: decoding and reading the logits it returned. :meth:`close` waits until no
         other thread is inside one."""
-        me = threading.get_ident()
-        with self.lock:
-            self.check_open()
-            self._in_use[me] = self._in_use.get(me, 0) + 1
+        me, counted = threading.get_ident(), False
         try:
+            with self.lock:
+                self.check_open()
+                self._in_use[me] = self._in_use.get(me, 0) + 1
+                counted = True
             yield
         finally:
-            with self.lock:
-                self._in_use[me] -= 1
-                if not self._in_use[me]:
-                    del self._in_use[me]
-                self._idle.notify_all()
+            if counted:
+                self._leave(me)
+
+    def _leave(self, me: int) -> None:
+        """This thread's step ended. Ctrl-C while it waits for the lock (another thread's
+        decode holds it) is raised once the step is no longer counted: else :meth:`close`
+        would wait for it for ever."""
+        left, interrupt = False, None
+        while True:
+            try:
+                with self.lock:
+                    if not left:
+                        self._in_use[me] -= 1
+                        if not self._in_use[me]:
+                            del self._in_use[me]
+                        left = True
+                    self._idle.notify_all()
+                break
+            except BaseException as exc:  # (KeyboardInterrupt: try again, raise it after)
+                interrupt = interrupt or exc
+        if interrupt is not None:
+            raise interrupt
 
     def close(self) -> None:
         """Free the context once no other thread is inside a step (it then gets

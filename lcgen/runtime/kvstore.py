@@ -38,6 +38,7 @@ from lcgen.vocab import Vocab
 
 EntryState = Literal["live", "parked", "pinned", "dropped"]
 _BLOB_LEN = struct.Struct("<Q")
+_LOGITS = np.dtype("<f4")  # a kept row of logits in a cache file
 # A thread waiting for a slot runs the garbage collector this often (seconds; see _wait).
 COLLECT_EVERY = 5.0
 
@@ -398,6 +399,9 @@ class KVStore:
             if entry.state != "live" or self._entries.get(entry.slot) is not entry:
                 return
             held = self._ctx.ledger.held(entry.slot)
+            if held > len(entry.tokens) and self._ctx.is_open:  # cells past its tokens (a
+                # step cut short as the model closed): they spell nothing the entry knows
+                held = len(entry.tokens) if self._ctx.truncate(entry.slot, len(entry.tokens)) else 0
             if not (self.enabled and held and self._ctx.is_open) or entry.broken:
                 self._drop(entry)
                 return
@@ -408,14 +412,21 @@ class KVStore:
             self._fit_budget()
             self._cond.notify_all()
 
-    def cached(self, tokens: Seq[int]) -> int:
-        """How many of ``tokens`` a sequence opened on them now would not decode (all of them
-        where an entry kept the logits after exactly ``tokens``).
+    def cached(self, prompt: str | Seq[int], *, special: bool = False) -> int:
+        """How many of a prompt's tokens a sequence opened on them now would not decode (all
+        of them where an entry kept the logits after exactly these tokens).
+
+        Args:
+            prompt: text (tokenized as a prompt, BOS included) or token ids.
+            special: parse special-token text in ``prompt``.
 
         Raises:
             ClosedError: the model is closed.
+            TypeError: ``prompt`` is neither text nor token ids.
+            ValueError: a token id is outside the vocabulary.
         """
         self._ctx.check_open()
+        tokens = self._tokens_of(prompt, special)
         with self._lock:
             return self._best(tokens, max(0, len(tokens) - 1), True)[1]
 
@@ -808,9 +819,13 @@ class KVStore:
             header: dict[str, Any] = {
                 "model": self._fingerprint(),
                 "kv": list(self._ctx.kv_types),
-                "entries": [{"tokens": e.tokens, "pinned": e.state == "pinned"} for e in kept],
+                "entries": [_entry_header(e) for e in kept],
             }
             sizes = [self._ctx.seq_state_size(e.slot) for e in kept]
+            # The logits each entry kept, after every entry's state (its header says after
+            # how many tokens): a prompt that is one of them samples without decoding, from
+            # the logits the saving process had.
+            rows = [np.asarray(k[1], _LOGITS).tobytes() for e in kept if (k := _saved_logits(e))]
 
             def write_kv(out: bytearray, offset: int, size: int) -> int:
                 at = offset
@@ -818,9 +833,13 @@ class KVStore:
                     n = self._ctx.seq_state_into(entry.slot, out, at + _BLOB_LEN.size, most)
                     _BLOB_LEN.pack_into(out, at, n)
                     at += _BLOB_LEN.size + n
+                for row in rows:
+                    _BLOB_LEN.pack_into(out, at, len(row))
+                    out[at + _BLOB_LEN.size : at + _BLOB_LEN.size + len(row)] = row
+                    at += _BLOB_LEN.size + len(row)
                 return at - offset
 
-            total = sum(sizes) + _BLOB_LEN.size * len(kept)
+            total = sum(sizes) + sum(map(len, rows)) + _BLOB_LEN.size * (len(kept) + len(rows))
             data = statefile.encode(header, total, write_kv, statefile.CACHE)
         statefile.write_atomic(path, data, statefile.CACHE)
         return len(kept)
@@ -855,14 +874,16 @@ class KVStore:
             )
         statefile.check_kv_types(header, self._ctx.kv_types, f"the cache file {os.fspath(path)!r}")
         items = _checked_entries(header, self._vocab, self._ctx.n_ctx)
-        blobs = _split_blobs(kv, len(items))
+        kept = [n for _, _, n in items if n is not None]
+        blobs = _split_blobs(kv, len(items) + len(kept))
+        rows = iter(_logits_rows(blobs[len(items) :], kept, self._vocab.n_vocab))
         loaded: list[Entry] = []
         with self._lock:
             # What the cache holds already is not loaded again (a file saved from this cache:
             # its pinned entries would take the slots its parked ones need).
             todo = [
-                (tokens, pinned, blob)
-                for (tokens, pinned), blob in zip(items, blobs, strict=True)
+                (tokens, pinned, blob, next(rows) if n is not None else None)
+                for (tokens, pinned, n), blob in zip(items, blobs, strict=False)
                 if (pinned or self.enabled) and not self._covered(tokens, pinned)
             ]
             # Shortest first: an entry shares the cells of the longest prefix that one loaded
@@ -871,7 +892,7 @@ class KVStore:
             todo.sort(key=lambda item: len(item[0]))
             # Slots other threads' live sequences hold come back (loading waits for them as
             # any open does); pinned ones and this thread's own do not.
-            n_pinned = sum(pinned for _, pinned, _ in todo)
+            n_pinned = sum(item[1] for item in todo)
             me = this_thread()
             pinned_now = sum(e.state == "pinned" for e in self._entries.values())
             mine = sum(e.state == "live" and e.owner is me for e in self._entries.values())
@@ -889,9 +910,10 @@ class KVStore:
             deadline = self._deadline()  # one slot_timeout for the whole file
             self._local.loading = True
             try:
-                for tokens, pinned, blob in todo:
+                for tokens, pinned, blob, logits in todo:
                     loaded.append(self._load_entry(tokens, blob, deadline))
                     loaded[-1].state = "pinned" if pinned else "parked"
+                    loaded[-1].end_logits = logits
             except BaseException:
                 for entry in loaded:
                     if entry.state != "dropped":  # an evicted one's slot may be another's now
@@ -903,7 +925,7 @@ class KVStore:
                 if entry.state != "dropped":
                     self._dedupe(entry)
             self._fit_budget()
-            return sum(self._covered(t, pinned) for t, pinned in items if pinned or self.enabled)
+            return sum(self._covered(t, pinned) for t, pinned, _ in items if pinned or self.enabled)
 
     def _covered(self, tokens: list[int], pinned: bool) -> bool:
         """Whether an entry holds ``tokens`` already, as :meth:`_dedupe` would keep it over a
@@ -965,10 +987,26 @@ class KVStore:
             self._ctx.share_prefix(best.slot, entry.slot, n_best)
 
 
+def _entry_header(entry: Entry) -> dict[str, Any]:
+    """What a cache file's header says of an entry: its tokens, whether it is pinned, and
+    after how many of them the logits it kept are (written after every entry's state)."""
+    out: dict[str, Any] = {"tokens": entry.tokens, "pinned": entry.state == "pinned"}
+    if kept := _saved_logits(entry):
+        out["logits"] = kept[0]
+    return out
+
+
+def _saved_logits(entry: Entry) -> tuple[int, np.ndarray] | None:
+    """The logits a cache file keeps for ``entry``: those it kept after some of its tokens."""
+    kept = entry.end_logits
+    return kept if kept is not None and kept[0] <= len(entry.tokens) else None
+
+
 def _checked_entries(
     header: dict[str, Any], vocab: Vocab, n_ctx: int
-) -> list[tuple[list[int], bool]]:
-    """The (tokens, pinned) of each entry a cache file's header lists.
+) -> list[tuple[list[int], bool, int | None]]:
+    """The (tokens, pinned, after how many tokens its kept logits are) of each entry a cache
+    file's header lists.
 
     Raises:
         StateFileError: the header is malformed (a forged file whose checksum was recomputed),
@@ -992,7 +1030,31 @@ def _checked_entries(
             raise StateFileError(
                 f"a cache entry holds {len(checked)} tokens, more than the context's {n_ctx}"
             )
-        out.append((checked, bool(item.get("pinned"))))
+        n = item.get("logits")
+        if n is not None and not (type(n) is int and 0 < n <= len(checked)):
+            raise StateFileError(f"a cache entry's logits follow {n!r:.20} of its tokens")
+        out.append((checked, bool(item.get("pinned")), n))
+    return out
+
+
+def _logits_rows(
+    blobs: list[memoryview], after: list[int], n_vocab: int
+) -> list[tuple[int, np.ndarray]]:
+    """The kept logits a cache file holds, each as an entry keeps them: (after how many
+    tokens, a read-only row of ``n_vocab`` logits).
+
+    Raises:
+        StateFileError: a row is not ``n_vocab`` logits.
+    """
+    out = []
+    for n, blob in zip(after, blobs, strict=True):
+        if len(blob) != n_vocab * _LOGITS.itemsize:
+            raise StateFileError(
+                f"a cache entry's logits are {len(blob)} bytes, not {n_vocab} float32 values"
+            )
+        row = np.frombuffer(blob, dtype=_LOGITS).astype(np.float32)
+        row.flags.writeable = False
+        out.append((n, row))
     return out
 
 
