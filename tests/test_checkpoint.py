@@ -9,6 +9,7 @@ import struct
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -265,6 +266,43 @@ def test_save_load_in_a_new_process_continues_identically(
     assert json.loads(out.stdout) == expected
 
 
+def test_a_checkpoint_from_another_process_is_refused(model_path: Path, tmp_path: Path) -> None:
+    """Stamps came from a counter every process started at 1: a checkpoint pickled in one
+    process matched a sequence of the same shape in another, and the rewind installed the
+    other process's RNG state."""
+    script = textwrap.dedent(f"""
+        import pickle, sys, lcgen
+        model = lcgen.Model({str(model_path)!r}, n_ctx=256)
+        seq = model.sequence(sys.argv[1], seed=1)
+        seq.generate(max_tokens=5, temperature=0.8)
+        path = {str(tmp_path / "cp.pickle")!r}
+        if sys.argv[2] == "save":
+            with open(path, "wb") as f:
+                pickle.dump(seq.checkpoint(), f)
+        else:
+            with open(path, "rb") as f:
+                cp = pickle.load(f)
+            try:
+                seq.rewind(cp)
+                print("taken")
+            except lcgen.RewindError as exc:
+                print("refused:", exc)
+    """)
+
+    def run(prompt: str, mode: str) -> str:
+        done = subprocess.run(
+            [sys.executable, "-c", script, prompt, mode],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=300,
+        )
+        return done.stdout
+
+    run("The capital of France is", "save")
+    assert "refused: the checkpoint" in run("My favourite food is tasty", "load")
+
+
 def _saved(model: lcgen.Model) -> bytearray:
     with model.sequence(PROMPT) as seq:
         seq.generate(max_tokens=4)
@@ -330,6 +368,32 @@ def test_load_rejects_other_versions_and_models(model: lcgen.Model) -> None:
     with pytest.raises(lcgen.StateFileError, match="another model"):
         lcgen.Sequence.from_bytes(model, other)
     assert model.cache.stats.live == 0
+
+
+def test_saving_while_another_thread_generates_writes_only_files_that_load(
+    model: lcgen.Model, tmp_path: Path
+) -> None:
+    """The header's decoded count was read before the cells were copied, while the other
+    thread went on decoding: saves raised "could not copy the state", or wrote a file that
+    did not load back ("says 61 tokens have KV cells, its state holds 62"), replacing a good
+    one."""
+    path = tmp_path / "busy.lcs"
+    no_end = {t: float("-inf") for t in range(model.n_vocab) if model.is_eog(t)}
+    with model.sequence("A long story begins:", seed=5) as seq:
+        worker = threading.Thread(
+            target=lambda: seq.generate(max_tokens=60, temperature=0.8, logit_bias=no_end)
+        )
+        worker.start()
+        saved = 0
+        while worker.is_alive():
+            try:
+                seq.save(path)
+            except lcgen.RewindError:  # caught between a decode and its count: refused
+                continue
+            saved += 1
+            lcgen.Sequence.load(model, path).close()
+        worker.join()
+        assert saved > 0 and seq.n_tokens == len(model.tokenize("A long story begins:")) + 60
 
 
 def test_save_is_atomic(

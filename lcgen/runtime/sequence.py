@@ -15,7 +15,7 @@ from lcgen.decoding import Chunk, GenerateOptions, Generator, Plan, Text, make_p
 from lcgen.decoding.results import SchemaLike, check_parsed, parse_structured
 from lcgen.decoding.sampling import check_seed
 from lcgen.decoding.speculation import Drafter
-from lcgen.errors import ContextFullError, StateFileError
+from lcgen.errors import ContextFullError, RewindError, StateFileError
 from lcgen.runtime import statefile
 from lcgen.runtime.backtrack import Backtracker
 from lcgen.runtime.checkpoint import RngState
@@ -111,22 +111,32 @@ class Sequence(TokenSequence):
     def to_bytes(self) -> bytearray:
         """The sequence as bytes: KV state, tokens, sampler state and the model's fingerprint."""
         self._check_open()
-        if 0 < self._n_decoded == len(self._tokens):
-            self._trim_kv(self._n_decoded - 1)  # saved sequences keep their last token pending
-        header: dict[str, Any] = {
-            "model": self.model.fingerprint,
-            "kv": list(self._ctx.kv_types),
-            "tokens": self._whole_tokens(),
-            "n_decoded": self._n_decoded,
-            "rng": self._rng.bit_generator.state,
-            "rng_log": [[pos, state] for pos, state in sorted(self._rng_log.items())],
-        }
-        size = self._ctx.seq_state_size(self._slot)
+        # No decode runs meanwhile; one another thread made but has not counted yet shows as
+        # cells past the decoded tokens (the file would not load back): refused.
+        with self._ctx.lock:
+            if 0 < self._n_decoded == len(self._tokens):
+                self._trim_kv(self._n_decoded - 1)  # saved ones keep their last token pending
+            n_decoded, tokens = self._n_decoded, self._whole_tokens()
+            held = self._ctx.ledger.held(self._slot)
+            if held != n_decoded or not n_decoded < max(1, len(tokens)):
+                raise RewindError(
+                    "the sequence changed while it was saved: drive a sequence (saving it too) "
+                    "from one thread at a time"
+                )
+            header: dict[str, Any] = {
+                "model": self.model.fingerprint,
+                "kv": list(self._ctx.kv_types),
+                "tokens": tokens,
+                "n_decoded": n_decoded,
+                "rng": self._rng.bit_generator.state,
+                "rng_log": [[pos, state] for pos, state in sorted(self._rng_log.items())],
+            }
+            size = self._ctx.seq_state_size(self._slot)
 
-        def write_kv(out: bytearray, offset: int, size: int) -> int:
-            return self._ctx.seq_state_into(self._slot, out, offset, size)
+            def write_kv(out: bytearray, offset: int, size: int) -> int:
+                return self._ctx.seq_state_into(self._slot, out, offset, size)
 
-        return statefile.encode(header, size, write_kv)
+            return statefile.encode(header, size, write_kv)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`to_bytes` to ``path`` atomically (a crash never leaves a broken file).

@@ -22,6 +22,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
+import secrets
 import weakref
 from collections.abc import Sequence as Seq
 from pathlib import Path
@@ -39,7 +40,9 @@ from lcgen.runtime.context import Context, DecodeRequest, finished
 from lcgen.runtime.kvstore import Entry, KVStore, common_prefix, this_thread
 from lcgen.vocab import Vocab
 
-_stamps = itertools.count(1)
+# Starting at random: a checkpoint pickled in another process (whose counter made the same
+# stamps) is refused by the sequences here instead of taken for one of theirs.
+_stamps = itertools.count(secrets.randbits(62) + 1)
 
 
 class ModelLike(Protocol):
