@@ -132,7 +132,7 @@ def test_an_identical_prompt_starts_from_its_first_logits(
 
 def test_kept_logits_serve_every_entry_point(model: lcgen.Model) -> None:
     """Sequences, batches, forks, streams and pinned prompts start from kept logits; a save
-    keeps the last token pending (the file format) and loads to the same continuation."""
+    keeps them too (the sequence stays as it was) and loads to the same continuation."""
     prompt = "Three facts about the planet Mars:"
     tokens = model.tokenize(prompt)
     first = str(model.generate(prompt, max_tokens=8))
@@ -146,11 +146,13 @@ def test_kept_logits_serve_every_entry_point(model: lcgen.Model) -> None:
         with seq.fork() as child:
             assert str(child.generate(max_tokens=8)) == first
         data = seq.to_bytes()
-        assert seq.n_decoded == len(seq) - 1
+        assert seq.n_decoded == len(seq)
         assert str(seq.generate(max_tokens=8)) == first
     with lcgen.Sequence.from_bytes(model, data) as loaded:
-        assert loaded.n_decoded == len(tokens) - 1
+        assert loaded.n_decoded == len(tokens)
+        before = model.context.n_decoded
         assert str(loaded.generate(max_tokens=8)) == first
+        assert model.context.n_decoded - before == 7
     pinned = "You are a geologist. Name a rock:"
     assert model.cache.pin(pinned) == len(model.tokenize(pinned))
     before = model.context.n_decoded
@@ -1067,6 +1069,23 @@ def test_a_saved_cache_loads_in_another_model_and_skips_the_prefix(
     model.cache.unpin(FEW_SHOT)
 
 
+def test_a_file_entry_the_cache_holds_already_leaves_the_next_ones_their_logits(
+    model_path: Path, tmp_path: Path
+) -> None:
+    """Entries skipped on load (held already) took no row of logits, so each entry after them
+    took the row of the one before: a call on B drew its first token from A's logits."""
+    a, b, path = "The capital of France is", "I love eating fresh fish", tmp_path / "ab.lcc"
+    with lcgen.Model(model_path, n_ctx=512) as first:
+        first.generate(a, max_tokens=3)  # (listed first)
+        expected = str(first.generate(b, max_tokens=3))
+        assert first.cache.save(path) == 2
+    with lcgen.Model(model_path, n_ctx=512) as other:
+        other.generate(a, max_tokens=3)  # the file's entry of A is held: skipped
+        assert other.cache.load(path) == 2
+        assert other.cache.cached(b) == len(other.tokenize(b))
+        assert str(other.generate(b, max_tokens=3)) == expected
+
+
 def test_an_entry_parked_with_cells_past_its_tokens_keeps_its_tokens_only(
     model: lcgen.Model, tmp_path: Path
 ) -> None:
@@ -1125,6 +1144,7 @@ def test_a_damaged_cache_file_raises_and_loads_nothing(
         ("far cell", "not at consecutive positions"),
         ("short logits", "logits are 16 bytes, not 49152 float32 values"),
         ("logits past the tokens", "logits follow 99 of its tokens"),
+        ("nan logits", "logits are not all finite"),  # (every call on it raised DecodeError)
     ],
 )
 def test_a_forged_cache_file_with_a_valid_checksum_loads_nothing(
@@ -1153,6 +1173,9 @@ def test_a_forged_cache_file_with_a_valid_checksum_loads_nothing(
             struct.pack_into("<i", blob, 16 + 12 * (n - 1), 4999)  # the last cell's position
         elif forgery == "short logits":
             logits = struct.pack("<Q", 16) + bytes(16)
+        elif forgery == "nan logits":
+            row = np.full(small.n_vocab, np.nan, dtype="<f4").tobytes()
+            logits = struct.pack("<Q", len(row)) + row
         else:
             header["entries"][0]["logits"] = 99
         forged = struct.pack("<Q", len(blob)) + bytes(blob) + logits
@@ -1250,6 +1273,7 @@ def test_saving_to_a_folder_or_a_missing_one_raises_a_state_file_error(
         for target, reason in [
             (tmp_path / "files", "it is a directory"),
             (tmp_path / "missing" / "s.lcs", "No such file or directory"),
+            ("", "the path is empty"),  # (it said "it is a directory")
         ]:
             with pytest.raises(lcgen.StateFileError, match=reason) as err:
                 seq.save(target)
@@ -1258,6 +1282,16 @@ def test_saving_to_a_folder_or_a_missing_one_raises_a_state_file_error(
                 model.cache.save(target)
             assert f"cannot write cache file {str(target)!r}" in str(err.value)
             assert ".tmp" not in str(err.value)
+        # a bytes path is a path (it raised "a bytes-like object is required, not 'str'")
+        seq.save(bytes(tmp_path / "b.lcs"))
+        lcgen.Sequence.load(model, bytes(tmp_path / "b.lcs")).close()
+        for bad in (None, 3):  # (os's message named no parameter)
+            for call in (seq.save, model.cache.save, model.cache.load):
+                with pytest.raises(TypeError, match=r"file's path is a str or os\.PathLike, got"):
+                    call(bad)  # type: ignore[arg-type]
+            with pytest.raises(TypeError, match=r"sequence file's path is a str or os\.PathLike"):
+                lcgen.Sequence.load(model, bad)  # type: ignore[arg-type]
+    (tmp_path / "b.lcs").unlink()
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["files"]  # no temp file left
 
 

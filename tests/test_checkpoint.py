@@ -550,6 +550,40 @@ def test_threads_saving_to_one_path_all_succeed_and_orphans_are_removed(
     assert [p.name for p in tmp_path.iterdir()] == ["shared.lcs"]
 
 
+def test_saving_a_sequence_whose_logits_are_kept_leaves_it_as_it_was(model: lcgen.Model) -> None:
+    """Every token decoded, with the logits after them kept (a prefilled sequence, one opened
+    on a cached prompt): a save cut the last token's cell and dropped the logits, so the next
+    step decoded the token again, alone, and its logits moved (0.067 seen on the first token);
+    the file keeps the logits too, and the loaded copy samples from them."""
+    prompt = "A prefilled prompt, saved before it generates anything at all"
+    model.cache.clear()
+    with model.sequence(prompt) as plain:
+        plain.prefill()
+        expected = plain.generate(max_tokens=6, logprobs=0)
+    model.cache.clear()
+    with model.sequence(prompt) as seq:
+        seq.prefill()
+        data = seq.to_bytes()
+        out = seq.generate(max_tokens=6, logprobs=0)
+        assert out.tokens == expected.tokens and out.stats.decoded == expected.stats.decoded == 5
+        assert [e.logprob for e in out.logprobs] == [e.logprob for e in expected.logprobs]
+    with lcgen.Sequence.from_bytes(model, data) as loaded:
+        before = model.context.n_decoded
+        again = loaded.generate(max_tokens=6, logprobs=0)
+        assert model.context.n_decoded - before == 5  # the logits came with the file
+        assert again.logprobs[0].logprob == expected.logprobs[0].logprob
+    header, kv = ckpt.decode(data)
+    assert header["logits"] is True
+    short = _encode(header, kv[:1000])
+    with pytest.raises(lcgen.StateFileError, match=r"logits are cut short \(1000 bytes\)"):
+        lcgen.Sequence.from_bytes(model, short)
+    nan = np.full(model.n_vocab, np.nan, dtype="<f4").tobytes()
+    forged = _encode(header, memoryview(bytes(kv[: len(kv) - len(nan)]) + nan))
+    with pytest.raises(lcgen.StateFileError, match="logits are not all finite"):
+        lcgen.Sequence.from_bytes(model, forged)
+    assert model.cache.stats.live == 0
+
+
 def _forged(model: lcgen.Model, **changes: object) -> bytearray:
     """A saved sequence with header fields changed and the checksum recomputed."""
     header, kv = ckpt.decode(_saved(model))
@@ -574,6 +608,8 @@ def _forged(model: lcgen.Model, **changes: object) -> bytearray:
         # (OverflowError escaped)
         ({"rng": {"bit_generator": "PCG64", "state": {"state": 2**200, "inc": 1}}}, "malformed"),
         ({"rng_log": [[3, {"bit_generator": "PCG64", "state": {"state": -1}}]]}, "malformed"),
+        ({"logits": 1}, "'logits' field is malformed"),
+        ({"logits": True}, "all have, with the logits after them"),  # (its last one pending)
     ],
 )
 def test_forged_headers_with_a_valid_checksum_are_refused(

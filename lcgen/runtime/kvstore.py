@@ -877,13 +877,14 @@ class KVStore:
         kept = [n for _, _, n in items if n is not None]
         blobs = _split_blobs(kv, len(items) + len(kept))
         rows = iter(_logits_rows(blobs[len(items) :], kept, self._vocab.n_vocab))
+        row_of = [next(rows) if n is not None else None for _, _, n in items]  # (file order)
         loaded: list[Entry] = []
         with self._lock:
             # What the cache holds already is not loaded again (a file saved from this cache:
             # its pinned entries would take the slots its parked ones need).
             todo = [
-                (tokens, pinned, blob, next(rows) if n is not None else None)
-                for (tokens, pinned, n), blob in zip(items, blobs, strict=False)
+                (tokens, pinned, blob, row)
+                for (tokens, pinned, _), blob, row in zip(items, blobs, row_of, strict=False)
                 if (pinned or self.enabled) and not self._covered(tokens, pinned)
             ]
             # Shortest first: an entry shares the cells of the longest prefix that one loaded
@@ -1053,6 +1054,8 @@ def _logits_rows(
                 f"a cache entry's logits are {len(blob)} bytes, not {n_vocab} float32 values"
             )
         row = np.frombuffer(blob, dtype=_LOGITS).astype(np.float32)
+        if not np.isfinite(row).all():  # (llama.cpp writes none; a call would blame the model)
+            raise StateFileError("a cache entry's logits are not all finite numbers")
         row.flags.writeable = False
         out.append((n, row))
     return out

@@ -27,6 +27,7 @@ from lcgen.runtime.tokens import ModelLike, TokenSequence, check_model
 _M = TypeVar("_M")
 
 
+_LOGITS = np.dtype("<f4")  # a saved row of logits
 _LOAD_INTO = (
     "Sequence.load/from_bytes(model, ...) expects the lcgen.Model to load into as its first "
     "argument"
@@ -114,11 +115,15 @@ class Sequence(TokenSequence):
         # No decode runs meanwhile; one another thread made but has not counted yet shows as
         # cells past the decoded tokens (the file would not load back): refused.
         with self._ctx.lock:
-            if 0 < self._n_decoded == len(self._tokens):
-                self._trim_kv(self._n_decoded - 1)  # saved ones keep their last token pending
-            n_decoded, tokens = self._n_decoded, self._whole_tokens()
+            tokens = self._whole_tokens()
+            # Every token decoded: with the logits after them kept, those are saved too (the
+            # sequence stays as it is); else the last token's cell goes, kept pending.
+            kept = self.kept_logits() if len(tokens) == len(self._tokens) else None
+            if kept is None and 0 < self._n_decoded == len(self._tokens):
+                self._trim_kv(self._n_decoded - 1)
+            n_decoded = self._n_decoded
             held = self._ctx.ledger.held(self._slot)
-            if held != n_decoded or not n_decoded < max(1, len(tokens)):
+            if held != n_decoded or not n_decoded < max(1, len(tokens)) + (kept is not None):
                 raise RewindError(
                     "the sequence changed while it was saved: drive a sequence (saving it too) "
                     "from one thread at a time"
@@ -131,12 +136,17 @@ class Sequence(TokenSequence):
                 "rng": self._rng.bit_generator.state,
                 "rng_log": [[pos, state] for pos, state in sorted(self._rng_log.items())],
             }
+            row = b"" if kept is None else np.asarray(kept, _LOGITS).tobytes()
+            if row:
+                header["logits"] = True  # a row of them after the KV state
             size = self._ctx.seq_state_size(self._slot)
 
             def write_kv(out: bytearray, offset: int, size: int) -> int:
-                return self._ctx.seq_state_into(self._slot, out, offset, size)
+                n = self._ctx.seq_state_into(self._slot, out, offset, size - len(row))
+                out[offset + n : offset + n + len(row)] = row
+                return n + len(row)
 
-            return statefile.encode(header, size, write_kv)
+            return statefile.encode(header, size + len(row), write_kv)
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`to_bytes` to ``path`` atomically (a crash never leaves a broken file).
@@ -156,7 +166,15 @@ class Sequence(TokenSequence):
         """
         check_model(model, _LOAD_INTO)
         header, kv = statefile.decode(data)
-        tokens, n_decoded = _checked_header(header, model)
+        tokens, n_decoded, logits = _checked_header(header, model)
+        row = None
+        if logits:  # the logits after every token, after the KV state
+            n_row = model.vocab.n_vocab * _LOGITS.itemsize
+            if len(kv) < n_row:
+                raise StateFileError(f"the saved sequence's logits are cut short ({len(kv)} bytes)")
+            kv, row = kv[:-n_row], np.frombuffer(kv[-n_row:], _LOGITS)
+            if not np.isfinite(row).all():
+                raise StateFileError("the saved sequence's logits are not all finite numbers")
         seq = cls(model)
         try:
             n_cells = seq._ctx.set_seq_state(seq._slot, kv) if n_decoded else 0
@@ -175,6 +193,8 @@ class Sequence(TokenSequence):
             raise
         seq.append_tokens(tokens)
         seq._n_decoded = n_decoded
+        if row is not None:
+            seq.keep_logits(row)
         return seq
 
     @classmethod
@@ -374,8 +394,9 @@ def _checked_rng_log(log: object, n_tokens: int, rng: np.random.Generator) -> di
     return out
 
 
-def _checked_header(header: dict[str, Any], model: ModelLike) -> tuple[list[int], int]:
-    """The tokens and decoded count of a saved sequence's header, checked.
+def _checked_header(header: dict[str, Any], model: ModelLike) -> tuple[list[int], int, bool]:
+    """The tokens, decoded count and whether the logits after them follow the KV state, of a
+    saved sequence's header, checked.
 
     Raises:
         StateFileError: another model, more tokens than the context, or fields of the wrong
@@ -399,9 +420,14 @@ def _checked_header(header: dict[str, Any], model: ModelLike) -> tuple[list[int]
             f"the saved sequence has {len(tokens)} tokens, more than the context of "
             f"{model.context.n_ctx}: load the model with a larger n_ctx"
         )
-    if type(n_decoded) is not int or not 0 <= n_decoded < max(1, len(tokens)):
+    logits = header.get("logits", False)
+    if type(logits) is not bool or (logits and not tokens):
+        raise StateFileError(f"the saved sequence's 'logits' field is malformed: {logits!r:.20}")
+    last = len(tokens) if logits else max(0, len(tokens) - 1)
+    if type(n_decoded) is not int or not 0 <= n_decoded <= last or (logits and n_decoded < last):
+        why = "all have" if logits else "the last one never has"
         raise StateFileError(
             f"the saved sequence says {n_decoded!r} of its {len(tokens)} tokens have KV cells "
-            "(the last one never has)"
+            f"({why}, {'with' if logits else 'without'} the logits after them)"
         )
-    return tokens, n_decoded
+    return tokens, n_decoded, logits

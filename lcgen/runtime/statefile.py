@@ -151,12 +151,16 @@ def write_atomic(
             temporary file is left behind.
     """
 
+    path = _path(path, kind)
+
     def refused(reason: str) -> StateFileError:
         return StateFileError(f"cannot write {kind[1]} file {str(path)!r}: {reason}")
 
-    if os.fspath(path).endswith(("/", os.sep)):  # (Path drops the slash: a file was written)
+    if not path:
+        raise refused("the path is empty")
+    if path.endswith(("/", os.sep)):  # (Path drops the slash: a file was written)
         raise refused("the path ends in a separator, as a folder's does")
-    if "\0" in str(os.fspath(path)):  # (os calls say "embedded null byte", naming no file)
+    if "\0" in path:  # (os calls say "embedded null byte", naming no file)
         raise refused("a path holds no NUL character")
     target = Path(path)
     try:
@@ -217,6 +221,20 @@ def _is_alive(pid: int) -> bool:
     return True
 
 
+def _path(path: object, kind: FileKind) -> str:
+    """``path`` as text (bytes decoded as the file system does).
+
+    Raises:
+        TypeError: ``path`` is not a path (str, bytes or os.PathLike).
+    """
+    try:
+        return os.fsdecode(path)  # type: ignore[arg-type]  # (checked here)
+    except TypeError:
+        raise TypeError(
+            f"a {kind[1]} file's path is a str or os.PathLike, got {type(path).__name__}"
+        ) from None
+
+
 def read_file(path: str | os.PathLike[str], kind: FileKind = SEQUENCE) -> bytes:
     """Read a saved state.
 
@@ -224,6 +242,7 @@ def read_file(path: str | os.PathLike[str], kind: FileKind = SEQUENCE) -> bytes:
         StateFileError: the file cannot be read, or is not a regular file (a device such as
             /dev/zero would be read until memory ran out, a pipe could block forever).
     """
+    path = _path(path, kind)
     try:
         if not stat.S_ISREG(os.stat(path).st_mode):
             raise StateFileError(
