@@ -567,7 +567,10 @@ def test_saving_a_sequence_whose_logits_are_kept_leaves_it_as_it_was(model: lcge
         out = seq.generate(max_tokens=6, logprobs=0)
         assert out.tokens == expected.tokens and out.stats.decoded == expected.stats.decoded == 5
         assert [e.logprob for e in out.logprobs] == [e.logprob for e in expected.logprobs]
+    stats = model.cache.stats
     with lcgen.Sequence.from_bytes(model, data) as loaded:
+        # it looked for no cached prefix: neither a hit nor a miss (each load was a miss)
+        assert (model.cache.stats.hits, model.cache.stats.misses) == (stats.hits, stats.misses)
         before = model.context.n_decoded
         again = loaded.generate(max_tokens=6, logprobs=0)
         assert model.context.n_decoded - before == 5  # the logits came with the file

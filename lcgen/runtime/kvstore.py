@@ -111,7 +111,7 @@ class CacheStats:
 
     Attributes:
         hits: sequences that started from a cached prefix.
-        misses: sequences that found none.
+        misses: sequences that found none (a sequence loaded from a file looks for none).
         tokens_reused: prompt tokens those hits did not decode.
         tokens_decoded: every token the context decoded.
         evictions: parked entries dropped for room (slots, cells or the budget).

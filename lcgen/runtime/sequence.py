@@ -175,7 +175,8 @@ class Sequence(TokenSequence):
             kv, row = kv[:-n_row], np.frombuffer(kv[-n_row:], _LOGITS)
             if not np.isfinite(row).all():
                 raise StateFileError("the saved sequence's logits are not all finite numbers")
-        seq = cls(model)
+        with model.cache.uncounted():  # (it looks for no cached prefix: no hit, no miss)
+            seq = cls(model)
         try:
             n_cells = seq._ctx.set_seq_state(seq._slot, kv) if n_decoded else 0
             if n_cells != n_decoded:
