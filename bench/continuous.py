@@ -35,8 +35,10 @@ def _together(bench: Bench, n_tokens: int) -> Sample:
     with sample(prompt, num_samples=N_SAMPLES, seed=SEED) as state:
         seconds = time.perf_counter() - start
         tokens = state.tokens[0]
-    # The prompt once (its last token once per sample), then each sample's tokens but the last.
-    check_count("together", model.context.n_decoded - n_before, n_prompt - 1 + N_SAMPLES * n_tokens)
+    # The prompt once, whole (each sample draws its first token from the logits kept after
+    # it), then each sample's tokens but the last.
+    decoded = model.context.n_decoded - n_before
+    check_count("together", decoded, n_prompt + N_SAMPLES * (n_tokens - 1))
     for t in tokens:
         check_count("sample", len(t) - n_prompt, n_tokens)
     return Sample(seconds, N_SAMPLES * n_tokens, tuple(tokens[0][n_prompt:]))
