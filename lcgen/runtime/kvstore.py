@@ -38,7 +38,6 @@ from lcgen.vocab import Vocab
 
 EntryState = Literal["live", "parked", "pinned", "dropped"]
 _BLOB_LEN = struct.Struct("<Q")
-_LOGITS = np.dtype("<f4")  # a kept row of logits in a cache file
 # A thread waiting for a slot runs the garbage collector this often (seconds; see _wait).
 COLLECT_EVERY = 5.0
 
@@ -825,7 +824,7 @@ class KVStore:
             # The logits each entry kept, after every entry's state (its header says after
             # how many tokens): a prompt that is one of them samples without decoding, from
             # the logits the saving process had.
-            rows = [np.asarray(k[1], _LOGITS).tobytes() for e in kept if (k := _saved_logits(e))]
+            rows = [statefile.logits_bytes(k[1]) for e in kept if (k := _saved_logits(e))]
 
             def write_kv(out: bytearray, offset: int, size: int) -> int:
                 at = offset
@@ -1045,19 +1044,15 @@ def _logits_rows(
     tokens, a read-only row of ``n_vocab`` logits).
 
     Raises:
-        StateFileError: a row is not ``n_vocab`` logits.
+        StateFileError: a row is not ``n_vocab`` finite logits.
     """
     out = []
     for n, blob in zip(after, blobs, strict=True):
-        if len(blob) != n_vocab * _LOGITS.itemsize:
+        if len(blob) != n_vocab * statefile.LOGITS.itemsize:
             raise StateFileError(
                 f"a cache entry's logits are {len(blob)} bytes, not {n_vocab} float32 values"
             )
-        row = np.frombuffer(blob, dtype=_LOGITS).astype(np.float32)
-        if not np.isfinite(row).all():  # (llama.cpp writes none; a call would blame the model)
-            raise StateFileError("a cache entry's logits are not all finite numbers")
-        row.flags.writeable = False
-        out.append((n, row))
+        out.append((n, statefile.read_logits(blob, "a cache entry's")))
     return out
 
 

@@ -27,7 +27,6 @@ from lcgen.runtime.tokens import ModelLike, TokenSequence, check_model
 _M = TypeVar("_M")
 
 
-_LOGITS = np.dtype("<f4")  # a saved row of logits
 _LOAD_INTO = (
     "Sequence.load/from_bytes(model, ...) expects the lcgen.Model to load into as its first "
     "argument"
@@ -136,7 +135,7 @@ class Sequence(TokenSequence):
                 "rng": self._rng.bit_generator.state,
                 "rng_log": [[pos, state] for pos, state in sorted(self._rng_log.items())],
             }
-            row = b"" if kept is None else np.asarray(kept, _LOGITS).tobytes()
+            row = b"" if kept is None else statefile.logits_bytes(kept)
             if row:
                 header["logits"] = True  # a row of them after the KV state
             size = self._ctx.seq_state_size(self._slot)
@@ -169,12 +168,10 @@ class Sequence(TokenSequence):
         tokens, n_decoded, logits = _checked_header(header, model)
         row = None
         if logits:  # the logits after every token, after the KV state
-            n_row = model.vocab.n_vocab * _LOGITS.itemsize
+            n_row = model.vocab.n_vocab * statefile.LOGITS.itemsize
             if len(kv) < n_row:
                 raise StateFileError(f"the saved sequence's logits are cut short ({len(kv)} bytes)")
-            kv, row = kv[:-n_row], np.frombuffer(kv[-n_row:], _LOGITS)
-            if not np.isfinite(row).all():
-                raise StateFileError("the saved sequence's logits are not all finite numbers")
+            kv, row = kv[:-n_row], statefile.read_logits(kv[-n_row:], "the saved sequence's")
         with model.cache.uncounted():  # (it looks for no cached prefix: no hit, no miss)
             seq = cls(model)
         try:

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from lcgen._files import sync_folder
 from lcgen.errors import StateFileError
 
@@ -37,6 +39,7 @@ FileKind = tuple[bytes, str]  # (magic, what it holds: for messages)
 _HEAD = struct.Struct("<7sII")
 _KV_LEN = struct.Struct("<Q")
 _DIGEST = 32
+LOGITS = np.dtype("<f4")  # a saved row of logits (the ones kept after a prompt)
 
 
 def encode(
@@ -66,6 +69,25 @@ def encode(
         out[end : end + _DIGEST] = hashlib.sha256(view[:end]).digest()
     del out[end + _DIGEST :]
     return out
+
+
+def logits_bytes(row: np.ndarray) -> bytes:
+    """A row of logits as a file holds it (:data:`LOGITS`)."""
+    return np.asarray(row, LOGITS).tobytes()
+
+
+def read_logits(data: memoryview, what: str) -> np.ndarray:
+    """A row of logits from a file (its size checked by the caller), read-only.
+
+    Raises:
+        StateFileError: a value is not finite (llama.cpp writes none; a call would blame
+            the model).
+    """
+    row = np.frombuffer(data, dtype=LOGITS).astype(np.float32)
+    if not np.isfinite(row).all():
+        raise StateFileError(f"{what} logits are not all finite numbers")
+    row.flags.writeable = False
+    return row
 
 
 def check_kv_types(header: dict[str, Any], types: tuple[str, str], what: str) -> None:
