@@ -714,3 +714,36 @@ def test_compact_json_whitespace_writes_the_calls_without_whitespace(
     assert text == compact
     streamed = lcgen.Text.of(chat_model.chat_stream(ASK, json_whitespace="compact", **options))
     assert chat_model.detokenize(streamed.tokens) == text
+
+
+def test_results_and_a_question_after_them_make_one_user_turn() -> None:
+    # Templates such as Gemma's, Mistral's and Llama 2's refuse two user turns in a row: the
+    # results of parallel calls, and a question after a result, each made one more.
+    def call(call_id: str, q: str) -> dict[str, Any]:
+        arguments = json.dumps({"q": q})
+        return {
+            "id": call_id,
+            "type": "function",
+            "function": {"name": "f", "arguments": arguments},
+        }
+
+    messages: list[dict[str, Any]] = [
+        {"role": "user", "content": "Look up cats and dogs"},
+        {"role": "assistant", "content": None, "tool_calls": [call("a", "cats"), call("b", "dog")]},
+        {"role": "tool", "tool_call_id": "a", "content": "meow"},
+        {"role": "tool", "tool_call_id": "b", "content": "woof"},
+        {"role": "user", "content": "And birds?"},
+        {"role": "assistant", "content": None, "tool_calls": [call("c", "birds")]},
+        {"role": "tool", "tool_call_id": "c", "content": "tweet"},
+    ]
+    out = lcgen.tools.prompt_messages(messages)
+    assert [m["role"] for m in out] == ["user", "assistant", "user", "assistant", "user"]
+    assert out[2]["content"] == (
+        'The function f (called with {"q": "cats"}) returned: meow\n\n'
+        'The function f (called with {"q": "dog"}) returned: woof\n\nAnd birds?'
+    )
+    assert out[4]["content"] == "The function f returned: tweet"
+    # A user turn of content parts stays a turn of its own (nothing to join it to as text).
+    parts = [{"type": "text", "text": "And birds?"}]
+    out = lcgen.tools.prompt_messages([*messages[:4], {"role": "user", "content": parts}])
+    assert [m["role"] for m in out] == ["user", "assistant", "user", "user"]

@@ -158,6 +158,17 @@ def _otherwise(required: bool, formatted: bool) -> str:
     return " Otherwise reply in text."
 
 
+def _join_user_turn(out: list[dict[str, Any]], text: Any) -> bool:
+    """Add ``text`` to the user turn that ends ``out`` (templates such as Gemma's, Mistral's
+    and Llama 2's refuse two user turns in a row); False where either is not plain text
+    (content parts), which then stays a turn of its own."""
+    last = out[-1]
+    if not (isinstance(last["content"], str) and isinstance(text, str)):
+        return False
+    out[-1] = {**last, "content": f"{last['content']}\n\n{text}"}
+    return True
+
+
 def prompt_messages(
     messages: Seq[Mapping[str, Any]],
     tools: Seq[Tool] = (),
@@ -167,7 +178,9 @@ def prompt_messages(
 ) -> list[dict[str, Any]]:
     """Messages for the chat template: the tools described in the (first) system message,
     calls and results of earlier turns written out as text (``formatted``: a reply that is
-    not calls follows a response_format). Other keys of a message are kept.
+    not calls follows a response_format). Other keys of a message are kept. Results, and a
+    user message after them, go into one user turn (chat templates that check that the roles
+    alternate refuse two in a row).
 
     Raises:
         TypeError: a call of an assistant message is of another shape (see
@@ -176,6 +189,7 @@ def prompt_messages(
     """
     names: dict[str, str] = {}  # call id -> how its result names it
     out: list[dict[str, Any]] = []
+    result_at = -1  # the index in out of the last user turn that holds a result
     for i, message in enumerate(messages):
         role, text = message["role"], message.get("content") or ""
         if role == "assistant" and message.get("tool_calls"):
@@ -203,6 +217,12 @@ def prompt_messages(
                     f"before it made (their calls: {sorted(names) or 'none'})"
                 )
             role, text = "user", f"The function {names[call_id]} returned: {text}"
+            if out and out[-1]["role"] == "user" and _join_user_turn(out, text):
+                result_at = len(out) - 1
+                continue
+            result_at = len(out)
+        elif role == "user" and 0 <= result_at == len(out) - 1 and _join_user_turn(out, text):
+            continue  # (a question after the results: the same turn)
         kept = {key: value for key, value in message.items() if key not in _TOOL_KEYS}
         out.append({**kept, "role": role, "content": text})
     if tools:
