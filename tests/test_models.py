@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import stat
 import subprocess
 import sys
@@ -236,6 +237,18 @@ def test_unknown_name_lists_known_names_and_other_forms() -> None:
 def test_bad_references_raise_value_and_type_errors() -> None:
     with pytest.raises(ValueError, match=r"use hf:org/repo/file\.gguf"):
         models.resolve("hf:org/repo")
+    # A malformed repository id or file name is refused as such, not looked for (the message
+    # then offered a download command that could not work).
+    for ref, named in [
+        ("hf:a b/c/model.gguf", "'a b/c' is no Hugging Face repository id"),
+        ("hf:-bad-/repo/model.gguf", "'-bad-/repo' is no"),
+        ("hf:org/re..po/model.gguf", "'org/re..po' is no"),
+        ("hf:me/smol/../x.gguf", "'../x.gguf' goes outside its repository"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(named)):
+            models.resolve(ref)
+    hint = models.HFSource("org/repo", "my model Q4.gguf").install_hint()
+    assert hint.endswith(" download org/repo 'my model Q4.gguf'")  # as a shell reads it
     with pytest.raises(TypeError, match="int"):
         models.resolve(3)  # type: ignore[arg-type]
 

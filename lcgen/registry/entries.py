@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import os
+import shlex
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -71,7 +72,7 @@ class HFSource:
 
     def install_hint(self) -> str:
         """Return the command that downloads this file into the Hugging Face cache."""
-        return f"{hf_cli()} download {self.repo} {self.file}"
+        return f"{hf_cli()} download {shlex.quote(self.repo)} {shlex.quote(self.file)}"
 
 
 Source = WheelSource | ChunkedWheelSource | HFSource

@@ -13,6 +13,7 @@ import glob
 import hashlib
 import importlib.metadata
 import os
+import re
 import secrets
 import time
 from collections.abc import Sequence
@@ -167,11 +168,22 @@ def _existing_file(path: Path) -> Path:
     )
 
 
+# A part of a Hugging Face repository id (the owner or the name), as the Hub allows it.
+_HF_NAME = re.compile(r"(?!.*\.\.)[A-Za-z0-9_](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?")
+
+
 def _resolve_hf_ref(ref: str, *, download: bool) -> Path:
     parts = ref.removeprefix("hf:").split("/")
     if len(parts) < 3 or not all(parts):
         raise ValueError(f"{ref!r} is not a Hugging Face reference: use hf:org/repo/file.gguf")
     source = HFSource("/".join(parts[:2]), "/".join(parts[2:]))
+    if not all(_HF_NAME.fullmatch(part) for part in parts[:2]) or "--" in source.repo:
+        raise ValueError(
+            f"{ref!r}: the repository {source.repo!r} is no Hugging Face repository id (letters, "
+            "digits, '-', '_' and '.', neither first nor last, no '--' or '..')"
+        )
+    if any(part in (".", "..") for part in parts[2:]):
+        raise ValueError(f"{ref!r}: the file {source.file!r} goes outside its repository")
     try:
         return _hf_local(source)
     except _Unavailable as local_miss:
