@@ -30,6 +30,7 @@ from lcgen.constrain.llg import Matcher
 from lcgen.constrain.llg import refusal as llg_refusal
 from lcgen.constrain.pydantic_schema import pydantic_schema
 from lcgen.constrain.tables import LITERALS_AND_COMMENTS, tables, traits, utf8_tail
+from lcgen.constrain.unique import UniqueItems
 from lcgen.errors import GrammarError, GrammarTooSlowError
 from lcgen.vocab import HasVocab, Vocab, vocab_of
 
@@ -46,6 +47,9 @@ class Grammar:
         values: its sentences are values (a JSON Schema's, a choice's options): one that
             ``max_tokens`` cut where the grammar allows more is incomplete (``-1`` of
             ``-10000``, ``"yes"`` of ``"yes please"``), not only one cut before it matched.
+        unique: the JSON Schema whose arrays must hold unique items (``uniqueItems``), which
+            no grammar can say: generation holds them apart (see
+            :mod:`lcgen.constrain.unique`), and :meth:`accepts` checks them; None: none.
 
     Raises:
         GrammarError: the text does not parse (the message gives llama.cpp's reason and the
@@ -61,6 +65,7 @@ class Grammar:
     gbnf: str
     root: str = "root"
     values: bool = field(default=False, compare=False)
+    unique: UniqueItems | None = None
 
     def __post_init__(self) -> None:
         for name, value in (("gbnf", self.gbnf), ("root", self.root)):
@@ -170,8 +175,8 @@ class Grammar:
             raise TypeError(
                 f"a JSON Schema is a dict or JSON text, got {type(schema).__name__}{hint}"
             )
-        gbnf = schema_to_gbnf(schema, close_objects=close_objects, whitespace=whitespace)
-        return cls(gbnf, values=True)
+        gbnf, unique = schema_to_gbnf(schema, close_objects=close_objects, whitespace=whitespace)
+        return cls(gbnf, values=True, unique=UniqueItems.of(schema) if unique else None)
 
     @classmethod
     def from_pydantic(
@@ -263,8 +268,8 @@ class Grammar:
         return GrammarState(self, model)
 
     def accepts(self, model: Vocab | HasVocab, text: str) -> bool:
-        """Whether ``text`` is a complete sentence of the grammar (see
-        :meth:`GrammarState.accepts_text`)."""
+        """Whether ``text`` is a complete sentence of the grammar, with the items of
+        ``uniqueItems`` arrays unique (see :meth:`GrammarState.accepts_text`)."""
         with GrammarState(self, model) as state:
             return state.accepts_text(text)
 
@@ -730,7 +735,8 @@ class GrammarState:
         return self._vocab.eog_set
 
     def accepts_text(self, text: str, *, complete: bool = True) -> bool:
-        """Whether ``text`` (tokenized, then walked token by token from this state) is allowed.
+        """Whether ``text`` (tokenized, then walked token by token from this state) is allowed,
+        with the items of ``uniqueItems`` arrays unique (see :attr:`Grammar.unique`).
 
         Args:
             text: the text to walk; this state is not changed.
@@ -753,7 +759,13 @@ class GrammarState:
         with self.clone() as walker:
             if not all(walker.try_accept(t) for t in tokens):
                 return False
-            return walker.is_complete or not complete
+            if not (walker.is_complete or not complete):
+                return False
+        unique = self.grammar.unique
+        if unique is None:
+            return True
+        before = b"".join(self._vocab.piece(t) for t in self._tokens)
+        return not unique.duplicate_in(before.decode("utf-8", "replace") + text)
 
     def clone(self) -> GrammarState:
         """An independent copy of this state (for a checkpoint or a fork)."""

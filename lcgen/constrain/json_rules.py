@@ -196,9 +196,11 @@ PRIMITIVES = {
     "year": '[0-9]{3} [1-9] | [0-9]{2} [1-9] "0" | [0-9] [1-9] "00" | [1-9] "000"',
     "leap-year": f'[0-9]{{2}} {LEAP_YY} | {LEAP_YY} "00"',
     "h16": f"{HEX}{{1,4}}",
-    # At most 6 digits a field: every such duration fits a timedelta (under 10**9 days).
-    "dur-date": 'dur-n "Y" (dur-n "M")? (dur-n "D")? | dur-n "M" (dur-n "D")? | dur-n "D"',
-    "dur-time": 'dur-n "H" (dur-n "M")? (dur-n "S")? | dur-n "M" (dur-n "S")? | dur-n "S"',
+    # At most 6 digits a field: every such duration fits a timedelta (under 10**9 days). As
+    # RFC 3339's ABNF has it, a unit is left out only at the end: "P1Y1D" and "PT1H1S" are no
+    # durations (the month, the minute is missing between).
+    "dur-date": 'dur-n "Y" (dur-n "M" (dur-n "D")?)? | dur-n "M" (dur-n "D")? | dur-n "D"',
+    "dur-time": 'dur-n "H" (dur-n "M" (dur-n "S")?)? | dur-n "M" (dur-n "S")? | dur-n "S"',
     "dur-n": "[0-9]{1,6}",
     "day28": '"0" [1-9] | "1" [0-9] | "2" [0-8]',
     "date": DATE,
@@ -209,8 +211,11 @@ PRIMITIVES = {
     "lcgen-naive-date-time": 'date "T" naive-time',
     "naive-time": f'{HOUR} ":" [0-5] [0-9] ":" [0-5] [0-9] ("." [0-9]{{1,6}})?',
     "uuid": ' "-" '.join(f"{HEX}{{{n}}}" for n in (8, 4, 4, 4, 12)),
-    "email": '[A-Za-z0-9_%+-]+ ("." [A-Za-z0-9_%+-]+)* "@" label ("." label)+',
+    # The top-level domain ends in a letter (no TLD is all digits; pydantic's EmailStr, by
+    # email-validator, refuses "a@example.com1").
+    "email": '[A-Za-z0-9_%+-]+ ("." [A-Za-z0-9_%+-]+)* "@" label ("." label)* "." tld',
     "label": "[A-Za-z0-9] ([A-Za-z0-9-]* [A-Za-z0-9])?",
+    "tld": "([A-Za-z0-9] [A-Za-z0-9-]*)? [A-Za-z]",
     "ipv4": 'octet "." octet "." octet "." octet',
     # hostname: RFC 1123 labels; at most 8 of at most 30 characters keep it under 253 in all.
     "hostname": 'hlabel ("." hlabel){0,7}',
@@ -268,7 +273,7 @@ PRIMITIVES = {
 DEPENDS = {"value": ("object", "array", "string", "number"), "object": ("ws", "string", "value"),
            "array": ("ws", "value"), "string": ("char",), "date": ("year", "leap-year", "day28"),
            "date-time": ("date", "time"), "lcgen-naive-date-time": ("date", "naive-time"),
-           "email": ("label",), "ipv4": ("octet",),
+           "email": ("label", "tld"), "ipv4": ("octet",),
            "uri": ("uri-scheme", "uri-hier", "uri-tail"),
            "uri-reference": ("uri", "uri-relative"),
            "uri-relative": ("uri-auth", "uri-abempty", "uri-pchar", "uri-unres", "uri-tail"),
@@ -288,6 +293,7 @@ DEPENDS = {"value": ("object", "array", "string", "number"), "object": ("ws", "s
 # URI's host is no IP literal here): with minLength/maxLength they are bounded like a pattern
 # is (lcgen.constrain.regex.within_lengths).
 _LABEL = "[A-Za-z0-9](?:[A-Za-z0-9-]*[A-Za-z0-9])?"
+_TLD = "(?:[A-Za-z0-9][A-Za-z0-9-]*)?[A-Za-z]"
 _UNRES = "(?:[a-zA-Z0-9._~!$&'()*+,;=-]|%[0-9A-Fa-f]{2})"
 _PCHAR = f"(?:{_UNRES}|[:@])"
 _ABEMPTY = f"(?:/{_PCHAR}*)*"
@@ -298,7 +304,7 @@ _RELATIVE = f"(?://{_AUTH}{_ABEMPTY}|/(?:{_PCHAR}+{_ABEMPTY})?|(?:{_UNRES}|@)+{_
 FORMAT_PATTERNS = {
     "uri": f"^{_URI}$",
     "uri-reference": f"^(?:{_URI}|{_RELATIVE})$",
-    "email": f"^[A-Za-z0-9_%+-]+(?:\\.[A-Za-z0-9_%+-]+)*@{_LABEL}(?:\\.{_LABEL})+$",
+    "email": f"^[A-Za-z0-9_%+-]+(?:\\.[A-Za-z0-9_%+-]+)*@{_LABEL}(?:\\.{_LABEL})*\\.{_TLD}$",
     **dict.fromkeys(["binary", "password", "path"], "^[\\x00-\\x7f]*$"),
 }
 # The fewest and most characters of the other formats' texts.

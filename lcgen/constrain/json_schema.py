@@ -63,8 +63,10 @@ def schema_to_gbnf(
     *,
     close_objects: bool = False,
     whitespace: Literal["flexible", "compact"] = "flexible",
-) -> str:
-    """GBNF text whose root matches exactly JSON texts (a subset) valid against ``schema``.
+) -> tuple[str, bool]:
+    """GBNF text whose root matches exactly JSON texts (a subset) valid against ``schema``,
+    but for ``uniqueItems``, which no grammar can say; and whether the schema has arrays that
+    must hold unique items (:mod:`lcgen.constrain.unique` holds generation to them).
 
     Args:
         schema: the JSON Schema.
@@ -88,7 +90,8 @@ def schema_to_gbnf(
                 raise _schema_error(exc) from None
         with decimal.localcontext() as context:
             context.prec = 1000  # bounds such as 1e300 are whole numbers of 301 digits
-            return _Compiler(schema, close_objects, whitespace == "compact").compile()
+            compiler = _Compiler(schema, close_objects, whitespace == "compact")
+            return compiler.compile(), compiler.unique_items
     except Unsatisfiable as exc:  # internal: users see a plain GrammarError
         raise GrammarError(str(exc)) from None
     except RecursionError:
@@ -134,6 +137,11 @@ def _pointer(parts: Iterable[Any]) -> str:
     return "/".join(["#", *(str(p).replace("~", "~0").replace("/", "~1") for p in parts)])
 
 
+# ECMA-262 escapes Python's re lacks, which JSON Schema's patterns may use (zod writes
+# \p{Extended_Pictographic}): after an even number of backslashes.
+_ECMA_ONLY = re.compile(r"(?<!\\)(?:\\\\)*(\\[pP]\{[^}]*\}?|\\u\{[0-9a-fA-F]*\}?)")
+
+
 def _schema_error(exc: jsonschema.SchemaError) -> GrammarError:
     """The error for a schema its draft's meta-schema refuses, naming the keyword and where."""
     parts = list(exc.absolute_path)
@@ -148,6 +156,13 @@ def _schema_error(exc: jsonschema.SchemaError) -> GrammarError:
             return UnsupportedSchemaError(
                 f"{where}: the ECMA-262 named group in {exc.instance!r:.80} is not supported: "
                 "write (?:...)"
+            )
+        escape = _ECMA_ONLY.search(exc.instance) if isinstance(exc.instance, str) else None
+        if escape is not None:
+            return UnsupportedSchemaError(
+                f"{where}: the ECMA-262 escape {escape.group(1)!r} in {exc.instance!r:.80} (a "
+                "Unicode property class or code point) is not supported: write the characters "
+                "as a class such as [a-zA-Z\u00c0-\u024f]"
             )
     if not_finite(exc.instance) is not None:
         return GrammarError(

@@ -25,6 +25,7 @@ from lcgen.constrain import json_rules as spec
 from lcgen.constrain.json_numbers import NumberRules
 from lcgen.constrain.json_rules import Conj, NoValue, Unsatisfiable
 from lcgen.constrain.regex import json_string_literal, json_string_rules, regex_to_gbnf
+from lcgen.constrain.unique import canonical
 from lcgen.errors import GrammarError, UnsupportedSchemaError
 
 FALSE: dict[str, Any] = {"not": {}}  # "no value", in every draft
@@ -67,7 +68,9 @@ class _Members:
     repeats: bool  # an extra key may repeat a declared one
     numbered: Callable[[int], list[str]] | None  # n extra members whose keys are all distinct
     bounds: tuple[int, int | None]  # minProperties, maxProperties
-    memo: dict[tuple[int, bool, int], str] = dataclasses.field(default_factory=dict)
+    # (i, first, count) -> the rule, or why no members from there meet the bounds (a failure
+    # is kept too: else each of the 2**n ways to reach it would try again)
+    memo: dict[tuple[int, bool, int], str | Unsatisfiable] = dataclasses.field(default_factory=dict)
     undistinct: bool = False  # a way needed distinct extra keys, and numbered was None
 
 
@@ -145,6 +148,7 @@ class ValueCompiler:
         self.rules = g.RuleSet(reserved=[*spec.PRIMITIVES, "root"])
         self.numbers = NumberRules(self.rules)
         self.in_string: dict[str, str] = {}  # rules, and their copies inside a JSON string
+        self.unique_items = False  # an array must hold unique items: no grammar says that
         if compact:
             self.rules.define("ws", '""')
         base = root if isinstance(root, dict) else {}
@@ -418,10 +422,16 @@ class ValueCompiler:
                 break
         if rest_all is False:
             high = length if high is None else min(high, length)
-        if any(m.get("uniqueItems") for m in conj) and (high is None or high > 1):
-            raise UnsupportedSchemaError(
-                f"uniqueItems at {path} is not supported (unless maxItems <= 1)"
-            )
+        unique = any(m.get("uniqueItems") for m in conj)
+        if unique and length == 0 and (values := _values(rest_all)) is not None:
+            if low > values:  # (as many unique items as the items have values, at most)
+                raise NoValue(
+                    f"no array satisfies uniqueItems with minItems {low} at {path}: its items "
+                    f"take {values} value{'s' * (values != 1)}"
+                )
+            high = values if high is None else min(high, values)
+        if unique and (high is None or high > 1):
+            self.unique_items = True  # held to as the text is generated (lcgen.constrain.unique)
         if max(low, high or 0) > g.MAX_REPEAT:
             raise UnsupportedSchemaError(f"minItems/maxItems at {path} are over {g.MAX_REPEAT}")
         if high is not None and low > high:
@@ -691,8 +701,20 @@ class ValueCompiler:
         """Members i.. of an object in order (``count`` taken so far): required ones always,
         optional ones maybe, then extra ones, within min/maxProperties."""
         key = (i, first, count)
-        if key in m.memo:
-            return m.memo[key]
+        found = m.memo.get(key)
+        if isinstance(found, Unsatisfiable):
+            raise found
+        if found is not None:
+            return found
+        try:
+            rule = self._member_chain(m, i, first, count)
+        except Unsatisfiable as exc:
+            m.memo[key] = exc
+            raise
+        m.memo[key] = rule
+        return rule
+
+    def _member_chain(self, m: _Members, i: int, first: bool, count: int) -> str:
         comma = "" if first else '"," ws '
         if i == len(m.kvs):
             body = self.extra_members(m, comma, count)
@@ -711,8 +733,7 @@ class ValueCompiler:
             if not options:
                 raise Unsatisfiable("minProperties/maxProperties cannot be met")
             body = g.alternatives(options)
-        m.memo[key] = self.rules.add("members", body)
-        return m.memo[key]
+        return self.rules.add("members", body)
 
     def extra_members(self, m: _Members, comma: str, count: int) -> str:
         """The extra members after ``count`` declared ones. An extra key may repeat another
@@ -775,6 +796,25 @@ class ValueCompiler:
         others = g.subtract(others, g.SURROGATES)
         options.append(f"{g.char_class(others)} ({raw})*")
         return self.rules.add("key", " | ".join(options))
+
+
+def _values(schema: Any) -> int | None:
+    """How many values at most a schema has, where it says so plainly (``enum``, ``const``,
+    the types ``boolean`` and ``null``); None: more than it says plainly."""
+    if schema is False:
+        return 0
+    if not isinstance(schema, dict):
+        return None
+    found: list[int] = []
+    if isinstance(schema.get("enum"), list):
+        found.append(len({canonical(v) for v in schema["enum"]}))
+    if "const" in schema:
+        found.append(1)
+    types = schema.get("type")
+    types = [types] if isinstance(types, str) else types
+    if isinstance(types, list) and types and set(types) <= {"boolean", "null"}:
+        found.append(2 * ("boolean" in types) + ("null" in types))
+    return min(found) if found else None
 
 
 def _key_patterns(rules: list[Any]) -> list[str] | None:

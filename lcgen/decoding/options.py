@@ -208,6 +208,7 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
         seed=options.get("seed"),
         logit_bias=tuple(bias.items()) if bias else None,
     )
+    constraint = _constraint(options, schema)
     return Plan(
         max_tokens=max_tokens,
         sampler=sampler,
@@ -218,9 +219,9 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
         stop_tokens=_token_ids("stop_tokens", options.get("stop_tokens")),
         logprobs=logprobs,
         token_healing=_bool("token_healing", options.get("token_healing", False)),
-        constraint=_constraint(options, schema),
+        constraint=constraint,
         schema=schema,
-        backtracking=_backtracking(options),
+        backtracking=_backtracking(options, constraint),
         speculation=_speculation(options),
         # logprobs (0 too) give every token its log-probability: a forced token has none.
         fast_forward=_bool("fast_forward", options.get("fast_forward", True)) and logprobs is None,
@@ -282,6 +283,9 @@ def _constraint(options: GenerateOptions, schema: SchemaLike | None) -> Grammar 
     }
     if len(given) > 1:
         raise ValueError(f"give at most one of grammar, choice, regex, schema; got {sorted(given)}")
+    whitespace = options.get("json_whitespace", "flexible")  # (checked whatever is given)
+    if whitespace not in ("flexible", "compact"):
+        raise ValueError(f"json_whitespace must be 'flexible' or 'compact', got {whitespace!r}")
     grammar, choice, regex = options.get("grammar"), options.get("choice"), options.get("regex")
     if grammar is not None:
         if isinstance(grammar, str):
@@ -298,9 +302,6 @@ def _constraint(options: GenerateOptions, schema: SchemaLike | None) -> Grammar 
         return Grammar.choice(list(choice))
     if regex is not None:
         return Grammar.regex(regex)
-    whitespace = options.get("json_whitespace", "flexible")
-    if whitespace not in ("flexible", "compact"):
-        raise ValueError(f"json_whitespace must be 'flexible' or 'compact', got {whitespace!r}")
     if isinstance(schema, Mapping):
         return Grammar.from_json_schema(dict(schema), whitespace=whitespace)
     if isinstance(schema, str | bool):  # JSON Schema text, or the schemas true / false
@@ -328,7 +329,9 @@ def _sequence_of(options: GenerateOptions, name: str, items: str) -> tuple[Any, 
     return tuple(value)
 
 
-def _backtracking(options: GenerateOptions) -> Backtracking | None:
+def _backtracking(options: GenerateOptions, constraint: Grammar | None) -> Backtracking | None:
+    """The plan's backtracking settings; None where nothing can make it rewind (no hooks,
+    validators or banned phrases, and no arrays whose items must be unique)."""
     max_retries = _int("max_retries", options.get("max_retries", DEFAULT_MAX_RETRIES), low=0)
     lookback = _int("lookback", options.get("lookback", DEFAULT_LOOKBACK), low=1)
     banned = BannedPhrases(
@@ -341,7 +344,7 @@ def _backtracking(options: GenerateOptions) -> Backtracking | None:
         for fn in fns:
             if not callable(fn):
                 raise TypeError(f"{name} must be callables, got {fn!r}")
-    if not (hooks or validators or banned):
+    if not (hooks or validators or banned or (constraint and constraint.unique)):
         return None
     return Backtracking(hooks, validators, banned, max_retries, lookback)
 

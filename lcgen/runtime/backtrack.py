@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from lcgen.constrain.unique import UniqueScan
 from lcgen.decoding import Chunk, GenerationStats, Generator, Override, Resample, Rewind, Step
 from lcgen.decoding.options import Backtracking
 from lcgen.decoding.results import FinishReason
@@ -88,6 +89,11 @@ class Backtracker(SequenceRun):
         self._bans: dict[int, set[int]] = {}  # generated index -> tokens banned there
         self._rewinds = self._resamples = 0
         self._user_rewinds = 0  # asked for by the caller: they do not count as retries
+        # Arrays whose items must be unique (uniqueItems): the JSON text read so far, and the
+        # read of it with the candidate, kept once the candidate is.
+        unique = gen.grammar.grammar.unique if gen.grammar is not None else None
+        self._unique = None if unique is None else unique.scan(self._json_text())
+        self._unique_next: UniqueScan | None = None
 
     @property
     def is_done(self) -> bool:
@@ -129,6 +135,8 @@ class Backtracker(SequenceRun):
             temperature = action.temperature if action.temperature is not None else temperature
         seq.append_tokens(chunk.tokens)
         self._out += chunk.text
+        if self._unique_next is not None:
+            self._unique, self._unique_next = self._unique_next, None
         if gen.logprobs is not None:
             (entry,) = chunk.logprobs
             self.token_entries.append(entry)
@@ -199,7 +207,35 @@ class Backtracker(SequenceRun):
                     f"hook {hook!r} returned {action!r}; "
                     "expected None, Override, Resample or Rewind"
                 )
-        return chunk, None
+        return chunk, self._repeats(chunk)
+
+    def _json_text(self, candidate: str = "") -> str:
+        """The text a constraint reads: the healed prompt text, the output, the candidate's."""
+        gen = self.generator
+        return gen.healed + self._out + candidate + gen.text_state.held_text
+
+    def _repeats(self, chunk: Chunk) -> Resample | None:
+        """With arrays whose items must be unique: the candidate's redraw, excluding every
+        token that would spell what it spells up to where an item became equal to an earlier
+        one, or None (the candidate repeats no item)."""
+        if self._unique is None:
+            return None
+        text = self._json_text(chunk.text)
+        scan = self._unique
+        if not text.startswith(scan.text):  # (a rewind went back past what was read)
+            scan = self._unique = scan.reread()
+        trial = scan.copy()
+        at = trial.feed(text[len(scan.text) :])
+        if at is None:
+            self._unique_next = trial
+            return None
+        token = chunk.tokens[0]
+        piece = self.sequence.vocab.piece(token).decode("utf-8", "replace")
+        start = len(text) - len(piece)
+        if "\ufffd" in piece or not text.endswith(piece) or at < start:
+            return Resample(exclude=[token])
+        lead = text[start : at + 1].encode()
+        return Resample(exclude=[token, *self.sequence.vocab.tokens_starting_with(lead).tolist()])
 
     def _undo_candidate(self, before: Checkpoint) -> None:
         """Take back the candidate the generator accepted, keeping the randomness it drew (the
@@ -274,6 +310,8 @@ class Backtracker(SequenceRun):
         for later in [i for i in self._bans if i > index]:
             del self._bans[later]  # the text before them changed: they no longer apply
         self._scan_from = min(self._scan_from, self.banned.hold_from(self._out))
+        if self._unique is not None:
+            self._unique = self._unique.reread(self._json_text())
 
     def rewind(self, checkpoint: Checkpoint) -> None:
         """Go back to a checkpoint taken with :meth:`checkpoint` in this generation, while the
@@ -370,6 +408,10 @@ class Backtracker(SequenceRun):
             final = max(0, final - self.lookback)
         if self.banned:
             final = min(final, self._banned_hold())
+        if self._unique is not None and (start := self._unique.held_from) is not None:
+            # An item of a unique array is open: until it ends, a redraw that finds no token
+            # left may have to take back tokens of it.
+            final = min(final, self._token_of(max(0, start - len(gen.healed))))
         for mark in self._marks[self._emitted_tokens : final]:
             mark.checkpoint = None
         end = self._marks[final].out_len if final < len(self._marks) else len(self._out)

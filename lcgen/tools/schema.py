@@ -63,7 +63,8 @@ def grammar(
     assert first.startswith("root ::= ") and not re.search(rf"^{_TEXT_RULE} ", rest, re.M)
     body = first.removeprefix("root ::= ")
     not_a_call = "[^" + _call_starts(parallel).replace("[", "\\[") + " \\t\\n\\r]"
-    return Grammar(f"root ::= ({body}) | {_TEXT_RULE}\n{rest}{_TEXT_RULE} ::= {not_a_call} .*\n")
+    text = f"root ::= ({body}) | {_TEXT_RULE}\n{rest}{_TEXT_RULE} ::= {not_a_call} .*\n"
+    return Grammar(text, unique=call.unique)
 
 
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}

@@ -1,0 +1,310 @@
+"""``uniqueItems``: arrays whose items must all differ, held to while the JSON is generated.
+
+No grammar can say that the items of an array differ (a ``set[str]`` holds any strings), so a
+JSON Schema's grammar lets such arrays be what the rest of the schema says, and generation
+keeps their items apart: :class:`UniqueScan` reads the JSON text as it is generated, knows from
+the schema which arrays must hold unique items (walking it along the text's keys and indices),
+and reports the character at which an item becomes equal to an earlier item of its array (JSON
+equality: ``1`` is ``1.0``, ``true`` is not ``1``, objects whatever their key order). The
+backtracking run then draws another token there (:class:`lcgen.runtime.backtrack.Backtracker`).
+
+Where the schema branches (``anyOf``, ``oneOf``, ``if``/``then``/``else``), an array is held
+unique when any branch that could apply to it says so: that only narrows what is written.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import re
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any
+
+from lcgen.errors import GrammarError
+
+__all__ = ["UniqueItems", "UniqueScan", "canonical"]
+
+Schemas = tuple[Any, ...]  # the subschemas that may apply at one place of the text
+_SCALAR = frozenset("0123456789+-.eEtruefalsn")
+_LITERALS = ("true", "false", "null")
+
+
+def canonical(value: Any) -> Any:
+    """A hashable form of a JSON value in which equal values (as JSON Schema compares them)
+    are equal: numbers by value (``1`` and ``1.0``), booleans apart from numbers, objects
+    whatever their key order."""
+    if isinstance(value, bool) or value is None:
+        return ("c", value)
+    if isinstance(value, int | float | Decimal):
+        return ("n", Decimal(value))
+    if isinstance(value, str):
+        return ("s", value)
+    if isinstance(value, list):
+        return ("a", tuple(canonical(v) for v in value))
+    return ("o", frozenset((k, canonical(v)) for k, v in value.items()))
+
+
+@dataclass(frozen=True)
+class UniqueItems:
+    """The schema of a grammar that holds arrays' items unique, as canonical JSON text (what
+    makes two grammars equal)."""
+
+    schema: str
+
+    @staticmethod
+    def of(schema: dict[str, Any] | bool) -> UniqueItems:
+        return UniqueItems(json.dumps(schema, sort_keys=True, separators=(",", ":")))
+
+    @functools.cached_property
+    def walker(self) -> _Walker:
+        return _Walker(json.loads(self.schema))
+
+    def scan(self, text: str = "") -> UniqueScan:
+        """A scan that has read ``text``."""
+        return UniqueScan(self.walker).reread(text)
+
+    def duplicate_in(self, text: str) -> bool:
+        """Whether ``text`` (JSON, or the start of it) has an item equal to an earlier one in
+        an array that must hold unique items."""
+        return UniqueScan(self.walker).feed(text) is not None
+
+
+class _Walker:
+    """Which subschemas apply where in a JSON value, and which arrays must be unique."""
+
+    def __init__(self, root: dict[str, Any] | bool) -> None:
+        from lcgen.constrain.json_schema import _Compiler
+
+        self.root = root
+        self._refs = _Compiler(root, False, False)  # (its $ref resolution)
+        self._expanded: dict[tuple[int, ...], Schemas] = {}
+        self._children: dict[tuple[tuple[int, ...], str | int], Schemas] = {}
+
+    def expand(self, schemas: Schemas) -> Schemas:
+        """``schemas`` and every subschema that applies to the same value beside them."""
+        key = tuple(id(s) for s in schemas)
+        found = self._expanded.get(key)
+        if found is not None:
+            return found
+        out: list[dict[str, Any]] = []
+        seen: set[int] = set()
+        todo = list(schemas)
+        while todo:
+            schema = todo.pop()
+            if not isinstance(schema, dict) or id(schema) in seen:
+                continue
+            seen.add(id(schema))
+            out.append(schema)
+            ref = schema.get("$ref")
+            if isinstance(ref, str):
+                with contextlib.suppress(GrammarError):  # (compiled: its references resolve)
+                    todo.append(self._refs.resolve_ref(ref, "#"))
+            for name in ("allOf", "anyOf", "oneOf"):
+                if isinstance(schema.get(name), list):
+                    todo.extend(schema[name])
+            todo.extend(schema.get(name) for name in ("then", "else"))
+            for name in ("dependentSchemas", "dependencies"):
+                if isinstance(schema.get(name), dict):
+                    todo.extend(schema[name].values())
+        self._expanded[key] = found = tuple(out)
+        return found
+
+    def unique(self, schemas: Schemas) -> bool:
+        return any(s.get("uniqueItems") is True for s in self.expand(schemas))
+
+    def child(self, schemas: Schemas, step: str | int) -> Schemas:
+        """The subschemas that apply to the value at key ``step`` (a str) or index ``step``."""
+        key = (tuple(id(s) for s in schemas), step)
+        found = self._children.get(key)
+        if found is None:
+            found = tuple(
+                sub
+                for schema in self.expand(schemas)
+                for sub in (self._member(schema, step) if isinstance(step, str) else ())
+                + (self._item(schema, step) if isinstance(step, int) else ())
+            )
+            self._children[key] = found
+        return found
+
+    @staticmethod
+    def _member(schema: dict[str, Any], key: str) -> tuple[Any, ...]:
+        found: list[Any] = []
+        properties = schema.get("properties")
+        if isinstance(properties, dict) and key in properties:
+            found.append(properties[key])
+        patterns = schema.get("patternProperties")
+        for pattern, sub in patterns.items() if isinstance(patterns, dict) else ():
+            try:
+                matched = re.search(pattern, key) is not None
+            except re.error:
+                matched = True
+            if matched:
+                found.append(sub)
+        if not found and "additionalProperties" in schema:
+            found.append(schema["additionalProperties"])
+        return tuple(found)
+
+    @staticmethod
+    def _item(schema: dict[str, Any], index: int) -> tuple[Any, ...]:
+        items, prefix = schema.get("items"), schema.get("prefixItems")
+        found: list[Any] = []
+        if isinstance(items, list):  # draft 2019 and before: the tuple form
+            found.append(items[index] if index < len(items) else schema.get("additionalItems"))
+        elif isinstance(prefix, list) and index < len(prefix):
+            found.append(prefix[index])
+        else:
+            found.append(items)
+        found.append(schema.get("contains"))
+        return tuple(s for s in found if s is not None)
+
+
+@dataclass(slots=True)
+class _Frame:
+    """An open array or object of the text."""
+
+    is_array: bool
+    schemas: Schemas
+    unique: bool
+    opened: int  # where its "[" or "{" is
+    seen: frozenset[Any] = frozenset()  # (arrays) the items so far, canonical
+    index: int = 0  # (arrays) items so far
+    start: int = -1  # (arrays) where the open item began, or -1
+    key: str | None = None  # (objects) the key whose value comes next
+
+
+@dataclass(slots=True)
+class UniqueScan:
+    """JSON text read so far, with which of its arrays must hold unique items; :meth:`feed`
+    reads more. Text that is not JSON (a tool call's grammar allows plain text) is read as
+    one value that ends at once: nothing in it is held."""
+
+    walker: _Walker
+    text: str = ""
+    _stack: list[_Frame] = field(default_factory=list)
+    _expect: str = "value"  # "value", "key", "colon", "next" (after a value) or "done"
+    _string: int = -1  # where the open string began, or -1
+    _is_key: bool = False
+    _escape: bool = False
+    _scalar: int = -1  # where the open number or literal began, or -1
+
+    def copy(self) -> UniqueScan:
+        frames = [dataclasses.replace(f) for f in self._stack]
+        scan = UniqueScan(self.walker, self.text, frames, self._expect)
+        scan._string, scan._is_key, scan._escape = self._string, self._is_key, self._escape
+        scan._scalar = self._scalar
+        return scan
+
+    def reread(self, text: str = "") -> UniqueScan:
+        """A scan of the same schema that has read ``text`` instead."""
+        scan = UniqueScan(self.walker)
+        scan.feed(text)
+        return scan
+
+    @property
+    def held_from(self) -> int | None:
+        """Where the earliest item still open in a unique array began (a rewind may have to
+        reach back there), or None."""
+        starts = [f.start for f in self._stack if f.unique and f.start >= 0]
+        return min(starts) if starts else None
+
+    def feed(self, more: str) -> int | None:
+        """Read ``more``; the offset in :attr:`text` of the character that made an item equal
+        to an earlier one of a unique array (the scan stops there), or None."""
+        at = len(self.text)
+        self.text += more
+        text = self.text
+        for i in range(at, len(text)):
+            if self._expect == "done":
+                break
+            char = text[i]
+            if self._string >= 0:
+                if self._escape:
+                    self._escape = False
+                elif char == "\\":
+                    self._escape = True
+                elif char == '"':
+                    start, self._string = self._string, -1
+                    if self._is_key:
+                        try:
+                            self._stack[-1].key = json.loads(text[start : i + 1])
+                        except ValueError:  # (not JSON: a grammar that is not a schema's)
+                            self._expect = "done"
+                            break
+                        self._expect = "colon"
+                    elif self._ended(start, i + 1):
+                        return i
+                continue
+            if self._scalar >= 0:
+                if char in _SCALAR and text[self._scalar : i + 1] not in _LITERALS:
+                    continue
+                start, self._scalar = self._scalar, -1
+                if char in _SCALAR:  # the literal's last letter
+                    if self._ended(start, i + 1):
+                        return i
+                    continue
+                if self._ended(start, i):  # a number ends at the character after it
+                    return i
+            if char in " \t\n\r":
+                continue
+            if self._expect in ("value", "key") and char in "]}" and self._stack:
+                frame = self._stack.pop()  # (empty: "[]", "{}")
+                if self._ended(frame.opened, i + 1):
+                    return i
+            elif self._expect == "value":
+                self._begin(char, i)
+            elif self._expect == "key" and char == '"':
+                self._string, self._is_key = i, True
+            elif self._expect == "colon":
+                self._expect = "value"
+            elif self._expect == "next" and self._stack:
+                frame = self._stack[-1]
+                if char == ",":
+                    self._expect = "value" if frame.is_array else "key"
+                else:  # "]" or "}"
+                    self._stack.pop()
+                    if self._ended(frame.opened, i + 1):
+                        return i
+            else:  # not JSON as this scan reads it: nothing more is held
+                self._expect = "done"
+        return None
+
+    def _begin(self, char: str, at: int) -> None:
+        schemas: Schemas = (self.walker.root,)
+        if self._stack:
+            frame = self._stack[-1]
+            if frame.is_array:
+                frame.start = at
+                schemas = self.walker.child(frame.schemas, frame.index)
+            else:
+                schemas = self.walker.child(frame.schemas, frame.key or "")
+        if char in "[{":
+            is_array = char == "["
+            unique = is_array and self.walker.unique(schemas)
+            self._stack.append(_Frame(is_array, schemas, unique, at))
+            self._expect = "value" if is_array else "key"
+        elif char == '"':
+            self._string, self._is_key = at, False
+        else:
+            self._scalar = at
+
+    def _ended(self, start: int, end: int) -> bool:
+        """A value ended (``text[start:end]``): whether it repeats an item of its unique array."""
+        self._expect = "next" if self._stack else "done"
+        if not self._stack or not self._stack[-1].is_array:
+            return False
+        frame = self._stack[-1]
+        frame.index += 1
+        frame.start = -1
+        if not frame.unique:
+            return False
+        try:
+            item = canonical(json.loads(self.text[start:end], parse_float=Decimal))
+        except ValueError:  # (not JSON: a grammar that is not a schema's)
+            return False
+        if item in frame.seen:
+            return True
+        frame.seen = frame.seen | {item}
+        return False
