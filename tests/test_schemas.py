@@ -655,6 +655,25 @@ CASES = [
         [[10], [1, 2, 30], [11, 1]],
         [[], [1, 2], ["x", 10]],
     ),
+    Case(  # items counted beside the matches: every place the matches may take
+        "contains-with-item-counts",
+        {
+            "type": "array",
+            "items": {"type": "integer"},
+            "contains": {"minimum": 10},
+            "minContains": 2,
+            "minItems": 3,
+            "maxItems": 4,
+        },
+        [[10, 11, 1], [1, 10, 11], [10, 1, 11, 2], [10, 10, 10, 10]],
+        [[10, 11], [10, 1, 1], [10, 11, 1, 2, 3], [1, 2, 3, 10]],
+    ),
+    Case(
+        "contains-with-min-items",
+        {"type": "array", "contains": {"type": "string"}, "minItems": 3},
+        [[1, 2, "a"], ["a", 1, 2, 3], ["a", "b", "c"]],
+        [["a", 1], [1, 2, 3], []],
+    ),
     Case(
         "all-of-merged",
         {

@@ -1,4 +1,6 @@
-"""JSON Schema to GBNF, exactly: every text the grammar allows is JSON that validates.
+"""JSON Schema to GBNF, exactly: every text the grammar allows is JSON that validates, but
+for ``uniqueItems``, which no grammar can say (generation holds to it: see
+:mod:`lcgen.constrain.unique`).
 
 The grammar may allow less than the schema (a fixed property order, canonical escapes of ASCII,
 numbers without exponents where bounded, whitespace of at most 24 characters, durations of at

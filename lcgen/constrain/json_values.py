@@ -474,26 +474,63 @@ class ValueCompiler:
     def contains(
         self, members: Conj, elems: list[Any], rest: Any, low: int, high: int | None, path: str
     ) -> str:
-        """Arrays with at least ``minContains`` items matching ``contains`` (and no bound
-        on how many may match, nor on the length: else it raises)."""
-        if len(members) > 1 or elems or high is not None or "maxContains" in members[0]:
+        """Arrays of ``minItems`` to ``maxItems`` items with at least ``minContains`` of them
+        matching ``contains`` (no bound on how many may match: else it raises)."""
+        if len(members) > 1 or elems or "maxContains" in members[0]:
             raise UnsupportedSchemaError(
-                f"contains with maxContains, prefixItems, maxItems or another contains (at "
-                f"{path}) is not supported"
+                f"contains with maxContains, prefixItems or another contains (at {path}) is not "
+                "supported"
             )
         need = count(members[0], "minContains", 1)
-        if low > need or need > g.MAX_REPEAT:
+        if high is not None and need > high:
+            raise NoValue(f"no array satisfies minContains {need} / maxItems {high} at {path}")
+        cap = max(low, need) if high is None else high  # (unbounded: counted up to the least)
+        if need > g.MAX_REPEAT or (need + 1) * (cap + 1) > _MAX_CONTAINS_STATES:
             raise UnsupportedSchemaError(
-                f"contains with minItems above minContains (at {path}) is not supported"
+                f"contains at {path} with minContains {need} and minItems/maxItems {low}/{high} "
+                f"is not supported (over {_MAX_CONTAINS_STATES} counting states)"
             )
         match = self.named(
             "match", self.visit(self.all_of([rest, members[0]["contains"]]), f"{path}/contains")
         )
         other = None if rest is False else self.named("item", self.visit(rest, f"{path}/items"))
-        gap = f'("," ws {other} ws)*' if other else '""'
-        head = f'({other} ws "," ws)*' if other else '""'
-        body = f"{head} {match} ws {gap}" + f' ("," ws {match} ws {gap})' * (need - 1)
-        return f'"[" ws {body} "]"'
+        if high is None and low <= need:  # (no count of items needed: the matches, and any)
+            gap = f'("," ws {other} ws)*' if other else '""'
+            head = f'({other} ws "," ws)*' if other else '""'
+            body = f"{head} {match} ws {gap}" + f' ("," ws {match} ws {gap})' * (need - 1)
+            return f'"[" ws {body} "]"'
+        memo: dict[tuple[int, int], str | None] = {}
+
+        def items(found: int, n: int) -> str | None:
+            """The items after ``n`` items of which ``found`` (at most ``need``) matched, or
+            None where no count of items left meets the bounds."""
+            if (found, n) in memo:
+                return memo[(found, n)]
+            comma = '"," ws ' if n else ""
+            gap = g.repeat(f'("," ws {other} ws)', 0, None) if other else '""'
+            if high is None and n == cap:  # long enough: any items, and the matches missing
+                body = gap
+                if found < need:
+                    body += f' "," ws {match} ws {items(found + 1, cap)}'
+            else:
+                options = ['""'] if found == need and n >= low else []
+                if high is None or n < high:
+                    after = n + 1 if high is not None else min(n + 1, cap)
+                    for item, now in ((match, min(found + 1, need)), (other, found)):
+                        rest_rule = None if item is None else items(now, after)
+                        if rest_rule is not None:
+                            options.append(f"{comma}{item} ws {rest_rule}")
+                if not options:
+                    memo[(found, n)] = None
+                    return None
+                body = g.alternatives(options)
+            memo[(found, n)] = rule = self.rules.add("contains", body)
+            return rule
+
+        first = items(0, 0)
+        if first is None:
+            raise NoValue(f"no array satisfies contains with minItems/maxItems at {path}")
+        return f'"[" ws {first} "]"'
 
     def item_chain(
         self, elems: list[str], rest: str | None, low: int, high: int | None, i: int
@@ -796,6 +833,10 @@ class ValueCompiler:
         others = g.subtract(others, g.SURROGATES)
         options.append(f"{g.char_class(others)} ({raw})*")
         return self.rules.add("key", " | ".join(options))
+
+
+# The most (matches so far, items so far) states a contains with item counts is written with.
+_MAX_CONTAINS_STATES = 4096
 
 
 def _values(schema: Any) -> int | None:
