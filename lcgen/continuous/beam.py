@@ -181,7 +181,7 @@ def _expand_among(
         vocab = search.spec.model.vocab
         text = b"".join(vocab.piece(t) for t in child.gen.tokens)
         key = (text, child.gen.is_done)
-        if key in seen:
+        if key in seen or _repeats_an_item(search, text):
             continue
         if child.gen.is_done:
             if at >= 2 * width:
@@ -193,6 +193,15 @@ def _expand_among(
         seen.add(key)
         kept.append((i, tok, child))
     return kept, n_live, short
+
+
+def _repeats_an_item(search: BeamSearch, text: bytes) -> bool:
+    """Whether a candidate's text makes an item of a ``uniqueItems`` array equal to an earlier
+    one (its parent's text had none: so the candidate did)."""
+    constraint = search.spec.plan.constraint
+    if constraint is None or constraint.unique is None:
+        return False
+    return constraint.unique.duplicate_in(text.decode("utf-8", "replace"))
 
 
 def _step(search: BeamSearch, rows: list[np.ndarray]) -> None:

@@ -25,7 +25,6 @@ from lcgen._numbers import MAX_SEQ, plain
 from lcgen.constrain import Grammar
 from lcgen.decoding import GenerateOptions, Plan, SamplerConfig, make_plan
 from lcgen.decoding.results import SchemaLike
-from lcgen.errors import UnsupportedSchemaError
 from lcgen.runtime.tokens import ModelLike, check_model
 
 # The options that need one sequence to rewind: beam search takes none of them.
@@ -79,8 +78,7 @@ def _spec(
 
     Raises:
         ValueError: an option is out of range, or beam search is combined with sampling.
-        GrammarError: the constraint cannot be built, or (``UnsupportedSchemaError``) beam
-            search is asked of a schema with ``uniqueItems``.
+        GrammarError: the constraint cannot be built.
         TypeError: ``model`` is not a model.
     """
     check_model(model, "a generation spec's first argument is the model (an lcgen.Model)")
@@ -89,11 +87,6 @@ def _spec(
     if beams is not None:
         _check_beams(model, beams, options)
     plan = make_plan(**options)
-    if beams is not None and plan.constraint is not None and plan.constraint.unique is not None:
-        raise UnsupportedSchemaError(
-            "uniqueItems (an array whose items must all differ) is not supported with beam "
-            "search: a beam cannot take back an item that repeats another (sample instead)"
-        )
     model.vocab.check_tokens(plan.stop_tokens)
     model.vocab.check_tokens(tok for tok, _ in plan.sampler.logit_bias)
     return GenerateSpec(model, plan, beams, float(length_penalty))
