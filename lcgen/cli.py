@@ -111,7 +111,8 @@ def _add_sampling_args(p: argparse.ArgumentParser, max_tokens: int | None) -> No
         "--max-retries",
         type=server.int_in(0, 2**31 - 1),
         default=None,
-        help="most rewinds and resamples for banned phrases (default 64)",
+        help="most rewinds and resamples for banned phrases and a JSON Schema's uniqueItems "
+        "(default 64)",
     )
     p.add_argument(
         "--speculate",
@@ -230,13 +231,13 @@ def _bans(args: argparse.Namespace) -> dict[str, Any]:
         except re.error as exc:
             raise UsageError(f"--ban-regex {regex!r} is not a regular expression: {exc}") from None
     if not args.ban and not patterns:
-        for given, flag in (
-            (args.ban_ignore_case, "--ban-ignore-case"),
-            (args.max_retries is not None, "--max-retries"),
-        ):
-            if given:
-                raise UsageError(f"{flag} needs --ban or --ban-regex")
-        return {}
+        if args.ban_ignore_case:
+            raise UsageError("--ban-ignore-case needs --ban or --ban-regex")
+        if args.max_retries is None:
+            return {}
+        if getattr(args, "json_schema", None) is None:  # (its uniqueItems retry too)
+            raise UsageError("--max-retries needs --ban, --ban-regex or --json-schema")
+        return {"max_retries": args.max_retries}
     options: dict[str, Any] = {
         "banned": [*(args.ban or ()), *patterns],
         "banned_ignore_case": args.ban_ignore_case,
@@ -492,9 +493,10 @@ def _check_fits(model: lcgen.Model, n_prompt: int, max_tokens: int) -> None:
         )
 
 
-def _used_up_retries(max_retries: int | None) -> str:
+def _used_up_retries(max_retries: int | None, banned: bool = True) -> str:
     n = DEFAULT_MAX_RETRIES if max_retries is None else max_retries
-    return f"the banned phrases used up the retries (--max-retries {n})"
+    what = "the banned phrases" if banned else "items of a uniqueItems array repeating others"
+    return f"{what} used up the retries (--max-retries {n})"
 
 
 def _note_retries(last: Chunk | None, max_retries: int | None, what: str) -> None:
@@ -561,7 +563,7 @@ def _incomplete(
     elif last.stop:
         reason = f"the stop string {last.stop!r} cut it"
     else:
-        reason = _used_up_retries(args.max_retries)
+        reason = _used_up_retries(args.max_retries, bool(args.ban or args.ban_regex))
     return f"the output is incomplete: {reason} before it matched {flag}"
 
 

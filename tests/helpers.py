@@ -191,3 +191,13 @@ def assert_same_up_to_a_near_tie(text: str, reference: lcgen.Text, margin: float
             return
         at += len(entry.text)
     assert text == str(reference)
+
+
+# Six different digits (a schema test_unique_items and test_server generate with).
+UNIQUE_DIGITS: dict[str, Any] = {
+    "type": "array",
+    "items": {"type": "integer", "minimum": 0, "maximum": 9},
+    "minItems": 6,
+    "maxItems": 6,
+    "uniqueItems": True,
+}

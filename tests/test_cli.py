@@ -564,7 +564,7 @@ def test_usage_errors_are_one_line_with_status_2(
         (["hi", "--regex", "("], "--regex '(': invalid regex"),
         (["hi", "--grammar", "/no/such.gbnf"], "--grammar /no/such.gbnf: No such file"),
         ([""], "the prompt is empty: give the text to continue"),
-        (["hi", "--max-retries", "3"], "--max-retries needs --ban or --ban-regex"),  # ignored
+        (["hi", "--max-retries", "3"], "--max-retries needs --ban, --ban-regex or --json-schema"),
         (["hi", "--ban-ignore-case"], "--ban-ignore-case needs --ban or --ban-regex"),
     ],
 )

@@ -32,6 +32,7 @@ import pytest
 from helpers import (
     SET_UNIT,
     SET_VOLUME,
+    UNIQUE_DIGITS,
     assert_same_up_to_a_near_tie,
     many_words_grammar,
     running,
@@ -270,6 +271,17 @@ def test_a_schema_lcgen_cannot_enforce_falls_back_to_its_type_unless_strict(
     anything = {"type": "json_schema", "json_schema": {"name": "a", "schema": True}}
     reply = chat(client, messages=ask, max_tokens=30, response_format=anything).choices[0]
     assert reply.message.content.lstrip()[:1] in set('[{"-0123456789tfn')  # any JSON value
+
+
+def test_a_strict_schema_with_unique_items_and_its_retries(client: openai.OpenAI) -> None:
+    # uniqueItems was refused (400 with strict); max_retries was refused without banned.
+    digits = {**UNIQUE_DIGITS, "minItems": 4, "maxItems": 4}
+    ask = [{"role": "user", "content": "Four ones as a JSON array: [1, 1, 1, 1]. Again:"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "d", "schema": digits, "strict": True}}
+    extra = {"max_retries": 200}
+    reply = chat(client, messages=ask, max_tokens=40, response_format=fmt, extra_body=extra)
+    value = json.loads(reply.choices[0].message.content)
+    assert reply.choices[0].finish_reason == "stop" and len(set(value)) == len(value) == 4
 
 
 def test_a_completion_prompt_of_token_ids(client: openai.OpenAI, model: lcgen.Model) -> None:

@@ -4,12 +4,17 @@ generation that would repeat an item draws another token there and is otherwise 
 
 from __future__ import annotations
 
+import datetime
+import decimal
+import enum
 import json
+import pickle
 from typing import Any, Literal
 
 import jsonschema
 import pydantic
 import pytest
+from helpers import UNIQUE_DIGITS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -19,13 +24,7 @@ from lcgen.constrain.unique import UniqueItems
 from lcgen.continuous import continuous
 
 UNIQUE_ARRAY = {"type": "array", "uniqueItems": True}
-DIGITS = {
-    "type": "array",
-    "items": {"type": "integer", "minimum": 0, "maximum": 9},
-    "minItems": 6,
-    "maxItems": 6,
-    "uniqueItems": True,
-}
+DIGITS = UNIQUE_DIGITS
 REPEATS = "Six ones: [1, 1, 1, 1, 1, 1]. Six ones again, as a JSON array:"
 
 json_values = st.recursive(
@@ -79,9 +78,13 @@ def test_only_the_arrays_the_schema_marks_are_held() -> None:
 
 def test_a_scan_reports_where_the_repeat_ended() -> None:
     scan = UniqueItems.of(UNIQUE_ARRAY).scan('["ab", "a')
-    assert scan.held_from == len('["ab", ')  # the open item: a rewind may reach back there
-    assert scan.copy().feed('b"') == len('["ab", "ab')  # a copy reads on its own
-    assert scan.feed('c"') is None and scan.held_from is None
+    assert scan.held_from == len('["ab"')  # (a rewind may take back the separator too)
+    trial = scan.copy()  # a copy reads on its own
+    assert trial.feed('b"') == len('["ab", "ab') and trial.repeated == len('["ab", ')
+    assert scan.feed('c"') is None and scan.keep().held_from == len('["ab", "ac"')
+    # numbers as jsonschema and pydantic read them: a fraction past a float's digits is equal
+    assert UniqueItems.of(UNIQUE_ARRAY).duplicate_in("[1.00000000000000001, 1]")
+    assert not UniqueItems.of(UNIQUE_ARRAY).duplicate_in("[12345678901234567890, 1.0]")
 
 
 def test_schemas_and_pydantic_sets_compile_and_accept_only_unique_items(
@@ -124,22 +127,21 @@ def test_a_generation_that_would_repeat_draws_another_token(model: lcgen.Model) 
     free = {key: value for key, value in DIGITS.items() if key != "uniqueItems"}
     chunks = list(model.stream(REPEATS, schema=free, temperature=0, fast_forward=False))
     plain = "".join(c.text for c in chunks)
-    at = _scan_all(DIGITS, plain)
-    assert at is not None, plain  # the model repeats itself without uniqueItems
+    scan = UniqueItems.of(DIGITS).scan()
+    assert scan.feed(plain) is not None, plain  # the model repeats itself without uniqueItems
     out = model.generate(REPEATS, schema=DIGITS, temperature=0, max_tokens=60)
     jsonschema.validate(out, DIGITS)
     text = json.dumps(out)
     assert _scan_all(DIGITS, text) is None
-    # The same until the item that repeated an earlier one (where no other token could end
-    # the item, "1" of at most 9, the token before was taken back: inside the item only).
-    item = UniqueItems.of(DIGITS).scan(plain[:at]).held_from
-    assert item is not None and plain[item] == "1"
+    # The same until the item that repeated an earlier one (a number is taken back whole).
+    item = scan.repeated
+    assert plain[item] == "1"
     streamed = model.stream(REPEATS, schema=DIGITS, temperature=0, max_tokens=60)
     unique_text = "".join(c.text for c in streamed)
     assert unique_text.startswith(plain[:item]) and unique_text != plain
     assert json.loads(unique_text) == out
     stats = model.generate(REPEATS, grammar=Grammar.from_json_schema(DIGITS), temperature=0)
-    assert stats.stats.resamples > 0  # what kept the items apart
+    assert stats.stats.rewinds + stats.stats.resamples > 0  # what kept the items apart
     for seed in range(4):
         value = model.generate(REPEATS, schema=DIGITS, temperature=0.8, seed=seed, max_tokens=60)
         jsonschema.validate(value, DIGITS)
@@ -200,3 +202,101 @@ def test_a_tool_taking_a_set_gets_unique_items(model: lcgen.Model) -> None:
     labels = call.arguments["labels"]
     assert len(labels) == len(set(labels)), labels
     assert tool.invoke(call) == ",".join(sorted(set(labels)))
+
+
+@pytest.mark.parametrize("whitespace", ["compact", "flexible"])
+def test_items_of_a_domain_used_up_end_the_array(model: lcgen.Model, whitespace: str) -> None:
+    # Every value used, the next item can only repeat one: the separator before it is taken
+    # back too (it was streamed already, and the generation ended as out of retries), and the
+    # array closes. A repeated number is taken back whole: "0" padded to "0.0", "0.00", ...
+    # (equal values) used the retries up one character at a time.
+    small = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 2}}
+    zeros = {"type": "array", "items": {"enum": [0, 1, 2]}}
+    floats = {"type": "array", "items": {"type": "number"}, "maxItems": 5}
+    for prompt, schema in [
+        ("Numbers: [0, 1, 2, 0, 1, 2, 0, 1, 2, 0, 1, 2]. Again: ", small),
+        ("Zeros: [0, 0, 0, 0, 0, 0, 0]. Again: ", zeros),
+        ("Scores: [2.0, 2.0, 2.0, 2.0, 2.0, 2.0]. Again: [2.0, 2.0,", floats),
+    ]:
+        schema = {**schema, "uniqueItems": True}
+        options: dict[str, Any] = {"temperature": 0, "max_tokens": 80}
+        chunks = list(model.stream(prompt, schema=schema, json_whitespace=whitespace, **options))
+        assert chunks[-1].finish_reason == "stop", (prompt, chunks[-1])
+        jsonschema.validate(json.loads("".join(c.text for c in chunks)), schema)
+
+
+def test_an_enum_by_reference_bounds_the_array_too(model: lcgen.Model) -> None:
+    class Color(enum.Enum):
+        RED = "red"
+        GREEN = "green"
+        BLUE = "blue"
+
+    class Palette(pydantic.BaseModel):
+        colors: set[Color]
+
+    assert "{0,2}" in Grammar.from_pydantic(Palette).gbnf  # (pydantic writes a $ref to it)
+    by_ref = {
+        "type": "array",
+        "items": {"$ref": "#/$defs/c"},
+        "uniqueItems": True,
+        "minItems": 4,
+        "$defs": {"c": {"allOf": [{"enum": ["r", "g", "b", "y"]}, {"enum": ["r", "g", "b"]}]}},
+    }
+    with pytest.raises(lcgen.GrammarError, match="3 values"):
+        Grammar.from_json_schema(by_ref)
+    prompt = 'Colors as JSON: {"colors": ["red", "red", "red", "red", "red"]}. Again: '
+    value = model.generate(prompt, schema=Palette, temperature=0, max_tokens=60)
+    assert isinstance(value, Palette) and value.colors
+
+
+def test_a_schema_with_annotations_json_lacks_and_a_used_grammar_pickle(model: lcgen.Model) -> None:
+    schema = {
+        "type": "array",
+        "uniqueItems": True,
+        "default": datetime.date(2020, 1, 1),  # (an annotation JSON has no form for)
+        "items": {"type": "number", "maximum": decimal.Decimal("1.5")},
+    }
+    grammar = Grammar.from_json_schema(schema)
+    assert grammar.unique is not None and grammar.unique.duplicate_in("[1, 1.0]")
+    assert grammar.accepts(model, "[1, 0.5]") and not grammar.accepts(model, "[1, 1.0]")
+    list(model.stream("Numbers:", grammar=grammar, temperature=0, max_tokens=8))
+    assert pickle.loads(pickle.dumps(grammar)) == grammar
+
+
+def test_what_takes_tokens_back_needs_a_sequence_and_healing_errors_stay_clear(
+    model: lcgen.Model,
+) -> None:
+    # A Generator on its own cannot rewind: it ignored hooks and bans, and returned repeats.
+    for options in ({"schema": DIGITS}, {"banned": ["x"]}, {"hooks": [lambda step: None]}):
+        with pytest.raises(ValueError, match="take tokens back"):
+            lcgen.Generator(model, **options)  # type: ignore[arg-type]
+    # A constraint that cannot start with the healed text says so, as without uniqueItems
+    # (it said "the retries ran out").
+    prompt = "Six ones again, as a JSON array: [1, 1"
+    with pytest.raises(lcgen.NoCandidatesError, match="token healing"):
+        model.generate(prompt, schema=DIGITS, token_healing=True, temperature=0, max_tokens=30)
+
+
+def test_a_repeated_object_changes_its_last_value_not_its_whitespace(model: lcgen.Model) -> None:
+    # Only its "}" was refused: the model wrote whitespace before it instead (24 allowed), and
+    # the retries went on taking that back one token at a time (2 of 3 seeds ran out).
+    item = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 20},
+            "qty": {"type": "integer", "minimum": 0, "maximum": 99},
+        },
+        "required": ["name", "qty"],
+        "additionalProperties": False,
+    }
+    array = {"type": "array", "items": item, "minItems": 8, "maxItems": 8, "uniqueItems": True}
+    schema = {"type": "object", "properties": {"items": array}, "required": ["items"]}
+    for seed in range(3):
+        value = model.generate(
+            "A grocery list as JSON with 8 items: ",
+            schema=schema,
+            max_tokens=400,
+            temperature=0.7,
+            seed=seed,
+        )
+        jsonschema.validate(value, schema)

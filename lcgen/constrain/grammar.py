@@ -199,8 +199,7 @@ class Grammar:
             GrammarError: as for :meth:`from_json_schema`; and for the types no grammar can
                 hold to, named with where they are: ``FutureDate``/``FutureDatetime`` (a future
                 date stops being one), ``FilePath``/``DirectoryPath``/``NewPath``/``SocketPath``
-                (the file system), ``PaymentCardNumber``, multi-host DSNs, ``set``/
-                ``frozenset`` of more than one item (``uniqueItems``); a required
+                (the file system), ``PaymentCardNumber``, multi-host DSNs; a required
                 ``SkipJsonSchema`` field; a type with no JSON Schema (a ``Callable``).
         """
         schema_fn = getattr(model_cls, "model_json_schema", None)

@@ -423,7 +423,7 @@ class ValueCompiler:
         if rest_all is False:
             high = length if high is None else min(high, length)
         unique = any(m.get("uniqueItems") for m in conj)
-        if unique and length == 0 and (values := _values(rest_all)) is not None:
+        if unique and length == 0 and (values := self.item_values(rest_all)) is not None:
             if low > values:  # (as many unique items as the items have values, at most)
                 raise NoValue(
                     f"no array satisfies uniqueItems with minItems {low} at {path}: its items "
@@ -470,6 +470,26 @@ class ValueCompiler:
         if high is not None and low > high:
             raise NoValue(f"minItems {low} at {path} needs item {high}: {unmet}")
         return '"[" ws ' + self.item_chain(names, rest_rule, low, high, 0) + ' "]"'
+
+    def item_values(self, schema: Any, depth: int = 0) -> int | None:
+        """How many values at most ``schema`` has where it says so plainly, through ``$ref``
+        (pydantic's enums) and ``allOf`` (see :func:`_values`); None: more."""
+        found = [_values(schema)]
+        if isinstance(schema, dict) and depth < 16:
+            ref = schema.get("$ref")
+            resolve = getattr(self, "resolve_ref", None)
+            if isinstance(ref, str) and resolve is not None:
+                with contextlib.suppress(GrammarError):
+                    found.append(self.item_values(resolve(ref, "#"), depth + 1))
+            for member in schema.get("allOf", []) if isinstance(schema.get("allOf"), list) else []:
+                found.append(self.item_values(member, depth + 1))
+            for name in ("anyOf", "oneOf"):  # (pydantic's Optional: the branches add up)
+                if isinstance(schema.get(name), list):
+                    branches = [self.item_values(b, depth + 1) for b in schema[name]]
+                    if all(n is not None for n in branches):
+                        found.append(sum(n for n in branches if n is not None))
+        bounds = [n for n in found if n is not None]
+        return min(bounds) if bounds else None
 
     def contains(
         self, members: Conj, elems: list[Any], rest: Any, low: int, high: int | None, path: str
@@ -855,7 +875,24 @@ def _values(schema: Any) -> int | None:
     types = [types] if isinstance(types, str) else types
     if isinstance(types, list) and types and set(types) <= {"boolean", "null"}:
         found.append(2 * ("boolean" in types) + ("null" in types))
+    if types == ["integer"]:  # a range of integers
+        low = _bound(schema, "minimum", "exclusiveMinimum")
+        high = _bound(schema, "maximum", "exclusiveMaximum")
+        if low is not None and high is not None:
+            first = math.ceil(low[0]) + (low[1] and low[0] == math.ceil(low[0]))
+            last = math.floor(high[0]) - (high[1] and high[0] == math.floor(high[0]))
+            found.append(max(0, last - first + 1))
     return min(found) if found else None
+
+
+def _bound(schema: dict[str, Any], inclusive: str, exclusive: str) -> tuple[Any, bool] | None:
+    """A number bound of ``schema`` (the value, whether it is exclusive), where one is plainly a
+    number (draft 4's boolean exclusives leave it out)."""
+    for name, strict in ((exclusive, True), (inclusive, False)):
+        value = schema.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            return value, strict
+    return None
 
 
 def _key_patterns(rules: list[Any]) -> list[str] | None:

@@ -33,13 +33,16 @@ _LITERALS = ("true", "false", "null")
 
 
 def canonical(value: Any) -> Any:
-    """A hashable form of a JSON value in which equal values (as JSON Schema compares them)
-    are equal: numbers by value (``1`` and ``1.0``), booleans apart from numbers, objects
-    whatever their key order."""
+    """A hashable form of a JSON value in which equal values are equal, as jsonschema and
+    pydantic compare what ``json.loads`` reads: numbers by value (``1`` and ``1.0``; a
+    fraction as a float: ``1.00000000000000001`` is ``1``), booleans apart from numbers,
+    objects whatever their key order."""
     if isinstance(value, bool) or value is None:
         return ("c", value)
-    if isinstance(value, int | float | Decimal):
-        return ("n", Decimal(value))
+    if isinstance(value, int | float):
+        return ("n", value)  # (Python's int and float hash and compare by value)
+    if isinstance(value, Decimal):
+        return ("n", float(value))
     if isinstance(value, str):
         return ("s", value)
     if isinstance(value, list):
@@ -56,11 +59,12 @@ class UniqueItems:
 
     @staticmethod
     def of(schema: dict[str, Any] | bool) -> UniqueItems:
-        return UniqueItems(json.dumps(schema, sort_keys=True, separators=(",", ":")))
+        text = json.dumps(_plain(schema), sort_keys=True, separators=(",", ":"))
+        return UniqueItems(text)
 
-    @functools.cached_property
+    @property
     def walker(self) -> _Walker:
-        return _Walker(json.loads(self.schema))
+        return _walker(self.schema)
 
     def scan(self, text: str = "") -> UniqueScan:
         """A scan that has read ``text``."""
@@ -70,6 +74,25 @@ class UniqueItems:
         """Whether ``text`` (JSON, or the start of it) has an item equal to an earlier one in
         an array that must hold unique items."""
         return UniqueScan(self.walker).feed(text) is not None
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as JSON can hold it: keys as text, a value JSON has no form for (a date, a
+    Decimal in an annotation) as its text."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    return str(value)
+
+
+@functools.lru_cache(maxsize=32)
+def _walker(schema: str) -> _Walker:
+    """The walker of a schema (kept out of :class:`UniqueItems`, which stays a plain value:
+    a grammar pickles, and equal schemas share one)."""
+    return _Walker(json.loads(schema))
 
 
 class _Walker:
@@ -169,9 +192,13 @@ class _Frame:
     schemas: Schemas
     unique: bool
     opened: int  # where its "[" or "{" is
-    seen: frozenset[Any] = frozenset()  # (arrays) the items so far, canonical
+    # (arrays) the items so far, canonical: those read before the scan was copied, shared
+    # with the copies, and those read since, its own (see UniqueScan.keep)
+    seen: set[Any] = field(default_factory=set)
+    added: set[Any] = field(default_factory=set)
     index: int = 0  # (arrays) items so far
     start: int = -1  # (arrays) where the open item began, or -1
+    after: int = -1  # (arrays) where the last item ended, or -1
     key: str | None = None  # (objects) the key whose value comes next
 
 
@@ -190,25 +217,50 @@ class UniqueScan:
     _escape: bool = False
     _scalar: int = -1  # where the open number or literal began, or -1
 
+    repeated: int = -1  # where the item that repeated another began (set by feed)
+    # The arrays (by where they open) that can take no more items: every item tried after the
+    # last one repeated another. A "," there counts as a repeat. (Shared by copies: the run
+    # that found them keeps it.)
+    full: set[int] = field(default_factory=set)
+
+    def last_array(self) -> _Frame | None:
+        """The innermost open array where an item is to begin after another, unique, or None."""
+        frame = self._stack[-1] if self._stack else None
+        if frame is None or not frame.unique or self._expect != "value" or frame.index == 0:
+            return None
+        return frame if frame.start < 0 and self._string < 0 and self._scalar < 0 else None
+
     def copy(self) -> UniqueScan:
-        frames = [dataclasses.replace(f) for f in self._stack]
-        scan = UniqueScan(self.walker, self.text, frames, self._expect)
+        """A scan that reads on from here on its own (the items read so far are shared: keep
+        only the copy once it is kept)."""
+        frames = [dataclasses.replace(f, added=set(f.added)) for f in self._stack]
+        scan = UniqueScan(self.walker, self.text, frames, self._expect, full=self.full)
         scan._string, scan._is_key, scan._escape = self._string, self._is_key, self._escape
         scan._scalar = self._scalar
         return scan
 
+    def keep(self) -> UniqueScan:
+        """This scan, to read on from (the scan it was copied from is given up): the items it
+        read join those it shares."""
+        for frame in self._stack:
+            frame.seen |= frame.added
+            frame.added = set()
+        return self
+
     def reread(self, text: str = "") -> UniqueScan:
-        """A scan of the same schema that has read ``text`` instead."""
-        scan = UniqueScan(self.walker)
+        """A scan of the same schema that has read ``text`` instead (its full arrays kept)."""
+        self.full.intersection_update(range(len(text)))  # (arrays that open later are others)
+        scan = UniqueScan(self.walker, full=self.full)
         scan.feed(text)
-        return scan
+        return scan.keep()
 
     @property
     def held_from(self) -> int | None:
-        """Where the earliest item still open in a unique array began (a rewind may have to
-        reach back there), or None."""
-        starts = [f.start for f in self._stack if f.unique and f.start >= 0]
-        return min(starts) if starts else None
+        """Where the text a rewind may still have to take back begins, or None: in a unique
+        array, from the end of its last item (the separator after it, where no item can
+        follow that does not repeat one, is taken back too)."""
+        ends = [f.after for f in self._stack if f.unique and f.after >= 0]
+        return min(ends) if ends else None
 
     def feed(self, more: str) -> int | None:
         """Read ``more``; the offset in :attr:`text` of the character that made an item equal
@@ -262,6 +314,9 @@ class UniqueScan:
             elif self._expect == "next" and self._stack:
                 frame = self._stack[-1]
                 if char == ",":
+                    if frame.opened in self.full:  # (no item can follow that repeats none)
+                        self.repeated = i
+                        return i
                     self._expect = "value" if frame.is_array else "key"
                 else:  # "]" or "}"
                     self._stack.pop()
@@ -297,14 +352,15 @@ class UniqueScan:
             return False
         frame = self._stack[-1]
         frame.index += 1
-        frame.start = -1
+        frame.start, frame.after = -1, end
         if not frame.unique:
             return False
         try:
-            item = canonical(json.loads(self.text[start:end], parse_float=Decimal))
+            item = canonical(json.loads(self.text[start:end]))
         except ValueError:  # (not JSON: a grammar that is not a schema's)
             return False
-        if item in frame.seen:
+        if item in frame.seen or item in frame.added:
+            self.repeated = start
             return True
-        frame.seen = frame.seen | {item}
+        frame.added.add(item)
         return False

@@ -68,7 +68,9 @@ class Generator:
             boundary).
 
     Raises:
-        ValueError: a setting is out of range (the value is named).
+        ValueError: a setting is out of range (the value is named), or options that take
+            tokens back (hooks, validators, banned phrases, a schema with ``uniqueItems``),
+            which only a sequence's run can.
         TypeError: both a plan and options were given, or an unknown option.
     """
 
@@ -84,6 +86,12 @@ class Generator:
     ) -> None:
         if plan is None:
             plan = make_plan(**options)
+            if plan.backtracking is not None:  # (a sequence's run drives those: seq.run)
+                raise ValueError(
+                    "hooks, validators, banned phrases and a schema's uniqueItems take tokens "
+                    "back, which a Generator on its own cannot: use model.generate, "
+                    "model.stream or seq.run"
+                )
         elif options:
             raise TypeError(f"give a plan or options, not both (options: {sorted(options)})")
         vocab = vocab_of(model)

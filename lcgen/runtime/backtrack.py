@@ -42,6 +42,13 @@ class _Mark:
     held_bytes: bool  # whether part of a character was held (it started in an earlier token)
 
 
+@dataclass(frozen=True, slots=True)
+class _TakeBack:
+    """Take the text back from character ``char`` on (a repeated item), as a rewind."""
+
+    char: int
+
+
 class Backtracker(SequenceRun):
     """Runs hooks, validators and banned phrases over one sequence's generation.
 
@@ -119,6 +126,8 @@ class Backtracker(SequenceRun):
             try:
                 chunk = gen.step(row, exclude=exclude, temperature=temperature)
             except NoCandidatesError:
+                if index == 0 and not exclude:  # (nothing this run ruled out: the constraint's)
+                    raise
                 return self._exhausted(index)
             try:
                 chunk, action = self._run_hooks(chunk, row, before)
@@ -136,12 +145,14 @@ class Backtracker(SequenceRun):
         seq.append_tokens(chunk.tokens)
         self._out += chunk.text
         if self._unique_next is not None:
-            self._unique, self._unique_next = self._unique_next, None
+            self._unique, self._unique_next = self._unique_next.keep(), None
         if gen.logprobs is not None:
             (entry,) = chunk.logprobs
             self.token_entries.append(entry)
         if isinstance(action, Rewind):
             return self._rewind(action, "a hook")
+        if isinstance(action, _TakeBack):
+            return self._take_back(action.char)
         text = self._visible()
         for validator in self.validators:
             try:
@@ -185,7 +196,7 @@ class Backtracker(SequenceRun):
 
     def _run_hooks(
         self, chunk: Chunk, row: np.ndarray, before: Checkpoint
-    ) -> tuple[Chunk, Resample | Rewind | None]:
+    ) -> tuple[Chunk, Resample | Rewind | _TakeBack | None]:
         step: Step | None = None
         for hook in self.hooks:
             if step is None or step.token != chunk.tokens[0]:
@@ -214,10 +225,12 @@ class Backtracker(SequenceRun):
         gen = self.generator
         return gen.healed + self._out + candidate + gen.text_state.held_text
 
-    def _repeats(self, chunk: Chunk) -> Resample | None:
+    def _repeats(self, chunk: Chunk) -> Resample | _TakeBack | None:
         """With arrays whose items must be unique: the candidate's redraw, excluding every
         token that would spell what it spells up to where an item became equal to an earlier
-        one, or None (the candidate repeats no item)."""
+        one; for a number, taking the item back whole (zeros and exponents would spell the
+        same value again), for an array or object, its last character before the closer;
+        None where the candidate repeats no item."""
         if self._unique is None:
             return None
         text = self._json_text(chunk.text)
@@ -229,6 +242,12 @@ class Backtracker(SequenceRun):
         if at is None:
             self._unique_next = trial
             return None
+        healed = len(self.generator.healed)
+        if text[trial.repeated] in "-0123456789":
+            return _TakeBack(trial.repeated - healed)
+        if text[trial.repeated] in "[{":  # an array or object: change its last value (not the
+            # whitespace before its closer, which a grammar allows 24 of)
+            return _TakeBack(max(trial.repeated, len(text[:at].rstrip()) - 1) - healed)
         token = chunk.tokens[0]
         piece = self.sequence.vocab.piece(token).decode("utf-8", "replace")
         start = len(text) - len(piece)
@@ -236,6 +255,14 @@ class Backtracker(SequenceRun):
             return Resample(exclude=[token])
         lead = text[start : at + 1].encode()
         return Resample(exclude=[token, *self.sequence.vocab.tokens_starting_with(lead).tolist()])
+
+    def _take_back(self, char: int) -> Chunk:
+        """Rewind to the token where character ``char`` of the text (a repeated number's
+        first) is, and ban that token there; where it is final, the last token only."""
+        index = self._token_of(max(0, char))
+        if not self._reachable(index):
+            index = len(self.generator.tokens) - 1
+        return self._rewind_to(index, ban=True)
 
     def _undo_candidate(self, before: Checkpoint) -> None:
         """Take back the candidate the generator accepted, keeping the randomness it drew (the
@@ -367,7 +394,14 @@ class Backtracker(SequenceRun):
         return checkpoint.n_tokens == len(seq) and checkpoint.stamp == seq.checkpoint().stamp
 
     def _exhausted(self, index: int) -> Chunk:
-        """Every token is ruled out here: the token before was a dead end (unless it is final)."""
+        """Every token is ruled out here: the token before was a dead end (unless it is final).
+        Where an item of a unique array was to begin, every item tried repeated another: the
+        array takes no more, and the text after its last item is taken back (the "," and
+        whitespace before the next one would only lead here again)."""
+        frame = self._unique.last_array() if self._unique is not None else None
+        if frame is not None and frame.after >= 0 and self._unique is not None:
+            self._unique.full.add(frame.opened)
+            return self._take_back(frame.after - len(self.generator.healed))
         if index == 0 or not self._reachable(index - 1):
             return self._end("retries")
         return self._rewind_to(index - 1, ban=True)

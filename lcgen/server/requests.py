@@ -406,20 +406,25 @@ def options(
         )
     if req.num_draft is not None and req.speculate is None:
         raise APIError(400, "num_draft needs speculate ('ngram' or 'draft')", param="num_draft")
-    for name, given in (
-        ("max_retries", req.max_retries is not None),
-        ("banned_ignore_case", req.banned_ignore_case),
-    ):
-        if given and req.banned is None:  # without banned phrases it would do nothing
-            raise APIError(400, f"{name} needs banned (a list of phrases)", param=name)
+    if req.banned_ignore_case and req.banned is None:  # without phrases it would do nothing
+        raise APIError(
+            400, "banned_ignore_case needs banned (a list of phrases)", param="banned_ignore_case"
+        )
+    if req.max_retries is not None and req.banned is None and not _has_schema(req):
+        raise APIError(
+            400,
+            "max_retries needs banned (a list of phrases) or a JSON Schema (a json_schema "
+            "response_format or tools: their uniqueItems retry too)",
+            param="max_retries",
+        )
     if req.speculate is not None:
         out["speculate"] = draft if req.speculate == "draft" else req.speculate
         if req.num_draft is not None:
             out["num_draft"] = req.num_draft
     if req.banned:
         out.update(banned=req.banned, banned_ignore_case=req.banned_ignore_case)
-        if req.max_retries is not None:
-            out["max_retries"] = req.max_retries
+    if req.max_retries is not None:
+        out["max_retries"] = req.max_retries
     return out
 
 
@@ -475,6 +480,12 @@ def constraint_field(req: ChatRequest | CompletionRequest) -> str | None:
     with them); None without one."""
     given = _given_constraints(req)
     return given[0][0] if given else None
+
+
+def _has_schema(req: ChatRequest | CompletionRequest) -> bool:
+    """Whether the request's constraint is a JSON Schema (tools, a json_schema response_format),
+    whose ``uniqueItems`` may use retries."""
+    return constraint_field(req) in ("tools", "response_format")
 
 
 def _given_constraints(req: ChatRequest | CompletionRequest) -> list[tuple[str, Any]]:

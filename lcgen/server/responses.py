@@ -18,8 +18,9 @@ import lcgen
 from lcgen import Chunk, TokenLogprob
 from lcgen.tools import parse_calls, starts_call
 
-# lcgen's finish reasons as OpenAI's: "retries" (banned phrases or hooks rejected more than
-# max_retries candidates) is the closest OpenAI has to a refusal by a filter.
+# lcgen's finish reasons as OpenAI's: "retries" (banned phrases, or items of a uniqueItems
+# array that kept repeating others, rejected more than max_retries candidates) is the closest
+# OpenAI has to a refusal by a filter.
 FINISH_REASONS = {
     "stop": "stop",
     "length": "length",
