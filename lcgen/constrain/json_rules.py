@@ -434,3 +434,21 @@ def as_float(bound: g.Bound | None, upper: bool) -> g.Bound | None:
     if math.isinf(d):
         raise UnsupportedSchemaError(f"the bound {value} is beyond the range of a double")
     return Decimal(repr(d)), False
+
+
+def item_key(value: Any) -> Any:
+    """A hashable form of a JSON value in which equal values are equal, as jsonschema and
+    pydantic compare what ``json.loads`` reads: numbers by value (``1`` and ``1.0``; a
+    fraction as a float: ``1.00000000000000001`` is ``1``), booleans apart from numbers,
+    objects whatever their key order."""
+    if isinstance(value, bool) or value is None:
+        return ("c", value)
+    if isinstance(value, int | float):
+        return ("n", value)  # (Python's int and float hash and compare by value)
+    if isinstance(value, Decimal):
+        return ("n", float(value))
+    if isinstance(value, str):
+        return ("s", value)
+    if isinstance(value, list):
+        return ("a", tuple(item_key(v) for v in value))
+    return ("o", frozenset((k, item_key(v)) for k, v in value.items()))

@@ -23,9 +23,8 @@ from lcgen.constrain import automaton, lark
 from lcgen.constrain import gbnf as g
 from lcgen.constrain import json_rules as spec
 from lcgen.constrain.json_numbers import NumberRules
-from lcgen.constrain.json_rules import Conj, NoValue, Unsatisfiable
+from lcgen.constrain.json_rules import Conj, NoValue, Unsatisfiable, item_key
 from lcgen.constrain.regex import json_string_literal, json_string_rules, regex_to_gbnf
-from lcgen.constrain.unique import canonical
 from lcgen.errors import GrammarError, UnsupportedSchemaError
 
 FALSE: dict[str, Any] = {"not": {}}  # "no value", in every draft
@@ -868,7 +867,7 @@ def _values(schema: Any) -> int | None:
         return None
     found: list[int] = []
     if isinstance(schema.get("enum"), list):
-        found.append(len({canonical(v) for v in schema["enum"]}))
+        found.append(len({item_key(v) for v in schema["enum"]}))
     if "const" in schema:
         found.append(1)
     types = schema.get("type")

@@ -20,34 +20,16 @@ import functools
 import json
 import re
 from dataclasses import dataclass, field
-from decimal import Decimal
 from typing import Any
 
+from lcgen.constrain.json_rules import item_key
 from lcgen.errors import GrammarError
 
-__all__ = ["UniqueItems", "UniqueScan", "canonical"]
+__all__ = ["UniqueItems", "UniqueScan"]
 
 Schemas = tuple[Any, ...]  # the subschemas that may apply at one place of the text
 _SCALAR = frozenset("0123456789+-.eEtruefalsn")
 _LITERALS = ("true", "false", "null")
-
-
-def canonical(value: Any) -> Any:
-    """A hashable form of a JSON value in which equal values are equal, as jsonschema and
-    pydantic compare what ``json.loads`` reads: numbers by value (``1`` and ``1.0``; a
-    fraction as a float: ``1.00000000000000001`` is ``1``), booleans apart from numbers,
-    objects whatever their key order."""
-    if isinstance(value, bool) or value is None:
-        return ("c", value)
-    if isinstance(value, int | float):
-        return ("n", value)  # (Python's int and float hash and compare by value)
-    if isinstance(value, Decimal):
-        return ("n", float(value))
-    if isinstance(value, str):
-        return ("s", value)
-    if isinstance(value, list):
-        return ("a", tuple(canonical(v) for v in value))
-    return ("o", frozenset((k, canonical(v)) for k, v in value.items()))
 
 
 @dataclass(frozen=True)
@@ -356,7 +338,7 @@ class UniqueScan:
         if not frame.unique:
             return False
         try:
-            item = canonical(json.loads(self.text[start:end]))
+            item = item_key(json.loads(self.text[start:end]))
         except ValueError:  # (not JSON: a grammar that is not a schema's)
             return False
         if item in frame.seen or item in frame.added:
