@@ -86,7 +86,6 @@ class _Walker:
         self.root = root
         self._refs = _Compiler(root, False, False)  # (its $ref resolution)
         self._expanded: dict[tuple[int, ...], Schemas] = {}
-        self._children: dict[tuple[tuple[int, ...], str | int], Schemas] = {}
 
     def expand(self, schemas: Schemas) -> Schemas:
         """``schemas`` and every subschema that applies to the same value beside them."""
@@ -121,18 +120,13 @@ class _Walker:
         return any(s.get("uniqueItems") is True for s in self.expand(schemas))
 
     def child(self, schemas: Schemas, step: str | int) -> Schemas:
-        """The subschemas that apply to the value at key ``step`` (a str) or index ``step``."""
-        key = (tuple(id(s) for s in schemas), step)
-        found = self._children.get(key)
-        if found is None:
-            found = tuple(
-                sub
-                for schema in self.expand(schemas)
-                for sub in (self._member(schema, step) if isinstance(step, str) else ())
-                + (self._item(schema, step) if isinstance(step, int) else ())
-            )
-            self._children[key] = found
-        return found
+        """The subschemas that apply to the value at key ``step`` (a str) or index ``step``.
+        (Not cached: keys and indices are the text's, without bound, and the walker is kept
+        per schema across generations.)"""
+        expanded = self.expand(schemas)
+        if isinstance(step, str):
+            return tuple(sub for schema in expanded for sub in self._member(schema, step))
+        return tuple(sub for schema in expanded for sub in self._item(schema, step))
 
     @staticmethod
     def _member(schema: dict[str, Any], key: str) -> tuple[Any, ...]:
