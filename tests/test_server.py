@@ -1257,6 +1257,7 @@ BAD = [
     (_body(top_logprobs=99, logprobs=True), "top_logprobs"),
     (_body(num_draft=4), "num_draft"),  # without speculate it would do nothing
     (_body(max_retries=3), "max_retries"),  # ... without banned phrases (it was ignored)
+    (_body(max_retries=3, response_format={"type": "json_object"}), "max_retries"),  # (no schema)
     (_body(banned_ignore_case=True), "banned_ignore_case"),
     (_body(tools=[{"type": "function", "function": {"name": "a b"}}]), "tools.0.function.name"),
     (_body(tools=[{"type": "code"}]), "tools.0.type"),

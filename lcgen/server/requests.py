@@ -485,7 +485,11 @@ def constraint_field(req: ChatRequest | CompletionRequest) -> str | None:
 def _has_schema(req: ChatRequest | CompletionRequest) -> bool:
     """Whether the request's constraint is a JSON Schema (tools, a json_schema response_format),
     whose ``uniqueItems`` may use retries."""
-    return constraint_field(req) in ("tools", "response_format")
+    field = constraint_field(req)
+    if field == "response_format":
+        fmt = req.response_format if isinstance(req, ChatRequest) else None
+        return fmt is not None and fmt.type == "json_schema"
+    return field == "tools"
 
 
 def _given_constraints(req: ChatRequest | CompletionRequest) -> list[tuple[str, Any]]:
