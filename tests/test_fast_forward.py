@@ -314,3 +314,54 @@ def test_a_rewind_to_before_the_first_step_gives_the_forced_opening_again(
             again = _to_the_end(run)
             assert again == first == model.detokenize(run.generator.tokens)
             assert first.startswith((" Paris is ", '{"name":"'))
+
+
+TAGGED = {
+    "type": "object",
+    "properties": {
+        "kind": {"const": "record"},
+        "tags": {
+            "type": "array",
+            "items": {"enum": ["alpha-one", "alpha-two", "beta"]},
+            "uniqueItems": True,
+        },
+        "count": {"type": "integer"},
+    },
+    "required": ["kind", "tags", "count"],
+    "additionalProperties": False,
+}
+REPEATED_TAGS = (
+    '{"kind":"record","tags":["beta","beta","beta","beta"],"count":4}\nThe same JSON again:'
+)
+
+
+def test_with_unique_items_the_text_outside_them_is_forced(model: lcgen.Model) -> None:
+    """A schema with ``uniqueItems`` backtracks (a repeated item is taken back); the text
+    outside the arrays whose items must be unique is forced as in a plain run (it was all
+    sampled), the items are sampled, each token with its checkpoint."""
+    tokens = prompt(model, REPEATED_TAGS)
+    grammar = lcgen.Grammar.from_json_schema(TAGGED, whitespace="compact")
+    sampled = generate(model, tokens, grammar=grammar, fast_forward=False, max_tokens=80)
+    model.cache.clear()
+    out = generate(model, tokens, grammar=grammar, max_tokens=80)
+    for text in (sampled, out):
+        value = json.loads(text)
+        assert sorted(value) == ["count", "kind", "tags"] and value["kind"] == "record"
+        assert len(value["tags"]) == len(set(value["tags"])) >= 2, text
+    assert sampled.stats.forced == 0
+    stats = out.stats
+    assert stats.rewinds + stats.resamples > 0  # a repeat was taken back
+    with model.sequence(tokens) as seq:
+        run = seq.run(grammar=grammar, max_tokens=80)
+        assert model.detokenize(run.generator.tokens).startswith('{"kind":"record","tags":')
+        forced = run.stats().forced
+        while not run.is_done:
+            run.step()
+            made, n = run.generator.tokens, run.stats().forced - forced
+            forced += n
+            if n:  # (a step that rewound forces nothing: the last n tokens are the forced)
+                before, text = model.detokenize(made[:-n]), model.detokenize(made[-n:])
+                items = before.partition("[")[2]
+                if "[" in before and "]" not in before and items.strip():
+                    assert text.startswith("]"), (before, text)  # never inside an item
+        assert forced >= 4

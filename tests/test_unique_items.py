@@ -300,3 +300,41 @@ def test_a_repeated_object_changes_its_last_value_not_its_whitespace(model: lcge
             seed=seed,
         )
         jsonschema.validate(value, schema)
+
+
+def test_what_reads_outside_the_items_of_unique_arrays_is_measured() -> None:
+    schema = {"type": "object", "properties": {"tags": UNIQUE_ARRAY, "free": {"type": "array"}}}
+    scan = UniqueItems.of(schema).scan('{"free": [1, 1], ')
+    assert scan.outside('"tags": [ 1]') == len('"tags": [ ')  # up to its first item
+    assert scan.outside('"other": [2, 2]}') == len('"other": [2, 2]}')
+    assert scan.text == '{"free": [1, 1], '  # nothing was read
+    assert UniqueItems.of(schema).scan('{"tags": [1, 1').outside("]") == 0  # a repeat
+    closing = '], "free": [3, 3]}'
+    assert UniqueItems.of(schema).scan('{"tags": [1, 2').outside(closing) == len(closing)
+
+
+def test_an_item_start_given_up_holds_for_the_later_items_of_its_array() -> None:
+    # Every token after '"ru' led to a repeat: no later item may start so, in any tokens.
+    scan = UniqueItems.of({"type": "array", "items": UNIQUE_ARRAY}).scan('[["rust", "ru')
+    assert scan.give_up_item()
+    at = '[["rust", '
+    again = scan.reread(at)  # (a rewind to the item's start keeps it)
+    trial = again.copy()
+    assert trial.feed('"rug"') == len(at) + 2 and trial.repeated == len(at)
+    assert again.copy().feed('"rx", "ru') == len(at) + 8  # ...and later items
+    # Not the items before it, nor another array, nor after a rewind past its start.
+    assert again.reread('[["ru').feed('st", "x"], ["ru"]]') is None
+    assert scan.reread('[["rust",').feed(' "rug"]') is None
+    assert not UniqueItems.of(UNIQUE_ARRAY).scan("[1, ").give_up_item()  # no item open
+
+
+def test_an_item_that_repeats_in_every_spelling_is_given_up_once(model: lcgen.Model) -> None:
+    # '"rust' repeated: "rust" spelled again in other tokens ("r" "ust", "ru" "st", ...) for
+    # this item and each later one used the retries up (64). Its start is given up for them.
+    skills = {"type": "array", "items": {"enum": ["python", "rust", "go", "sql", "java"]}}
+    schema = {"type": "object", "properties": {"skills": {**skills, "uniqueItems": True}}}
+    prompt = '{"skills": ["rust", "rust", "rust", "rust"]}\nThe same JSON again:\n'
+    out = model.generate(prompt, grammar=Grammar.from_json_schema(schema), temperature=0)
+    value = json.loads(out)
+    jsonschema.validate(value, schema)
+    assert sorted(value["skills"]) == sorted(skills["items"]["enum"])  # the model's wish: more

@@ -6,7 +6,10 @@ keeps their items apart: :class:`UniqueScan` reads the JSON text as it is genera
 the schema which arrays must hold unique items (walking it along the text's keys and indices),
 and reports the character at which an item becomes equal to an earlier item of its array (JSON
 equality: ``1`` is ``1.0``, ``true`` is not ``1``, objects whatever their key order). The
-backtracking run then draws another token there (:class:`lcgen.runtime.backtrack.Backtracker`).
+backtracking run then takes the item back (:class:`lcgen.runtime.backtrack.Backtracker`): it
+draws another token where a string became a repeat, takes a repeated number back whole and a
+repeated array or object from its last value, and closes an array where every item tried
+repeated one.
 
 Where the schema branches (``anyOf``, ``oneOf``, ``if``/``then``/``else``), an array is held
 unique when any branch that could apply to it says so: that only narrows what is written.
@@ -198,19 +201,40 @@ class UniqueScan:
     # last one repeated another. A "," there counts as a repeat. (Shared by copies: the run
     # that found them keeps it.)
     full: set[int] = field(default_factory=set)
+    # Starts of items that every continuation tried turned into a repeat, by array (where it
+    # opens), each with where the item it was found in began: no later item of the array may
+    # begin so either (its earlier items are still there), and spelled in other tokens the
+    # same text would use the retries up. (Shared by copies, as full.)
+    dead: dict[int, dict[str, int]] = field(default_factory=dict)
 
-    def last_array(self) -> _Frame | None:
-        """The innermost open array where an item is to begin after another, unique, or None."""
+    def close_last(self) -> int | None:
+        """Where an item of a unique array is to begin after another (the innermost array
+        open): mark the array full (every item tried repeated one) and return where its last
+        item ended; elsewhere None."""
         frame = self._stack[-1] if self._stack else None
         if frame is None or not frame.unique or self._expect != "value" or frame.index == 0:
             return None
-        return frame if frame.start < 0 and self._string < 0 and self._scalar < 0 else None
+        if frame.start >= 0 or self._string >= 0 or self._scalar >= 0 or frame.after < 0:
+            return None
+        self.full.add(frame.opened)
+        return frame.after
+
+    def give_up_item(self) -> bool:
+        """Where an item of a unique array is open, mark the text it has so far as one no item
+        may start with (every token that could follow it led to a repeat); whether one was."""
+        frame = next((f for f in reversed(self._stack) if f.unique and f.start >= 0), None)
+        if frame is None:
+            return False
+        self.dead.setdefault(frame.opened, {})[self.text[frame.start :]] = frame.start
+        return True
 
     def copy(self) -> UniqueScan:
         """A scan that reads on from here on its own (the items read so far are shared: keep
         only the copy once it is kept)."""
         frames = [dataclasses.replace(f, added=set(f.added)) for f in self._stack]
-        scan = UniqueScan(self.walker, self.text, frames, self._expect, full=self.full)
+        scan = UniqueScan(
+            self.walker, self.text, frames, self._expect, full=self.full, dead=self.dead
+        )
         scan._string, scan._is_key, scan._escape = self._string, self._is_key, self._escape
         scan._scalar = self._scalar
         return scan
@@ -224,11 +248,30 @@ class UniqueScan:
         return self
 
     def reread(self, text: str = "") -> UniqueScan:
-        """A scan of the same schema that has read ``text`` instead (its full arrays kept)."""
+        """A scan of the same schema that has read ``text`` instead (its full arrays and the
+        item starts it gave up kept, where they begin in ``text``)."""
         self.full.intersection_update(range(len(text)))  # (arrays that open later are others)
-        scan = UniqueScan(self.walker, full=self.full)
+        for opened, given_up in list(self.dead.items()):  # (kept while their items are)
+            kept = {item: start for item, start in given_up.items() if start <= len(text)}
+            if kept:
+                self.dead[opened] = kept
+            else:
+                del self.dead[opened]
+        scan = UniqueScan(self.walker, full=self.full, dead=self.dead)
         scan.feed(text)
         return scan.keep()
+
+    def outside(self, more: str) -> int:
+        """How much of ``more`` reads on outside the items of arrays that must hold unique
+        items (text a rewind never has to take back: up to a unique array's ``[`` and the
+        whitespace after it, from its ``]`` on): its length. Reads nothing."""
+        trial = self.copy()
+        for i, char in enumerate(more):
+            if trial.feed(char) is not None or any(
+                f.unique and (f.index or f.start >= 0) for f in trial._stack
+            ):
+                return i
+        return len(more)
 
     @property
     def held_from(self) -> int | None:
@@ -245,6 +288,8 @@ class UniqueScan:
         self.text += more
         text = self.text
         for i in range(at, len(text)):
+            if self.dead and self._gives_up(i):
+                return i - 1
             if self._expect == "done":
                 break
             char = text[i]
@@ -300,7 +345,20 @@ class UniqueScan:
                         return i
             else:  # not JSON as this scan reads it: nothing more is held
                 self._expect = "done"
+        if self.dead and self._gives_up(len(text)):
+            return len(text) - 1
         return None
+
+    def _gives_up(self, end: int) -> bool:
+        """Whether an open item's text up to ``end`` is one given up (see give_up_item)."""
+        for frame in self._stack:
+            if frame.unique and frame.start >= 0:
+                given_up = self.dead.get(frame.opened)
+                found = given_up.get(self.text[frame.start : end]) if given_up else None
+                if found is not None and found <= frame.start:  # (that item or a later one)
+                    self.repeated = frame.start
+                    return True
+        return False
 
     def _begin(self, char: str, at: int) -> None:
         schemas: Schemas = (self.walker.root,)

@@ -158,7 +158,7 @@ def make_plan(*, schema: SchemaLike | None = None, **options: Unpack[GenerateOpt
             model), fast_forward (True: where a
             constraint allows only one text next, its tokens are appended without sampling
             and decoded in one batch; runs with hooks, validators, banned phrases or logprobs
-            sample every token).
+            sample every token, and the items of a schema's ``uniqueItems`` arrays are sampled).
 
     Raises:
         TypeError: an unknown option, or an option of the wrong type (named).

@@ -1,10 +1,12 @@
-"""Backtracking generation: hooks, validators and banned phrases, paid for with rewinds.
+"""Backtracking generation: hooks, validators, banned phrases and a schema's ``uniqueItems``,
+paid for with rewinds.
 
 A :class:`Backtracker` drives one (sequence, generator) pair. Each step it samples a candidate,
 lets the hooks accept, replace, redraw or reject it, appends it, runs the validators and the
 banned-phrase matcher on the text, and rewinds through the sequence's checkpoints when any of
-them asks to. Nothing is decoded again except the tokens a rewind dropped (plus the last kept
-token, whose logits the next step needs): the prompt is decoded once.
+them asks to (or an item of a unique array repeats an earlier one). Nothing is decoded again
+except the tokens a rewind dropped (plus the last kept token, whose logits the next step
+needs): the prompt is decoded once.
 
 Streaming holds text back only as far as a rewind could still reach: the part that could become
 a banned phrase and, when hooks or validators are given, the last ``lookback`` tokens.
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import itertools
 import math
 from collections.abc import Set
 from dataclasses import dataclass, replace
@@ -28,7 +31,7 @@ from lcgen.decoding.speculation import Drafter
 from lcgen.decoding.text import decode_flush
 from lcgen.errors import ClosedError, NoCandidatesError, RewindError
 from lcgen.runtime.checkpoint import Checkpoint
-from lcgen.runtime.run import SequenceRun
+from lcgen.runtime.run import SequenceRun, join_chunks
 from lcgen.runtime.tokens import TokenSequence
 
 
@@ -72,8 +75,6 @@ class Backtracker(SequenceRun):
         drafter: with speculation, what drafts the tokens each step verifies.
     """
 
-    sees_every_token = True
-
     def __init__(
         self,
         seq: TokenSequence,
@@ -81,7 +82,7 @@ class Backtracker(SequenceRun):
         settings: Backtracking,
         drafter: Drafter | None = None,
     ) -> None:
-        super().__init__(seq, gen, drafter)
+        # (Set before the run's own start, which may append the tokens a constraint forces.)
         self._epoch = seq.run_epoch  # (see drop_unreleased)
         self.hooks, self.validators = settings.hooks, settings.validators
         self.banned = settings.banned
@@ -99,8 +100,17 @@ class Backtracker(SequenceRun):
         # Arrays whose items must be unique (uniqueItems): the JSON text read so far, and the
         # read of it with the candidate, kept once the candidate is.
         unique = gen.grammar.grammar.unique if gen.grammar is not None else None
-        self._unique = None if unique is None else unique.scan(self._json_text())
+        text = gen.healed + gen.text_state.held_text  # (what _json_text reads at the start)
+        self._unique = None if unique is None else unique.scan(text)
         self._unique_next: UniqueScan | None = None
+        super().__init__(seq, gen, drafter)
+
+    @property
+    def sees_every_token(self) -> bool:
+        """Whether hooks, validators or banned phrases see every token. Without them (a
+        schema's ``uniqueItems`` alone), forced text outside the arrays that must hold unique
+        items is appended unsampled, as in a plain run (see :meth:`_forced_tokens`)."""
+        return bool(self.hooks or self.validators or self.banned)
 
     @property
     def is_done(self) -> bool:
@@ -264,6 +274,46 @@ class Backtracker(SequenceRun):
             index = len(self.generator.tokens) - 1
         return self._rewind_to(index, ban=True)
 
+    # forced tokens --------------------------------------------------------------------------
+    def _fast_forward(self, chunk: Chunk, reserve: int = 0) -> Chunk:
+        n_tokens = len(self.generator.tokens)
+        super()._fast_forward(Chunk("", ()), reserve)  # (their text joins the output)
+        if len(self.generator.tokens) == n_tokens:
+            return chunk
+        if self._unique is not None:  # (the text is outside unique arrays: nothing repeats)
+            self._unique.feed(self._json_text()[len(self._unique.text) :])
+            self._unique.keep()
+        return join_chunks([chunk, self._emit()])
+
+    def _forced_tokens(self, reserve: int) -> list[int]:
+        """The forced tokens a plain run appends, up to the first character that would be in
+        an array whose items must be unique (a rewind may have to take that text back: it is
+        sampled, each token with its checkpoint). None right after a rewind: the token there
+        may be banned, and is sampled."""
+        if len(self._marks) != len(self.generator.tokens):
+            return []
+        forced = super()._forced_tokens(reserve)
+        scan = self._unique
+        if scan is None or not forced:
+            return forced
+        if scan.text != self._json_text():
+            return []
+        pieces = [self.sequence.vocab.piece(token) for token in forced]
+        room = scan.outside(b"".join(pieces).decode("ascii"))  # (forced text is ASCII)
+        ends = itertools.accumulate(len(piece) for piece in pieces)
+        return [token for token, end in zip(forced, ends, strict=True) if end <= room]
+
+    def _take_forced(self, token: int) -> Chunk:
+        """Append a forced token with a mark no rewind reaches (its text is final once taken:
+        see :meth:`_forced_tokens`)."""
+        held = self.generator.text_state.held_bytes
+        mark = _Mark(None, len(self._out), len(self._visible()), bool(held))
+        self._marks.append(mark)
+        self._visible_at.append(mark.visible)
+        chunk = super()._take_forced(token)
+        self._out += chunk.text
+        return chunk
+
     def _undo_candidate(self, before: Checkpoint) -> None:
         """Take back the candidate the generator accepted, keeping the randomness it drew (the
         next draw here must not repeat it)."""
@@ -397,11 +447,15 @@ class Backtracker(SequenceRun):
         """Every token is ruled out here: the token before was a dead end (unless it is final).
         Where an item of a unique array was to begin, every item tried repeated another: the
         array takes no more, and the text after its last item is taken back (the "," and
-        whitespace before the next one would only lead here again)."""
-        frame = self._unique.last_array() if self._unique is not None else None
-        if frame is not None and frame.after >= 0 and self._unique is not None:
-            self._unique.full.add(frame.opened)
-            return self._take_back(frame.after - len(self.generator.healed))
+        whitespace before the next one would only lead here again). Inside such an item, its
+        text so far is given up: spelled in other tokens, it would only lead here again."""
+        after = self._unique.close_last() if self._unique is not None else None
+        if after is not None:
+            return self._take_back(after - len(self.generator.healed))
+        if self._unique is not None and not (self.hooks or self.validators):
+            # Inside an item: what it has so far leads only to repeats (a hook's reasons are
+            # its own), and no token may spell it again.
+            self._unique.give_up_item()
         if index == 0 or not self._reachable(index - 1):
             return self._end("retries")
         return self._rewind_to(index - 1, ban=True)

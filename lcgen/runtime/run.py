@@ -183,8 +183,11 @@ class SequenceRun:
         if self.fast_forward and not (gen.is_done or plan.stops.strings or plan.stop_tokens):
             self._held = self._fast_forward(Chunk("", ()), reserve=1)
 
-    # Backtracking runs show every token to hooks, validators and banned-phrase checks.
-    sees_every_token = False
+    @property
+    def sees_every_token(self) -> bool:
+        """Whether every token is sampled (a backtracking run's hooks, validators and
+        banned-phrase checks see each one): no forced token is appended unsampled."""
+        return False
 
     def __del__(self) -> None:
         # Dropped before a step re-created the text token healing removed (a stream closed
@@ -240,7 +243,7 @@ class SequenceRun:
         if self.generator.finish_reason != "retries":
             self._steps += 1
         if self._held is not None:
-            chunk, self._held = _joined([self._held, chunk]), None
+            chunk, self._held = join_chunks([self._held, chunk]), None
         if self.fast_forward and not self.is_done:
             chunk = self._fast_forward(chunk)
         if self.drafter is not None:
@@ -271,7 +274,7 @@ class SequenceRun:
             # text comes with the next chunk, and they count as a step of their own.
             if chunks:
                 held = [self._held] if self._held is not None else []
-                self._held = _joined([*held, *chunks])
+                self._held = join_chunks([*held, *chunks])
                 self._steps += 1
             raise
         finally:
@@ -281,27 +284,37 @@ class SequenceRun:
             self._accepted += max(len(chunks) - 1, 0)
             assert self.drafter is not None
             self.drafter.feedback(len(rows) - 1, accepted)
-        return _joined(chunks)
+        return join_chunks(chunks)
 
     def _fast_forward(self, chunk: Chunk, reserve: int = 0) -> Chunk:
         """Append the tokens the constraint forces after the last one (the sampled one, or the
         prompt's): they are decoded with it in the next step. ``reserve``: tokens of
         ``max_tokens`` to leave for sampling. Returns ``chunk`` with their text."""
+        chunks = [chunk]
+        for token in self._forced_tokens(reserve):
+            chunks.append(self._take_forced(token))
+            if self.generator.is_done:
+                break
+        return join_chunks(chunks)
+
+    def _forced_tokens(self, reserve: int) -> list[int]:
+        """The tokens the constraint forces after the last one, leaving ``reserve`` tokens of
+        ``max_tokens`` and one of the context."""
         seq, gen = self.sequence, self.generator
         room = min(
             gen.max_tokens - len(gen.tokens) - reserve, seq.model.context.n_ctx - len(seq) - 1
         )
-        forced = gen.forced_tokens(seq.vocab.special_piece(seq.tokens[-1]), room)
-        chunks = [chunk]
-        for token in forced:
-            chunks.append(gen.accept(token))
-            seq.append_tokens((token,))
-            if gen.logprobs is not None:  # a plan that asked for both: certain, given the rest
-                self.token_entries.append(TokenLogprob(token, chunks[-1].text, 0.0, ()))
-            self._forced += 1
-            if gen.is_done:
-                break
-        return _joined(chunks)
+        return gen.forced_tokens(seq.vocab.special_piece(seq.tokens[-1]), room)
+
+    def _take_forced(self, token: int) -> Chunk:
+        """Append a forced token, unsampled; its text."""
+        gen = self.generator
+        chunk = gen.accept(token)
+        self.sequence.append_tokens((token,))
+        if gen.logprobs is not None:  # a plan that asked for both: certain, given the rest
+            self.token_entries.append(TokenLogprob(token, chunk.text, 0.0, ()))
+        self._forced += 1
+        return chunk
 
     def _draft(self, drafter: Drafter) -> None:
         """Give the sequence a draft for the next step: the drafter's guess, cut where the
@@ -419,7 +432,7 @@ class PlainRun(SequenceRun):
             self._held = opening
 
 
-def _joined(chunks: list[Chunk]) -> Chunk:
+def join_chunks(chunks: list[Chunk]) -> Chunk:
     """One chunk for the tokens one step took (accepted draft tokens, forced ones): texts and
     tokens joined, the log-probabilities summed (each token's on ``logprobs``), the finish of
     the last."""
