@@ -40,6 +40,7 @@ def test_an_escape_range_holds_exactly_its_code_points(
 
 def test_ascii_has_no_escape_here() -> None:
     assert escapes(((0x20, 0x7E),)) is None
+    assert escapes(((0x7F, 0x7F),)) is not None  # (DEL: json.dumps writes "\u007f")
 
 
 def test_constants_names_and_patterns_take_both_spellings(model: lcgen.Model) -> None:
@@ -63,3 +64,23 @@ def test_constants_names_and_patterns_take_both_spellings(model: lcgen.Model) ->
     assert keys.accepts(model, json.dumps({"ármányos": 2}))
     assert not keys.accepts(model, json.dumps({"ármányos": "2"}))
     assert not keys.accepts(model, json.dumps({"armanyos": 2}))
+
+
+def test_extra_keys_and_del_take_both_spellings(model: lcgen.Model) -> None:
+    # A key of additionalProperties and DEL as json.dumps writes them ("caf\u00e9",
+    # "\u007f") were refused (a key beside declared ones is still written raw: an escape could
+    # spell a declared name).
+    for schema, value in [
+        ({"type": "object", "additionalProperties": {"type": "integer"}}, {"café": 2, "😀": 3}),
+        ({"type": "string", "pattern": "a"}, "\x7fa"),
+        ({"const": "\x7f"}, "\x7f"),
+        ({"type": "object", "properties": {"\x7f": {}}, "required": ["\x7f"]}, {"\x7f": 1}),
+    ]:
+        for whitespace in ("flexible", "compact"):
+            grammar = Grammar.from_json_schema(schema, whitespace=whitespace)
+            compact = whitespace == "compact"
+            for text in (
+                json.dumps(value, separators=(",", ":") if compact else None),
+                json.dumps(value, ensure_ascii=False, separators=(",", ":") if compact else None),
+            ):
+                assert grammar.accepts(model, text), (schema, text)

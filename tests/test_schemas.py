@@ -1587,6 +1587,28 @@ def test_recursion_that_never_ends_names_its_ref() -> None:
         {"type": "string", "pattern": "^\\u{1F600}$"},
         {"type": "array", "minItems": 100000},
         {"type": ["object", "null"], "$ref": "#"},
+        # extra keys lcgen writes in part (several rules judge them; patterns no automaton
+        # splits exactly): no value was left, but {"ax": "s"}, {"name": "s"} validate
+        {
+            "type": "object",
+            "propertyNames": {"maxLength": 10},
+            "patternProperties": {"^a": {"type": "string"}},
+            "additionalProperties": False,
+            "minProperties": 1,
+        },
+        {
+            "type": "object",
+            "propertyNames": {"maxLength": 10},
+            "additionalProperties": {"type": "string"},
+            "patternProperties": {"^x-": {"type": "integer"}},
+            "minProperties": 1,
+        },
+        {
+            "type": "object",
+            "patternProperties": {"^a{1000}$": {"type": "integer"}, "^a{999}": {"type": "string"}},
+            "additionalProperties": False,
+            "minProperties": 1,
+        },
     ],
 )
 def test_what_lcgen_cannot_enforce_is_unsupported(schema: dict[str, Any]) -> None:
@@ -1622,6 +1644,13 @@ def test_what_lcgen_cannot_enforce_is_unsupported(schema: dict[str, Any]) -> Non
                 "b": {"minLength": 5, "maxLength": 2, "type": "string"},
             },
             "required": ["a", "b"],
+        },
+        # no key is allowed: no object of one property
+        {
+            "type": "object",
+            "patternProperties": {"^a": False},
+            "additionalProperties": False,
+            "minProperties": 1,
         },
         # the arrays must reach an item no value satisfies
         {"type": "array", "items": {"type": "integer", "minimum": 5, "maximum": 3}, "minItems": 1},

@@ -2,8 +2,9 @@
 
 JSON may write any character as ``\\u`` and four hex digits (either case), and one beyond
 U+FFFF as a UTF-16 surrogate pair; Python's ``json.dumps`` does so for every non-ASCII
-character by default. Where a grammar writes specific characters (a pattern's classes, a
-constant, a property name), these let the escaped form through as well as the raw one.
+character and DEL (U+007F) by default. Where a grammar writes specific characters (a pattern's
+classes, a constant, a property name), these let the escaped form through as well as the raw
+one.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import functools
 
 from lcgen.constrain import gbnf as g
 
-_BMP = ((0x80, 0xD7FF), (0xE000, 0xFFFF))  # non-ASCII, no surrogates
+_BMP = ((0x7F, 0xD7FF), (0xE000, 0xFFFF))  # DEL and non-ASCII, no surrogates
 _ASTRAL = ((0x10000, g.MAX_CODEPOINT),)
 _U = g.literal("\\u")
 _ANY_HEX = "[0-9a-fA-F]"
@@ -20,8 +21,8 @@ _ANY_HEX = "[0-9a-fA-F]"
 
 @functools.lru_cache(maxsize=4096)  # the same classes recur across states and schemas
 def escapes(ranges: g.Ranges) -> str | None:
-    """GBNF for the JSON escapes of the non-ASCII code points in ``ranges`` (None when there
-    are none)."""
+    """GBNF for the JSON escapes of DEL and the non-ASCII code points in ``ranges`` (None when
+    there are none)."""
     options = [f"{_U} {_hex_range(lo, hi, 4)}" for lo, hi in g.intersect(ranges, _BMP)]
     for lo, hi in g.intersect(ranges, _ASTRAL):
         options += _pairs(lo, hi)

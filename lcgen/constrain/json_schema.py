@@ -234,7 +234,7 @@ class _Compiler(ValueCompiler):
         self.recursive: dict[tuple[Any, ...], tuple[Any, str]] = {}  # shape: (schema, rule)
         self.cycles: dict[str, str] = {}  # rules a recursion came back to: which $ref, where
         self.followed: list[str] = []  # every $ref followed, in order ("$ref '#' at #/...")
-        self.narrowed: list[str] = []  # negations written in part ("the not at #/not, whose ...")
+        self.narrowed: list[str] = []  # parts written in part ("the not at #/not, whose ...")
         name = type(self.validator).__name__
         self.old_draft = name in _OLD_DRAFTS  # $ref ignores its siblings
         self.draft4 = name in _OLD_DRAFTS[:2]  # boolean exclusiveMinimum/Maximum
@@ -307,6 +307,11 @@ class _Compiler(ValueCompiler):
     # schemas to alternatives of conjunctions -------------------------------------------------
     def n_narrowed(self) -> int:
         return len(self.narrowed)
+
+    def narrow(self, what: str) -> bool:
+        if not self.widen:
+            self.narrowed.append(what)
+        return self.widen
 
     def visit(self, schema: Any, path: str) -> str:
         """The GBNF expression of the values ``schema`` allows; a rule that refers to itself

@@ -161,9 +161,15 @@ class ValueCompiler:
         raise NotImplementedError
 
     def n_narrowed(self) -> int:
-        """How many negations were written in part so far (a value a failed visit found
-        none of may then still exist)."""
+        """How many parts of the schema were written in part so far (a value a failed visit
+        found none of may then still exist)."""
         return 0
+
+    def narrow(self, what: str) -> bool:
+        """Note that ``what`` is written in part (fewer values, never more); whether to write
+        it whole instead, wider (the second pass that tells an unsatisfiable schema from one
+        lcgen cannot write: see :meth:`lcgen.constrain.json_schema._Compiler.compile`)."""
+        return False
 
     def named(self, name: str, expr: str) -> str:
         """``expr`` as a rule name (itself when it is one already)."""
@@ -263,8 +269,8 @@ class ValueCompiler:
             text, zeros = self.number_const(value, path)
             return [*text, g.Expr(zeros)]
         text = json.dumps(value, ensure_ascii=False)
-        if isinstance(value, str) and not value.isascii():
-            return [c if c.isascii() else g.Expr(json_string_literal(c)) for c in text]
+        if isinstance(value, str) and _escaped_too(value):
+            return [g.Expr(json_string_literal(c)) if _escaped_too(c) else c for c in text]
         return list(text)
 
     def const(self, value: Any, path: str) -> str:
@@ -287,7 +293,7 @@ class ValueCompiler:
         if isinstance(value, int | float) and not isinstance(value, bool):
             text, zeros = self.number_const(value, path)
             return f"{g.literal(text)} {zeros}"
-        if isinstance(value, str) and not value.isascii():
+        if isinstance(value, str) and _escaped_too(value):
             return f'"\\"" {json_string_literal(value)} "\\""'
         return g.literal(json.dumps(value, ensure_ascii=False))
 
@@ -677,8 +683,12 @@ class ValueCompiler:
             exact = self.pattern_extras(conj, names, key_rules)
             if exact is not None:
                 return [(key, value, False) for key, value in exact]
+        # Keys that propertyNames spells, or patterns no automaton split exactly: what follows
+        # may leave some keys or values out (never writes more).
+        if self.narrow(f"the extra properties at {path}"):
+            return [(None, True, False)]
         if len(with_patterns) + len(key_rules) > 1:
-            return []  # keys that several rules judge: only the declared ones (fewer, never more)
+            return []  # keys that several rules judge: only the declared ones
         if key_rules:  # keys spelled by propertyNames, their values as any extra's
             keys, rule = [key_rules[0]], None
         else:
@@ -830,7 +840,10 @@ class ValueCompiler:
         return [f'"\\"" {prefix}? "{k}\\"" ws ":" ws {value} ws' for k in numbers]
 
     def key_not_in(self, names: list[str]) -> str:
-        """A JSON string of raw characters (no escapes) that is none of ``names``."""
+        """A JSON string that is none of ``names``: of raw characters (no escapes, which could
+        spell a name in another form), or with none given, any JSON string."""
+        if not names:
+            return self.prim("string")
         raw = spec.RAW_CHAR
         trie: dict[str, Any] = {}
         for name in names:
@@ -856,6 +869,12 @@ class ValueCompiler:
 
 # The most (matches so far, items so far) states a contains with item counts is written with.
 _MAX_CONTAINS_STATES = 4096
+
+
+def _escaped_too(text: str) -> bool:
+    """Whether ``text`` has a character JSON text may hold raw or as a ``\\u`` escape (which
+    ``json.dumps`` writes by default): DEL and the non-ASCII ones."""
+    return any(c >= "\x7f" for c in text)
 
 
 def _values(schema: Any) -> int | None:

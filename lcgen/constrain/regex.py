@@ -428,7 +428,7 @@ class Emitter:
         if raw:
             single = len(raw) == 1 and raw[0][0] == raw[0][1]
             options.append(g.literal(chr(raw[0][0])) if single else g.char_class(raw))
-            escaped = escapes(raw)  # non-ASCII characters also as \uXXXX (json.dumps' way)
+            escaped = escapes(raw)  # DEL, non-ASCII also as \uXXXX (json.dumps' way)
             if escaped is not None:
                 options.append(escaped)
         for lo, hi in g.intersect(writable, _JSON_ESCAPED):
