@@ -169,16 +169,20 @@ def test_overlapping_decodes_each_count_their_own_share_of_the_process_cpu(
     clock = iter([0.0, 0.0, 1.0, 3.0, 4.0, 10.0, 11.0, 12.0]).__next__
     monkeypatch.setattr(threads_module.time, "perf_counter", clock)
     overlaps = threads_module.Overlaps()  # made at t=0
-    a = overlaps.start(2)  # t=0
-    b = overlaps.start(2)  # t=1: both run until t=3
-    seconds_a = overlaps.end(2, a)  # t=3: 2 threads alone for 1 s, then 4 for 2 s
-    seconds_b = overlaps.end(2, b)  # t=4: 4 threads for 2 s, then 2 alone for 1 s
+    a, b = threads_module.Span(2), threads_module.Span(2)
+    overlaps.start(a)  # t=0
+    overlaps.start(b)  # t=1: both run until t=3
+    seconds_a = overlaps.end(a)  # t=3: 2 threads alone for 1 s, then 4 for 2 s
+    seconds_b = overlaps.end(b)  # t=4: 4 threads for 2 s, then 2 alone for 1 s
     assert (seconds_a, seconds_b) == (10.0, 10.0)
     # Over A's 3 s the process ran 4 core-seconds: A's own share is 6 of those 10.
     assert own_cpu(4.0, 3.0, 2, seconds_a) == pytest.approx(4.0 * 6 / 10)
-    alone = overlaps.start(1)  # t=10, alone until t=11
-    assert own_cpu(0.9, 1.0, 1, overlaps.end(1, alone)) == 0.9
+    alone = threads_module.Span(1)
+    overlaps.start(alone)  # t=10, alone until t=11
+    assert own_cpu(0.9, 1.0, 1, overlaps.end(alone)) == 0.9
     assert own_cpu(0.5, 0.0, 1, 0.0) == 0.5  # no time measured: as it is
+    # A span that never started (Ctrl-C before it) ends as nothing: no threads left counted.
+    assert overlaps.end(threads_module.Span(4)) == 0.0 and overlaps._threads == 0
 
 
 def test_size_classes_group_batches_within_a_factor_two() -> None:

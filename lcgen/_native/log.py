@@ -134,19 +134,21 @@ def capture_stderr_fd() -> Iterator[list[bytes]]:
     captured: list[bytes] = []
     with _stderr_lock, tempfile.TemporaryFile() as tmp:
         sys.stderr.flush()
-        try:
-            saved = os.dup(2)
-        except OSError:  # no stderr to redirect: run uncaptured
-            yield captured
-            return
-        os.dup2(tmp.fileno(), 2)
-        try:
+        saved = -1
+        try:  # (one block: Ctrl-C between the steps still gives fd 2 back and closes the copy)
+            with contextlib.suppress(OSError):  # no stderr to redirect: run uncaptured
+                saved = os.dup(2)
+            if saved >= 0:
+                os.dup2(tmp.fileno(), 2)
             yield captured
         finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            tmp.seek(0)
-            captured.append(tmp.read())
+            if saved >= 0:
+                try:
+                    os.dup2(saved, 2)
+                finally:
+                    os.close(saved)
+                tmp.seek(0)
+                captured.append(tmp.read())
 
 
 def supports_gpu_offload() -> bool:

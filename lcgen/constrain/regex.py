@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 import unicodedata
 import warnings
 from dataclasses import dataclass
@@ -312,15 +313,25 @@ def parse(pattern: str, *, portable: bool = False, either: bool = False) -> Node
         GrammarError: the pattern is invalid, or uses a construct outside the subset.
     """
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", FutureWarning)
-            pattern = python_spelling(pattern)
+        pattern = python_spelling(pattern)
+        # re warns (FutureWarning) of a class its future versions will read otherwise ("[[",
+        # "--", "&&" in a class): that is refused. The warning filters are the process's:
+        # threads take turns (interleaved, one thread's restore kept another's filter for good).
+        with _WARNINGS, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", FutureWarning)
             re.compile(pattern)
-    except (re.error, FutureWarning, OverflowError, RecursionError) as exc:
+        future = [w for w in caught if issubclass(w.category, FutureWarning)]
+        if future:
+            re.purge()  # (re cached it: compiled again, it would not warn)
+            raise GrammarError(f"invalid regex /{pattern:.200}/: {future[0].message}")
+    except (re.error, OverflowError, RecursionError) as exc:
         # OverflowError: a repetition count beyond re's (a{99999999999999999999});
         # RecursionError: groups nested deeper than re's parser goes
         raise GrammarError(f"invalid regex /{pattern:.200}/: {exc}") from None
     return _Parser(pattern, portable, either).parse()
+
+
+_WARNINGS = threading.Lock()  # (see parse)
 
 
 def nullable(node: Node) -> bool:

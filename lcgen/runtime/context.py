@@ -26,7 +26,7 @@ from lcgen._native.model import ModelHandle
 from lcgen.errors import ClosedError, ContextFullError, StateFileError
 from lcgen.runtime.cells import CellLedger
 from lcgen.runtime.costs import TILE, DecodeCosts
-from lcgen.runtime.threads import OVERLAPS, ThreadTuner, own_cpu
+from lcgen.runtime.threads import OVERLAPS, Span, ThreadTuner, own_cpu
 
 PAD_TO = TILE  # llama.cpp's CPU flash attention works in tiles of rows from this many tokens
 PAD_MARGIN = 1.15  # a batch is padded when its rows are predicted this much slower than tiles
@@ -422,12 +422,13 @@ class Context:
                 if threads is not None:
                     threads.before(n)
                 n_threads = self._n_threads if threads is None else threads.applied
-                mark = OVERLAPS.start(n_threads)
-                wall, cpu = time.perf_counter(), time.process_time()
+                span = Span(n_threads)
                 try:
+                    OVERLAPS.start(span)
+                    wall, cpu = time.perf_counter(), time.process_time()
                     logits = decode()
                 finally:
-                    thread_seconds = OVERLAPS.end(n_threads, mark)
+                    thread_seconds = OVERLAPS.end(span)
                 wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
                 if threads is not None:
                     threads.after(n, wall, own_cpu(cpu, wall, n_threads, thread_seconds))

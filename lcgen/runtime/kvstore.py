@@ -230,7 +230,7 @@ class KVStore:
         self._collected_at = -math.inf  # when a waiting thread last ran the garbage collector
         # Beam searches take turns: each holds slots while it forks more, and two in different
         # threads could each wait for the other's slots forever.
-        self._beam_turn = threading.Lock()
+        self._beam_turn = threading.RLock()  # (an RLock knows its owner: see beam_turn)
         self._local = threading.local()  # .no_wait: this thread's opens raise, not wait
         context.on_full = self._evict_for_cells
 
@@ -253,29 +253,34 @@ class KVStore:
         Raises:
             SlotsExhaustedError: another thread's search kept the turn past ``slot_timeout``.
         """
+        turn = self._beam_turn
+        if turn._is_owned():  # type: ignore[attr-defined]  # a search inside a search
+            yield
+            return
         timeout = -1 if self.slot_timeout is None else self.slot_timeout
-        got = self._beam_turn.acquire(blocking=False)
-        if not got:
-            # Waiting for the turn counts as waiting for a slot: a search that holds the turn
-            # and waits for this thread's slots then sees that none will come (see _wait).
-            me = this_thread()
-            with self._lock:
-                self._waiters.add(me)
-                self._cond.notify_all()
-            try:
-                got = self._beam_turn.acquire(timeout=timeout)
-            finally:
+        try:  # (given back whenever this thread holds it: Ctrl-C may come right after it)
+            got = turn.acquire(blocking=False)
+            if not got:
+                # Waiting for the turn counts as waiting for a slot: a search that holds the
+                # turn and waits for this thread's slots then sees that none will come.
+                me = this_thread()
                 with self._lock:
-                    self._waiters.discard(me)
-        if not got:
-            raise SlotsExhaustedError(
-                f"another thread's beam search held the slots past slot_timeout="
-                f"{self.slot_timeout} s"
-            )
-        try:
+                    self._waiters.add(me)
+                    self._cond.notify_all()
+                try:
+                    got = turn.acquire(timeout=timeout)
+                finally:
+                    with self._lock:
+                        self._waiters.discard(me)
+            if not got:
+                raise SlotsExhaustedError(
+                    f"another thread's beam search held the slots past slot_timeout="
+                    f"{self.slot_timeout} s"
+                )
             yield
         finally:
-            self._beam_turn.release()
+            if turn._is_owned():  # type: ignore[attr-defined]
+                turn.release()
 
     # opening and closing sequences ------------------------------------------------------
     def open(self, tokens: Seq[int], *, limit: int | None = None) -> tuple[Entry, int]:

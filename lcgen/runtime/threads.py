@@ -26,6 +26,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 KEEP = 8  # decodes whose CPU share calls for fewer threads; recent times kept per size class
 SHORT = 0.5  # fewer threads are tried when the threads got this many cores fewer than they are
@@ -42,6 +43,16 @@ STALLED = 2.0  # a probe decode this many times slower than the current ones end
 LATEST = 3  # decodes whose CPU share says how many cores the threads get now
 
 
+@dataclass(slots=True)
+class Span:
+    """One decode's part in :class:`Overlaps`: made before it starts, so that whatever
+    interrupts it (Ctrl-C right after its start was counted) can still end it."""
+
+    n_threads: int
+    mark: float = 0.0  # the thread-seconds of decoding when it started
+    running: bool = False
+
+
 class Overlaps:
     """The decodes in flight in this process, of every context: the process's CPU time over a
     decode is its own threads' only while it runs alone (two models decoding in two threads
@@ -53,25 +64,29 @@ class Overlaps:
         self._total = 0.0  # thread-seconds of decoding so far
         self._at = time.perf_counter()
 
-    def _advance(self) -> float:
-        now = time.perf_counter()
-        self._total += self._threads * (now - self._at)
-        self._at = now
-        return self._total
-
-    def start(self, n_threads: int) -> float:
-        """A decode of ``n_threads`` threads starts; returns a mark for :meth:`end`."""
+    # (Between the clock's call and the lock's end, only arithmetic and stores: no point where
+    # Python runs a signal handler, so a Ctrl-C finds a span counted in and marked, or neither.)
+    def start(self, span: Span) -> None:
+        """The decode of ``span`` starts."""
         with self._lock:
-            mark = self._advance()
-            self._threads += n_threads
-            return mark
+            now = time.perf_counter()
+            self._total += self._threads * (now - self._at)
+            self._at = now
+            self._threads += span.n_threads
+            span.mark, span.running = self._total, True
 
-    def end(self, n_threads: int, mark: float) -> float:
-        """The decode ends; returns the thread-seconds of every decode since its mark."""
+    def end(self, span: Span) -> float:
+        """The decode of ``span`` ends (if it started); returns the thread-seconds of every
+        decode since its start."""
         with self._lock:
-            total = self._advance() - mark
-            self._threads -= n_threads
-            return total
+            now = time.perf_counter()
+            if not span.running:
+                return 0.0
+            self._total += self._threads * (now - self._at)
+            self._at = now
+            self._threads -= span.n_threads
+            span.running = False
+            return self._total - span.mark
 
 
 OVERLAPS = Overlaps()

@@ -117,6 +117,9 @@ class TokenSequence(Unshared):
         self._tokens = entry.tokens  # the same list: the store sees what this sequence holds
         self._slot = entry.slot
         self._finalizer = weakref.finalize(self, model.cache.park, entry)
+        # Not at exit: a daemon thread may still generate on it then (parked, its next step
+        # raised ClosedError), and the cells go with the process.
+        self._finalizer.atexit = False
         self._n_decoded = n_decoded
         self._draft: list[int] = []  # to decode after the pending tokens in the next step
         self._ahead: list[int] = []  # draft tokens decoded past the sequence's end
