@@ -338,3 +338,15 @@ def test_an_item_that_repeats_in_every_spelling_is_given_up_once(model: lcgen.Mo
     value = json.loads(out)
     jsonschema.validate(value, schema)
     assert sorted(value["skills"]) == sorted(skills["items"]["enum"])  # the model's wish: more
+
+
+def test_inside_an_item_of_a_unique_array_its_start_is_given_up_not_an_inner_one() -> None:
+    # '"c' in the inner array can be refused because the inner array would then repeat the
+    # outer's first item: a later inner item may still be "c".
+    sets = {"type": "array", "uniqueItems": True, "items": UNIQUE_ARRAY}
+    scan = UniqueItems.of(sets).scan('[["a", "b", "c"], ["a", "b", "c')
+    assert scan.give_up_item()
+    later = scan.reread('[["a", "b", "c"], ["a", "b", ')
+    assert later.copy().feed('"x", "c"]]') is None  # "c" is fine later in the inner array
+    again = scan.reread('[["a", "b", "c"], ')
+    assert again.copy().feed('["a", "b", "c') is not None  # the outer item's start is given up

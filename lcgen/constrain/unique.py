@@ -221,8 +221,10 @@ class UniqueScan:
 
     def give_up_item(self) -> bool:
         """Where an item of a unique array is open, mark the text it has so far as one no item
-        may start with (every token that could follow it led to a repeat); whether one was."""
-        frame = next((f for f in reversed(self._stack) if f.unique and f.start >= 0), None)
+        may start with (every token that could follow it led to a repeat); whether one was.
+        The outermost such item: inside it, an inner array's items may have repeated an
+        outer item, which a later inner item would not."""
+        frame = next((f for f in self._stack if f.unique and f.start >= 0), None)
         if frame is None:
             return False
         self.dead.setdefault(frame.opened, {})[self.text[frame.start :]] = frame.start
