@@ -350,3 +350,51 @@ def test_inside_an_item_of_a_unique_array_its_start_is_given_up_not_an_inner_one
     assert later.copy().feed('"x", "c"]]') is None  # "c" is fine later in the inner array
     again = scan.reread('[["a", "b", "c"], ')
     assert again.copy().feed('["a", "b", "c') is not None  # the outer item's start is given up
+
+
+def test_a_full_array_rewound_into_its_last_item_takes_items_again() -> None:
+    # Marked full after "b", the take-back ended inside "b" (the token '",'): the reread
+    # stopped at the array's first "," and saw no repeat after it.
+    flat = {"type": "array", "uniqueItems": True, "items": {"enum": ["a", "b", "c"]}}
+    scan = UniqueItems.of(flat).scan('["a","b",')
+    assert scan.close_last() == len('["a","b"')
+    kept = scan.reread('["a","b"')  # a rewind to the end of the last item keeps the mark
+    assert kept.copy().feed(",") == len('["a","b"')
+    again = kept.reread('["a","b')  # ...one into it does not
+    assert again.copy().feed('","a"]') == len('["a","b","a"') - 1  # the repeat is seen
+
+
+def test_nested_unique_arrays_never_repeat_an_item(model: lcgen.Model) -> None:
+    # The second list repeated the first: '[["a","b","c"],["a","b","c"]]' ended as "stop".
+    inner = {"type": "array", "uniqueItems": True, "minItems": 3, "maxItems": 3}
+    schema = {
+        "type": "array",
+        "uniqueItems": True,
+        "minItems": 2,
+        "maxItems": 2,
+        "items": {**inner, "items": {"enum": ["a", "b", "c"]}},
+    }
+    prompt = 'Two lists: [["a","b","c"],["a","b","c"]]\nAgain:'
+    try:
+        value = model.generate(prompt, schema=schema, temperature=0, max_tokens=200)
+    except lcgen.IncompleteOutputError:
+        return  # (the retries may run out: never a repeat)
+    jsonschema.validate(value, schema)
+
+
+def test_a_repeated_object_takes_back_its_innermost_last_value(model: lcgen.Model) -> None:
+    # Its inner "]" was taken back: the number before it grew ("2.0", "2.00", ...: the same
+    # value) and the retries ran out.
+    item = {
+        "type": "object",
+        "required": ["k", "v"],
+        "additionalProperties": False,
+        "properties": {
+            "k": {"enum": ["x", "y"]},
+            "v": {"type": "array", "maxItems": 2, "items": {"enum": [1, 2]}},
+        },
+    }
+    schema = {"type": "array", "uniqueItems": True, "maxItems": 3, "items": item}
+    prompt = '[{"k": "x", "v": [1, 2]}, {"k": "x", "v": [1, 2]}, {"k": "x", "v": [1, 2]}]\nAgain:\n'
+    value = model.generate(prompt, schema=schema, temperature=0, max_tokens=200)
+    jsonschema.validate(value, schema)

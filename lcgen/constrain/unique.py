@@ -200,7 +200,7 @@ class UniqueScan:
     # The arrays (by where they open) that can take no more items: every item tried after the
     # last one repeated another. A "," there counts as a repeat. (Shared by copies: the run
     # that found them keeps it.)
-    full: set[int] = field(default_factory=set)
+    full: dict[int, int] = field(default_factory=dict)  # (each with where its last item ended)
     # Starts of items that every continuation tried turned into a repeat, by array (where it
     # opens), each with where the item it was found in began: no later item of the array may
     # begin so either (its earlier items are still there), and spelled in other tokens the
@@ -216,7 +216,7 @@ class UniqueScan:
             return None
         if frame.start >= 0 or self._string >= 0 or self._scalar >= 0 or frame.after < 0:
             return None
-        self.full.add(frame.opened)
+        self.full[frame.opened] = frame.after
         return frame.after
 
     def give_up_item(self) -> bool:
@@ -252,7 +252,9 @@ class UniqueScan:
     def reread(self, text: str = "") -> UniqueScan:
         """A scan of the same schema that has read ``text`` instead (its full arrays and the
         item starts it gave up kept, where they begin in ``text``)."""
-        self.full.intersection_update(range(len(text)))  # (arrays that open later are others)
+        for opened, after in list(self.full.items()):  # (kept while their last item is)
+            if after > len(text):
+                del self.full[opened]
         for opened, given_up in list(self.dead.items()):  # (kept while their items are)
             kept = {item: start for item, start in given_up.items() if start <= len(text)}
             if kept:
@@ -260,7 +262,9 @@ class UniqueScan:
             else:
                 del self.dead[opened]
         scan = UniqueScan(self.walker, full=self.full, dead=self.dead)
-        scan.feed(text)
+        if scan.feed(text) is not None:  # (kept text the marks refuse: read it without them)
+            scan = UniqueScan(self.walker)
+            scan.feed(text)
         return scan.keep()
 
     def outside(self, more: str) -> int:
@@ -337,7 +341,8 @@ class UniqueScan:
             elif self._expect == "next" and self._stack:
                 frame = self._stack[-1]
                 if char == ",":
-                    if frame.opened in self.full:  # (no item can follow that repeats none)
+                    if self.full.get(frame.opened, i + 1) <= i:  # (after the last item then:
+                        # no item can follow it that repeats none)
                         self.repeated = i
                         return i
                     self._expect = "value" if frame.is_array else "key"

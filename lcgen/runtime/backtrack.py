@@ -34,6 +34,8 @@ from lcgen.runtime.checkpoint import Checkpoint
 from lcgen.runtime.run import SequenceRun, join_chunks
 from lcgen.runtime.tokens import TokenSequence
 
+_SCALAR = frozenset("0123456789+-.eEtruefalsn")  # (the characters of numbers and literals)
+
 
 @dataclass(slots=True)
 class _Mark:
@@ -255,9 +257,13 @@ class Backtracker(SequenceRun):
         healed = len(self.generator.healed)
         if text[trial.repeated] in "-0123456789":
             return _TakeBack(trial.repeated - healed)
-        if text[trial.repeated] in "[{":  # an array or object: change its last value (not the
-            # whitespace before its closer, which a grammar allows 24 of)
-            return _TakeBack(max(trial.repeated, len(text[:at].rstrip()) - 1) - healed)
+        if text[trial.repeated] in "[{":  # an array or object: change its last value, inner
+            # ones' too (not the whitespace before a closer, which a grammar allows 24 of, nor
+            # an inner closer, after which a number grew zeros), a number or literal whole
+            last = len(text[:at].rstrip(" \t\n\r]}")) - 1
+            while last > trial.repeated and text[last - 1] in _SCALAR and text[last] in _SCALAR:
+                last -= 1
+            return _TakeBack(max(trial.repeated, last) - healed)
         token = chunk.tokens[0]
         piece = self.sequence.vocab.piece(token).decode("utf-8", "replace")
         start = len(text) - len(piece)
@@ -452,9 +458,10 @@ class Backtracker(SequenceRun):
         after = self._unique.close_last() if self._unique is not None else None
         if after is not None:
             return self._take_back(after - len(self.generator.healed))
-        if self._unique is not None and not (self.hooks or self.validators):
+        if self._unique is not None and not (self.hooks or self.validators or self.banned):
             # Inside an item: what it has so far leads only to repeats (a hook's reasons are
-            # its own), and no token may spell it again.
+            # its own, a banned phrase may begin before the item), and no token may spell it
+            # again.
             self._unique.give_up_item()
         if index == 0 or not self._reachable(index - 1):
             return self._end("retries")
