@@ -28,10 +28,10 @@ from typing import Any
 from lcgen.constrain.json_rules import item_key
 from lcgen.errors import GrammarError
 
-__all__ = ["UniqueItems", "UniqueScan"]
+__all__ = ["SCALAR", "UniqueItems", "UniqueScan"]
 
 Schemas = tuple[Any, ...]  # the subschemas that may apply at one place of the text
-_SCALAR = frozenset("0123456789+-.eEtruefalsn")
+SCALAR = frozenset("0123456789+-.eEtruefalsn")  # the characters of numbers and literals
 _LITERALS = ("true", "false", "null")
 
 
@@ -317,10 +317,10 @@ class UniqueScan:
                         return i
                 continue
             if self._scalar >= 0:
-                if char in _SCALAR and text[self._scalar : i + 1] not in _LITERALS:
+                if char in SCALAR and text[self._scalar : i + 1] not in _LITERALS:
                     continue
                 start, self._scalar = self._scalar, -1
-                if char in _SCALAR:  # the literal's last letter
+                if char in SCALAR:  # the literal's last letter
                     if self._ended(start, i + 1):
                         return i
                     continue

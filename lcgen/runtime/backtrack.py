@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from lcgen.constrain.unique import UniqueScan
+from lcgen.constrain.unique import SCALAR, UniqueScan
 from lcgen.decoding import Chunk, GenerationStats, Generator, Override, Resample, Rewind, Step
 from lcgen.decoding.options import Backtracking
 from lcgen.decoding.results import FinishReason
@@ -33,8 +33,6 @@ from lcgen.errors import ClosedError, NoCandidatesError, RewindError
 from lcgen.runtime.checkpoint import Checkpoint
 from lcgen.runtime.run import SequenceRun, join_chunks
 from lcgen.runtime.tokens import TokenSequence
-
-_SCALAR = frozenset("0123456789+-.eEtruefalsn")  # (the characters of numbers and literals)
 
 
 @dataclass(slots=True)
@@ -261,7 +259,7 @@ class Backtracker(SequenceRun):
             # ones' too (not the whitespace before a closer, which a grammar allows 24 of, nor
             # an inner closer, after which a number grew zeros), a number or literal whole
             last = len(text[:at].rstrip(" \t\n\r]}")) - 1
-            while last > trial.repeated and text[last - 1] in _SCALAR and text[last] in _SCALAR:
+            while last > trial.repeated and text[last - 1] in SCALAR and text[last] in SCALAR:
                 last -= 1
             return _TakeBack(max(trial.repeated, last) - healed)
         token = chunk.tokens[0]
