@@ -412,14 +412,21 @@ def _next_side(side: _Side, digit: int) -> _Side | Literal[False]:
     return False
 
 
+def _digits(n: int, nonzero_end: bool) -> str:
+    """1 to ``n`` digits (the last not 0 when ``nonzero_end``)."""
+    return f"({repeat('[0-9]', 0, n - 1)} [1-9])" if nonzero_end else repeat("[0-9]", 1, n)
+
+
 class _Fractions:
     """Named rules for fraction digit strings d1 d2 ... such that 0.d1d2... meets two bounds,
-    at most ``places`` digits long."""
+    at most ``places`` digits long (``nonzero_end``: the last digit is not 0, so that the
+    number is no integer)."""
 
-    def __init__(self, rules: RuleSet, need_fraction: bool, places: int) -> None:
+    def __init__(self, rules: RuleSet, need_fraction: bool, places: int, nonzero_end: bool) -> None:
         self.rules = rules
-        self.need_fraction = need_fraction
+        self.need_fraction = need_fraction or nonzero_end
         self.places = places
+        self.nonzero_end = nonzero_end
         self.names: dict[tuple[_Side, _Side, int], str | None] = {}
 
     def part(self, lo: _Side, hi: _Side) -> str | None:
@@ -440,7 +447,7 @@ class _Fractions:
         if key in self.names:
             return self.names[key]
         if lo is None and hi is None:
-            return repeat("[0-9]", 1, left)
+            return _digits(left, self.nonzero_end)
         name = self.rules.reserve("frac")
         self.names[key] = name
         by_next: dict[tuple[_Side, _Side], list[int]] = {}
@@ -450,23 +457,30 @@ class _Fractions:
                 by_next.setdefault((nlo, nhi), []).append(digit)
         options = []
         for (nlo, nhi), digits in by_next.items():
-            cls = "[" + "".join(str(d) for d in digits) + "]"
             rest = self.nonempty(nlo, nhi, left - 1)
             if _zero_ok(nlo) and _zero_ok(nhi):
-                if not rest:
-                    options.append(cls)
-                elif nlo is None and nhi is None:  # any digits
-                    options.append(f"{cls} {repeat('[0-9]', 0, left - 1)}")
-                else:
-                    options.append(f"{cls} {rest}?")
+                # (may end after these digits: after a 0 not where the end must not be 0)
+                ending = [d for d in digits if d or not self.nonzero_end]
+                if ending and not rest:
+                    options.append(_class(ending))
+                elif ending and nlo is None and nhi is None and not self.nonzero_end:
+                    options.append(f"{_class(ending)} {repeat('[0-9]', 0, left - 1)}")
+                elif ending:
+                    options.append(f"{_class(ending)} {rest}?")
+                if len(ending) < len(digits) and rest:
+                    options.append(f'"0" {rest}')
             elif rest:
-                options.append(f"{cls} {rest}")
+                options.append(f"{_class(digits)} {rest}")
         if not options:
             self.names[key] = None
             del self.rules.rules[name]
             return None
         self.rules.define(name, " | ".join(options))
         return name
+
+
+def _class(digits: list[int]) -> str:
+    return "[" + "".join(str(d) for d in digits) + "]"
 
 
 def _split(value: Decimal) -> tuple[int, str]:
@@ -478,14 +492,19 @@ def _split(value: Decimal) -> tuple[int, str]:
 
 
 def _nonneg_decimal(
-    rules: RuleSet, lo: Bound, hi: Bound | None, need_fraction: bool, places: int
+    rules: RuleSet,
+    lo: Bound,
+    hi: Bound | None,
+    need_fraction: bool,
+    places: int,
+    nonzero_end: bool = False,
 ) -> str | None:
     """Decimal texts (``int`` or ``int.digits``) of values in the range, lo >= 0."""
-    fr = _Fractions(rules, need_fraction, places)
+    fr = _Fractions(rules, need_fraction, places, nonzero_end)
     a, fa = _split(lo[0])
     lo_side: _Side = (fa, "gt" if lo[1] else "ge")
-    digits = repeat("[0-9]", 1, places)
-    any_fraction = f'"." {digits}' if need_fraction else f'("." {digits})?'
+    digits = _digits(places, nonzero_end)
+    any_fraction = f'"." {digits}' if fr.need_fraction else f'("." {digits})?'
     if hi is None:
         options = [f"{literal(str(a))} {fr.part(lo_side, None)}"]
         options.append(f"{_group(natural_range(a + 1, None) or '')} {any_fraction}")
@@ -517,9 +536,11 @@ def decimal_range(
     hi: Bound | None,
     need_fraction: bool = False,
     places: int = MAX_PLACES,
+    nonzero_end: bool = False,
 ) -> str:
     """Numbers written ``-?int(.digits)?`` (``-?int.digits`` when ``need_fraction``; at most
-    ``places`` digits after the point) whose value lies between the bounds.
+    ``places`` digits after the point; ``nonzero_end``: with digits, the last not 0, so that
+    no integer is written) whose value lies between the bounds.
 
     Raises:
         GrammarError: no number lies between the bounds.
@@ -528,13 +549,13 @@ def decimal_range(
     options = []
     if hi is None or hi[0] > 0 or (hi[0] == 0 and not hi[1]):
         low = lo if lo is not None and lo[0] >= 0 else (zero, False)
-        positive = _nonneg_decimal(rules, low, hi, need_fraction, places)
+        positive = _nonneg_decimal(rules, low, hi, need_fraction, places, nonzero_end)
         if positive:
             options.append(positive)
     if lo is None or lo[0] < 0:
         m_lo = (-hi[0], hi[1]) if hi is not None and hi[0] < 0 else (zero, True)
         m_hi = (-lo[0], lo[1]) if lo is not None else None
-        negative = _nonneg_decimal(rules, m_lo, m_hi, need_fraction, places)
+        negative = _nonneg_decimal(rules, m_lo, m_hi, need_fraction, places, nonzero_end)
         if negative:
             options.append(f'"-" {_group(negative)}')
     if not options:

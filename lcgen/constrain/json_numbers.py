@@ -45,6 +45,9 @@ class NumberRules:
 
     def number(self, conj: Conj, path: str, integer: bool) -> str | None:
         """The numbers (integers) the conjunction allows; None: every JSON number."""
+        fraction = any(spec.NOT_INTEGER in m for m in conj)  # (a negated "type": "integer")
+        if fraction and integer:
+            raise NoValue(f"no integer at {path} is a number that is not an integer")
         lows = [b for m in conj if (b := spec.bound(m, "minimum", "exclusiveMinimum"))]
         highs = [b for m in conj if (b := spec.bound(m, "maximum", "exclusiveMaximum"))]
         lo = max(lows) if lows else None
@@ -53,6 +56,10 @@ class NumberRules:
         hi_int = None if hi is None else math.ceil(hi[0]) - 1 if hi[1] or hi[0] % 1 else int(hi[0])
         places = g.MAX_PLACES
         steps = [Decimal(str(m["multipleOf"])) for m in conj if "multipleOf" in m]
+        if steps and fraction:
+            raise UnsupportedSchemaError(
+                f"multipleOf at {path} beside a not of type integer is not supported"
+            )
         if steps:
             unit, scale = _common_step(steps)
             if integer or scale == 0:  # x is a multiple iff x * 10**scale is one of unit
@@ -61,10 +68,10 @@ class NumberRules:
                 return self.decimal_multiples(unit, scale, lo, hi, lo_int, hi_int, path)
             places = scale  # a step of 10**-scale: every number written with <= scale places
         options = []
-        if lo_int is None or hi_int is None or lo_int <= hi_int:
+        if not fraction and (lo_int is None or hi_int is None or lo_int <= hi_int):
             options.append(g.integer_range(lo_int, hi_int))
         if not integer:
-            if lo is None and hi is None and not steps:
+            if lo is None and hi is None and not steps and not fraction:
                 return None
             with contextlib.suppress(GrammarError):  # no fraction fits: integers only
                 options.append(
@@ -74,6 +81,7 @@ class NumberRules:
                         spec.as_float(hi, True),
                         need_fraction=True,
                         places=places,
+                        nonzero_end=fraction,  # (1.0 is an integer)
                     )
                 )
         if not options:

@@ -16,6 +16,8 @@ from lcgen.constrain import gbnf as g
 from lcgen.errors import GrammarError, UnsupportedSchemaError
 
 Conj = list[dict[str, Any]]  # a conjunction of plain (applicator-free) schemas
+# Marks a member made by negating "type": "integer": its numbers are no integers.
+NOT_INTEGER = "$lcgen-not-integer"
 
 
 class Unsatisfiable(GrammarError):
@@ -33,9 +35,16 @@ ANNOTATIONS = frozenset(
      "writeOnly", "discriminator", "contentEncoding", "contentMediaType", "contentSchema", "$defs",
      "definitions", "$anchor"]
 )  # fmt: skip
+# What the properties and items no other keyword of a location evaluated must be.
+UNEVALUATED = frozenset(["unevaluatedProperties", "unevaluatedItems"])
 APPLICATORS = frozenset(
     ["$ref", "allOf", "anyOf", "oneOf", "not", "if", "then", "else", "dependencies",
-     "dependentRequired", "dependentSchemas"]
+     "dependentRequired", "dependentSchemas", *UNEVALUATED]
+)  # fmt: skip
+# The keywords whose annotations say which properties or items a location evaluated.
+ANNOTATING = frozenset(
+    ["properties", "patternProperties", "additionalProperties", "prefixItems", "items",
+     "additionalItems", "contains"]
 )  # fmt: skip
 GENERIC = frozenset(["type", "enum", "const", *APPLICATORS])
 BY_TYPE = {
@@ -59,9 +68,7 @@ COUNTS = frozenset(
     ["minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
      "minContains", "maxContains"]
 )  # fmt: skip
-UNSUPPORTED = frozenset(
-    ["unevaluatedProperties", "unevaluatedItems", "$dynamicRef", "$recursiveRef"]
-)
+UNSUPPORTED = frozenset(["$dynamicRef", "$recursiveRef"])
 KNOWN = sorted(
     ANNOTATIONS
     | CONSTRAINING

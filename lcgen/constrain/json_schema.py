@@ -13,10 +13,13 @@ where it is, instead of being dropped; unknown keywords are annotations, ignored
 specification says (a likely misspelling of a keyword warns).
 
 How: every schema is first *flattened* into alternatives, each a conjunction of plain schemas
-without applicators: ``allOf`` joins conjunctions, ``anyOf``/``oneOf`` and ``if``/``then``/
-``else`` and the dependency keywords branch, ``not`` is pushed inward (each keyword negated on
+without applicators: ``allOf`` joins conjunctions, ``anyOf``/``oneOf`` (each option joined with
+the ``not`` of the others it may overlap) and ``if``/``then``/``else`` and the dependency
+keywords branch, ``not`` is pushed inward (each keyword negated on
 its own: a conjunction fails when one of its keywords fails), and a ``$ref`` beside other
-keywords is expanded in place. Each conjunction then becomes GBNF per JSON type, gathering
+keywords is expanded in place. ``unevaluatedProperties``/``unevaluatedItems`` add a member to
+each alternative of their schema: what the properties and items its other members do not
+evaluate must be. Each conjunction then becomes GBNF per JSON type, gathering
 what its members say about that type: keywords of one type constrain only values of that
 type, as the specification says.
 """
@@ -28,6 +31,7 @@ import decimal
 import difflib
 import functools
 import itertools
+import math
 import re
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -144,6 +148,25 @@ def _pointer(parts: Iterable[Any]) -> str:
 _ECMA_ONLY = re.compile(r"(?<!\\)(?:\\\\)*(\\[pP]\{[^}]*\}?|\\u\{[0-9a-fA-F]*\}?)")
 
 
+def _annotating(alts: list[Conj]) -> bool:
+    """Whether a member of ``alts`` evaluates properties or items (a negation's do not)."""
+    return any(SYNTHETIC not in m and set(m) & spec.ANNOTATING for c in alts for m in c)
+
+
+def _prefix(member: dict[str, Any]) -> list[Any]:
+    """The items ``member`` says one by one (prefixItems; items as a list before 2020-12)."""
+    items = member.get("items")
+    return items if isinstance(items, list) else member.get("prefixItems", [])
+
+
+def _all_items(member: dict[str, Any]) -> bool:
+    """Whether ``member`` evaluates every item of an array (items beyond its prefix)."""
+    items = member.get("items")
+    return (items is not None and not isinstance(items, list)) or (
+        isinstance(items, list) and "additionalItems" in member
+    )
+
+
 def _schema_error(exc: jsonschema.SchemaError) -> GrammarError:
     """The error for a schema its draft's meta-schema refuses, naming the keyword and where."""
     parts = list(exc.absolute_path)
@@ -235,6 +258,9 @@ class _Compiler(ValueCompiler):
         self.cycles: dict[str, str] = {}  # rules a recursion came back to: which $ref, where
         self.followed: list[str] = []  # every $ref followed, in order ("$ref '#' at #/...")
         self.narrowed: list[str] = []  # parts written in part ("the not at #/not, whose ...")
+        # How many schemas with unevaluated* the flatten under way is inside: there, which
+        # properties and items a location's subschemas evaluated matters.
+        self.scopes = 0
         name = type(self.validator).__name__
         self.old_draft = name in _OLD_DRAFTS  # $ref ignores its siblings
         self.draft4 = name in _OLD_DRAFTS[:2]  # boolean exclusiveMinimum/Maximum
@@ -401,6 +427,17 @@ class _Compiler(ValueCompiler):
         self.check_keywords(schema, path)
         if "$ref" in schema and self.old_draft:
             schema = {"$ref": schema["$ref"]}
+        if not set(schema) & spec.UNEVALUATED:
+            return self.applied(schema, path)
+        self.scopes += 1
+        try:
+            alts = self.applied(schema, path)
+        finally:
+            self.scopes -= 1
+        return [self.unevaluated(schema, conj, path) for conj in alts]
+
+    def applied(self, schema: dict[str, Any], path: str) -> list[Conj]:
+        """:meth:`flatten` of a schema without ``unevaluated*`` (or with it, not yet held to)."""
         plain = {k: v for k, v in schema.items() if k not in spec.APPLICATORS}
         alts: list[Conj] = [[plain]]
         if "$ref" in schema:
@@ -408,7 +445,7 @@ class _Compiler(ValueCompiler):
         for i, sub in enumerate(schema.get("allOf", ())):
             alts = self.join(alts, self.flatten(sub, f"{path}/allOf/{i}"))
         if "anyOf" in schema:
-            alts = self.join(alts, self.union(schema["anyOf"], f"{path}/anyOf"))
+            alts = self.join(alts, self.any_of(schema["anyOf"], f"{path}/anyOf"))
         if "oneOf" in schema:
             # OpenAPI's (and pydantic's) discriminator: its property is in every value (pydantic
             # refuses one without it, even where its field has a default) and tells them apart.
@@ -417,8 +454,7 @@ class _Compiler(ValueCompiler):
             tag = tag if isinstance(tag, str) else None
             if tag is not None:
                 alts = self.join(alts, [[{"required": [tag]}]])
-            self.check_disjoint(schema["oneOf"], path, tag)
-            alts = self.join(alts, self.union(schema["oneOf"], f"{path}/oneOf"))
+            alts = self.join(alts, self.one_of(schema["oneOf"], path, tag))
         if "not" in schema:
             alts = self.join(alts, self.negate(schema["not"], f"{path}/not"))
         if "if" in schema and ("then" in schema or "else" in schema):
@@ -432,6 +468,11 @@ class _Compiler(ValueCompiler):
                 self.flatten(schema.get("else", True), f"{path}/else"),
             )
             alts = self.join(alts, yes + no)
+        elif "if" in schema and self.scopes:
+            # An if alone asserts nothing, but where it validates, what it evaluated counts.
+            test = self.flatten(schema["if"], f"{path}/if")
+            if _annotating(test):
+                alts = self.join(alts, [[], *test])
         for name, then in self.dependencies(schema):
             absent: Conj = [{"properties": {name: FALSE}, SYNTHETIC: True}]
             present = self.join(
@@ -460,6 +501,55 @@ class _Compiler(ValueCompiler):
 
     def union(self, schemas: list[Any], path: str) -> list[Conj]:
         return [c for i, s in enumerate(schemas) for c in self.flatten(s, f"{path}/{i}")]
+
+    def any_of(self, schemas: list[Any], path: str) -> list[Conj]:
+        """The alternatives of an ``anyOf``: one per branch; where ``unevaluated*`` reads this
+        location, one per set of the branches that evaluate properties or items, since every
+        branch that validates counts (a value that two branches validate may need the
+        properties of both)."""
+        flats = [self.flatten(s, f"{path}/{i}") for i, s in enumerate(schemas)]
+        if not self.scopes:
+            return [c for f in flats for c in f]
+        telling = [f for f in flats if _annotating(f)]
+        rest = [c for f in flats if not _annotating(f) for c in f]
+        if math.prod(len(f) + 1 for f in telling) - 1 + len(rest) > MAX_ALTERNATIVES:
+            raise UnsupportedSchemaError(
+                f"the anyOf at {path} has too many branches beside unevaluatedProperties or "
+                f"unevaluatedItems: each set of them that may validate together is an "
+                f"alternative, over {MAX_ALTERNATIVES}"
+            )
+        sets = [
+            [m for conj in chosen if conj is not None for m in conj]
+            for chosen in itertools.product(*([None, *f] for f in telling))
+            if any(c is not None for c in chosen)
+        ]
+        return [*sets, *rest]
+
+    def unevaluated(self, schema: dict[str, Any], conj: Conj, path: str) -> Conj:
+        """``conj``, an alternative of ``schema`` made of it and its in-place subschemas,
+        with what its ``unevaluatedProperties`` / ``unevaluatedItems`` say of the properties
+        and items none of them evaluated (a negation's keywords evaluate nothing)."""
+        seen = [m for m in conj if SYNTHETIC not in m]
+        out = list(conj)
+        rest = schema.get("unevaluatedProperties", True)
+        if "unevaluatedProperties" in schema and not any("additionalProperties" in m for m in seen):
+            # (a member with additionalProperties evaluates every property: this one too, for
+            # an unevaluatedProperties around this location)
+            member: dict[str, Any] = {"additionalProperties": rest}
+            for key in ("properties", "patternProperties"):
+                if named := {n: True for m in seen for n in m.get(key, {})}:
+                    member[key] = named
+            out.append(member)
+        rest = schema.get("unevaluatedItems", True)
+        if "unevaluatedItems" in schema and not any(_all_items(m) for m in seen):
+            if any("contains" in m for m in seen):
+                raise UnsupportedSchemaError(
+                    f"unevaluatedItems at {path} beside contains is not supported (which items "
+                    "contains evaluates depends on their values)"
+                )
+            n = max((len(_prefix(m)) for m in seen), default=0)
+            out.append({"prefixItems": [True] * n, "items": rest})
+        return out
 
     def expand_ref(self, ref: str, path: str) -> list[Conj]:
         if ref in self.expanding:
@@ -593,7 +683,12 @@ class _Compiler(ValueCompiler):
         """Alternatives whose values all fail ``schema`` (perhaps not every such value: a
         keyword whose negation lcgen cannot write is left out, which only narrows)."""
         alts: list[Conj] = [[]]
-        for conj in self.flatten(schema, path):
+        scopes, self.scopes = self.scopes, 0  # (what a negation evaluates never counts)
+        try:
+            flat = self.flatten(schema, path)
+        finally:
+            self.scopes = scopes
+        for conj in flat:
             negations = [n for member in conj for n in self.negate_plain(member, path)]
             alts = self.join(alts, [[n] for n in negations])
         return alts
@@ -618,7 +713,9 @@ class _Compiler(ValueCompiler):
         left_out = sorted(set(member) & (spec.CONSTRAINING | {NOT_IN}) - NEGATED)
         types = self.types_of(member)
         if types is not None and "integer" in types and "number" not in types:
-            left_out.append("integer (numbers that are not integers)")
+            out.append({"type": "number", spec.NOT_INTEGER: True})
+        if spec.NOT_INTEGER in member:  # (no number that is not an integer: an integer)
+            out.append({"type": "integer"})
         if types is not None:
             others = [t for t in spec.NON_NUMERIC if t not in types]
             others += [] if types & {"integer", "number"} else ["number"]
@@ -698,18 +795,27 @@ class _Compiler(ValueCompiler):
         return {"exclusive" + key.capitalize(): value}
 
     # oneOf ------------------------------------------------------------------------------------
-    def check_disjoint(self, options: list[Any], path: str, tag: str | None = None) -> None:
-        """Refuse ``options`` two of which may match one value (``tag``: a property every
-        value has)."""
+    def one_of(self, options: list[Any], path: str, tag: str | None) -> list[Conj]:
+        """The alternatives of a ``oneOf``: each option with the negation of every other one
+        that may match a value with it (``tag``: a property every value has, whose constants
+        may tell options apart); none is needed where lcgen proves two disjoint."""
         resolved = [self.resolve(o) for o in options]
-        for i in range(len(resolved)):
-            for j in range(i + 1, len(resolved)):
-                if not self.disjoint(resolved[i], resolved[j], tag):
+        out: list[Conj] = []
+        for i, option in enumerate(options):
+            alts = self.flatten(option, f"{path}/oneOf/{i}")
+            for j, other in enumerate(options):
+                if j == i or self.disjoint(resolved[i], resolved[j], tag):
+                    continue
+                try:
+                    alts = self.join(alts, self.negate(other, f"{path}/oneOf/{j}"))
+                except UnsupportedSchemaError as exc:
                     raise UnsupportedSchemaError(
                         f"oneOf at {path}: alternatives {i} and {j} may both match a value, and "
-                        "lcgen cannot exclude that (use anyOf, or tell them apart by type or by a "
-                        "required property with different constants)"
-                    )
+                        f"lcgen cannot exclude {j} where {i} matches ({exc}); use anyOf, or tell "
+                        "them apart by type or by a required property with different constants"
+                    ) from None
+            out += alts
+        return out
 
     def resolve(self, schema: Any) -> Any:
         seen = 0

@@ -251,6 +251,7 @@ class ValueCompiler:
             for value in values
             if all(check(value) for check in checks)
             and all(value not in m.get(NOT_IN, ()) for m in conj)
+            and not (spec.type_of(value) == "integer" and any(spec.NOT_INTEGER in m for m in conj))
         ]
         if not values:
             raise NoValue(f"enum at {path} is empty: no value satisfies it")
