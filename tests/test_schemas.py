@@ -675,6 +675,37 @@ CASES = [
         [["a", 1], [1, 2, 3], []],
     ),
     Case(
+        "contains-with-max-contains",
+        {"type": "array", "contains": {"type": "string"}, "minContains": 2, "maxContains": 3},
+        [["a", "b"], [1, "a", 2, "b", "c", None], ["a", 1, 2, 3, 4, 5, "b"]],
+        [["a"], ["a", "b", "c", "d"], [], [1, 2]],
+    ),
+    Case(
+        "contains-none-or-few",
+        {
+            "type": "array",
+            "items": {"type": "integer"},
+            "contains": {"minimum": 5},
+            "minContains": 0,
+            "maxContains": 1,
+        },
+        [[], [1, 2], [7], [1, 9, 2]],
+        [[5, 6], [9, 1, 9], ["a"]],
+    ),
+    Case(
+        "contains-beside-prefix-items",
+        {
+            "type": "array",
+            "prefixItems": [{"type": "string"}, {"type": "integer"}],
+            "items": {"type": "boolean"},
+            "contains": {"type": "integer"},
+            "maxContains": 1,
+            "maxItems": 4,
+        },
+        [["a", 1], ["a", 1, True, False], ["a", 1, True, True]],
+        [["a"], [], ["a", 1, 2], ["a", "b"], ["a", 1, True, True, True]],
+    ),
+    Case(
         "all-of-merged",
         {
             "allOf": [
@@ -834,6 +865,43 @@ CASES = [
         {"if": {"patternProperties": {"^f": {"type": "string"}}}, "unevaluatedProperties": False},
         [{"foo": "a"}, {}, 3],
         [{"bar": "a"}, {"foo": 1}],
+    ),
+    Case(  # dependentSchemas applies to objects only: its prefixItems evaluate no array's items
+        "unevaluated-items-and-dependent-schemas",
+        {"dependentSchemas": {"a": {"prefixItems": [True]}}, "unevaluatedItems": False},
+        [[], {"a": 1}, "x"],
+        [[1], [{"a": 1}]],
+    ),
+    Case(  # dependencies is no keyword since 2019-09: held to, but it evaluates nothing
+        "unevaluated-properties-and-dependencies",
+        {
+            "properties": {"a": True},
+            "dependencies": {"a": {"properties": {"b": True}}},
+            "unevaluatedProperties": False,
+        },
+        [{"a": 1}, {}],
+        [{"a": 1, "b": 2}, {"b": 2}],
+    ),
+    Case(  # before 2019-09 they are unknown keywords: annotations
+        "unevaluated-in-draft-7",
+        {
+            "$schema": "http://json-schema.org/draft-07/schema#",
+            "properties": {"a": True},
+            "items": [True],
+            "unevaluatedProperties": False,
+            "unevaluatedItems": "x",
+        },
+        [{"a": 1, "b": 1}, [1, 2]],
+    ),
+    Case(  # before 2020-12 prefixItems is no keyword: items says what every item is
+        "prefix-items-in-draft-7",
+        {
+            "$schema": "http://json-schema.org/draft-07/schema#",
+            "prefixItems": [{"type": "string"}],
+            "items": {"type": "integer"},
+        },
+        [[1], [], [1, 2]],
+        [["a"], [1, "a"]],
     ),
     Case(
         "unevaluated-items",
@@ -1175,7 +1243,10 @@ def test_patterns_match_only_what_ecma_262_and_python_agree_on(
             },
             "anyOf at #/anyOf has too many branches beside unevaluatedProperties",
         ),
-        ({"type": "array", "contains": {}, "maxContains": 2}, "maxContains"),
+        (
+            {"allOf": [{"contains": {"const": 1}}, {"contains": {"const": 2}}]},
+            "two contains at # (joined by allOf or $ref) are not supported",
+        ),
         ({"type": "string", "pattern": "(a)\\1"}, "backreference"),
         ({"type": "string", "pattern": "(?=a)"}, "lookahead"),
         ({"type": "string", "pattern": "^a", "format": "date"}, "date with ^a"),
@@ -1220,6 +1291,40 @@ def test_unenforceable_schema_raises_naming_it(schema: dict[str, Any] | bool, na
     with pytest.raises(lcgen.GrammarError) as info:
         Grammar.from_json_schema(schema)
     assert named.replace("# :", "#:") in str(info.value)
+
+
+def test_an_enum_beside_boolean_items_and_additional_items(model: lcgen.Model) -> None:
+    """The enum's values are checked against the other keywords by jsonschema, which takes
+    len() of a boolean items beside additionalItems (a TypeError came out of lcgen)."""
+    draft7 = "http://json-schema.org/draft-07/schema#"
+    schema = {"$schema": draft7, "enum": [[], None], "items": True, "additionalItems": False}
+    grammar = Grammar.from_json_schema(schema)
+    assert [grammar.accepts(model, t) for t in ("[]", "null", "[1]", "0")] == [1, 1, 0, 0]
+
+
+def test_errors_inside_unevaluated_subschemas_name_their_keyword() -> None:
+    for key in ("unevaluatedProperties", "unevaluatedItems"):
+        with pytest.raises(lcgen.GrammarError, match=f"at #/{key}\\) does not resolve"):
+            Grammar.from_json_schema({key: {"$ref": "#/$defs/missing"}})
+
+
+def test_equal_subschemas_are_written_once() -> None:
+    """Eight copies of an object whose anyOf beside unevaluatedProperties makes 63
+    alternatives, under an outer anyOf of 8 (255 alternatives): each alternative wrote every
+    copy out again (1.2 MB of GBNF, 20 s; llguidance then refused it as too large)."""
+    groups = ["name", "email", "phone", "address", "company", "title", "notes", "tags"]
+    contact = {
+        "type": "object",
+        "anyOf": [{"properties": {f"{g}_1": {"type": "string"}}} for g in groups[:6]],
+        "unevaluatedProperties": False,
+    }
+    schema = {
+        "type": "object",
+        "properties": {g: json.loads(json.dumps(contact)) for g in groups},
+        "anyOf": [{"properties": {g: True}, "required": [g]} for g in groups],
+        "unevaluatedProperties": False,
+    }
+    assert len(Grammar.from_json_schema(schema).gbnf) < 150_000  # measured: 70,395
 
 
 def test_schema_as_json_text_and_bad_text() -> None:
@@ -1711,7 +1816,7 @@ def test_recursion_that_never_ends_names_its_ref() -> None:
             "then": {"type": "number"},
             "else": {"type": "string"},
         },
-        {"type": "array", "contains": {"type": "integer"}, "maxContains": 2},
+        {"type": "array", "allOf": [{"contains": {"type": "integer"}}, {"contains": {}}]},
         {"type": "string", "pattern": "^\\p{L}+$"},  # ECMA-262 escapes Python's re lacks
         {"type": "string", "pattern": "^\\u{1F600}$"},
         {"type": "array", "minItems": 100000},

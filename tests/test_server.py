@@ -260,13 +260,17 @@ def test_a_stop_after_healed_text_that_completes_the_constraint_says_stop(
 def test_a_schema_lcgen_cannot_enforce_falls_back_to_its_type_unless_strict(
     client: openai.OpenAI,
 ) -> None:
-    unsupported = {"type": "array", "contains": {"type": "integer"}, "maxContains": 3}
+    unsupported = {
+        "type": "array",
+        "items": {"type": "integer"},
+        "allOf": [{"contains": {"const": 4}}, {"contains": {"const": 5}}],
+    }
     ask = [{"role": "user", "content": "Three numbers as a JSON array, like [4, 5, 6]."}]
     fmt = {"type": "json_schema", "json_schema": {"name": "n", "schema": unsupported}}
     reply = chat(client, messages=ask, max_tokens=30, response_format=fmt).choices[0]
     assert reply.message.content.lstrip().startswith("[")  # the type it names (not an object)
     fmt["json_schema"]["strict"] = True
-    with pytest.raises(openai.BadRequestError, match="maxContains"):
+    with pytest.raises(openai.BadRequestError, match="two contains"):
         chat(client, messages=ask, max_tokens=40, response_format=fmt)
     anything = {"type": "json_schema", "json_schema": {"name": "a", "schema": True}}
     reply = chat(client, messages=ask, max_tokens=30, response_format=anything).choices[0]

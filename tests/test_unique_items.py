@@ -76,6 +76,21 @@ def test_only_the_arrays_the_schema_marks_are_held() -> None:
     assert not unique.duplicate_in("plain text [1, 1]")  # not JSON: nothing is held
 
 
+def test_unevaluated_subschemas_and_the_draft_s_items_are_walked() -> None:
+    """unevaluatedProperties/unevaluatedItems hold the values no other keyword names (their
+    uniqueItems arrays were let through), and before 2020-12 prefixItems is no keyword:
+    ``items`` holds every item."""
+    unique_set = {"type": "array", "items": {"type": "integer"}, "uniqueItems": True}
+    props = {"properties": {"a": {"type": "array"}}, "unevaluatedProperties": unique_set}
+    assert UniqueItems.of(props).duplicate_in('{"b": [1, 1]}')
+    assert not UniqueItems.of(props).duplicate_in('{"a": [1, 1]}')
+    items = {"prefixItems": [{"type": "array"}], "unevaluatedItems": unique_set}
+    assert UniqueItems.of(items).duplicate_in("[0, [1, 1]]")
+    assert not UniqueItems.of(items).duplicate_in("[[1, 1]]")
+    draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "prefixItems": [{}]}
+    assert UniqueItems.of({**draft7, "items": unique_set}).duplicate_in("[[1, 1]]")
+
+
 def test_a_scan_reports_where_the_repeat_ended() -> None:
     scan = UniqueItems.of(UNIQUE_ARRAY).scan('["ab", "a')
     assert scan.held_from == len('["ab"')  # (a rewind may take back the separator too)

@@ -31,6 +31,7 @@ import decimal
 import difflib
 import functools
 import itertools
+import json
 import math
 import re
 from collections.abc import Iterable
@@ -45,6 +46,7 @@ from lcgen.constrain.json_rules import Conj, NoValue, Unsatisfiable, not_finite
 from lcgen.constrain.json_values import (
     FALSE,
     NOT_IN,
+    SOURCE,
     SYNTHETIC,
     ValueCompiler,
     count,
@@ -56,6 +58,8 @@ from lcgen.errors import GrammarError, UnsupportedSchemaError, warn
 MAX_ALTERNATIVES = 256
 # Marks a schema made by negating a plain schema in part (its value: what was left out).
 PARTIAL = "$lcgen-partial-negation"
+# Marks a member whose properties and items do not count as evaluated (unevaluated*).
+UNCOUNTED = "$lcgen-evaluates-nothing"
 # The keywords :meth:`_Compiler.negate_plain` negates exactly.
 NEGATED = frozenset(
     ["type", "const", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
@@ -117,6 +121,14 @@ def _shape(schema: dict[str, Any]) -> tuple[Any, ...]:
     return tuple((key, _atom(value)) for key, value in schema.items())
 
 
+def _content(schema: dict[str, Any]) -> str | None:
+    """Text two schemas share when they are equal (None: one JSON cannot write)."""
+    try:
+        return json.dumps(schema, sort_keys=True, default=repr)
+    except (TypeError, ValueError):
+        return None
+
+
 def _atom(value: Any) -> Any:
     if isinstance(value, dict):
         return ("dict", id(value))
@@ -148,9 +160,14 @@ def _pointer(parts: Iterable[Any]) -> str:
 _ECMA_ONLY = re.compile(r"(?<!\\)(?:\\\\)*(\\[pP]\{[^}]*\}?|\\u\{[0-9a-fA-F]*\}?)")
 
 
+def _evaluates(member: dict[str, Any]) -> bool:
+    """Whether ``member``'s properties and items count as evaluated (a negation's do not)."""
+    return SYNTHETIC not in member and UNCOUNTED not in member
+
+
 def _annotating(alts: list[Conj]) -> bool:
-    """Whether a member of ``alts`` evaluates properties or items (a negation's do not)."""
-    return any(SYNTHETIC not in m and set(m) & spec.ANNOTATING for c in alts for m in c)
+    """Whether a member of ``alts`` evaluates properties or items."""
+    return any(_evaluates(m) and set(m) & spec.ANNOTATING for c in alts for m in c)
 
 
 def _prefix(member: dict[str, Any]) -> list[Any]:
@@ -255,6 +272,7 @@ class _Compiler(ValueCompiler):
         # rule, and the inner one refers to it. (shape: [schema, its rule once one is needed])
         self.visiting: dict[tuple[Any, ...], list[Any]] = {}
         self.recursive: dict[tuple[Any, ...], tuple[Any, str]] = {}  # shape: (schema, rule)
+        self.memo: dict[str, str] = {}  # a schema's JSON text: its expression
         self.cycles: dict[str, str] = {}  # rules a recursion came back to: which $ref, where
         self.followed: list[str] = []  # every $ref followed, in order ("$ref '#' at #/...")
         self.narrowed: list[str] = []  # parts written in part ("the not at #/not, whose ...")
@@ -263,6 +281,7 @@ class _Compiler(ValueCompiler):
         self.scopes = 0
         name = type(self.validator).__name__
         self.old_draft = name in _OLD_DRAFTS  # $ref ignores its siblings
+        self.draft2020 = not self.old_draft and name != "Draft201909Validator"  # prefixItems
         self.draft4 = name in _OLD_DRAFTS[:2]  # boolean exclusiveMinimum/Maximum
         self.id_key = "id" if self.draft4 else "$id"
         self.anchors, self.embedded = _index(root, self.id_key, self.old_draft)
@@ -357,8 +376,14 @@ class _Compiler(ValueCompiler):
                 # (the first $ref followed since that visit began: the one it went through)
                 self.cycles[rule] = f"the recursion of {via[0]} (back to {entry[2]})"
             return str(entry[1])
+        content = _content(schema)
+        if content is not None and content in self.memo:
+            # An equal schema elsewhere: written once (a rule where long, referred to).
+            if len(self.memo[content]) > 40:
+                self.memo[content] = self.named("value", self.memo[content])
+            return self.memo[content]
         entry = self.visiting[key] = [schema, None, path, len(self.followed)]
-        marks = (len(self.refs), len(self.recursive))
+        marks = (len(self.refs), len(self.recursive), len(self.memo))
         try:
             body = self.visit_once(schema, path)
         except BaseException:
@@ -369,6 +394,8 @@ class _Compiler(ValueCompiler):
             del self.visiting[key]
         name = entry[1]
         if name is None:
+            if content is not None:
+                self.memo[content] = body
             return body
         if self.loops(name, body):
             raise GrammarError(
@@ -379,13 +406,13 @@ class _Compiler(ValueCompiler):
         self.recursive[key] = (schema, name)
         return str(name)
 
-    def forget(self, marks: tuple[int, int]) -> None:
-        """Drop the rules of references and recursions made since ``marks`` (a failed visit's,
-        which may refer to a rule that is never defined)."""
-        while len(self.refs) > marks[0]:
-            self.refs.popitem()
-        while len(self.recursive) > marks[1]:
-            self.recursive.popitem()
+    def forget(self, marks: tuple[int, int, int]) -> None:
+        """Drop the rules of references and recursions, and the visits, made since ``marks``
+        (a failed visit's, which may refer to a rule that is never defined)."""
+        made: tuple[dict[Any, Any], ...] = (self.refs, self.recursive, self.memo)
+        for found, mark in zip(made, marks, strict=True):
+            while len(found) > mark:
+                found.popitem()
 
     def loops(self, name: str, body: str) -> bool:
         """Whether ``body`` is ``name``, or a rule that is only another such rule, and so on
@@ -427,7 +454,7 @@ class _Compiler(ValueCompiler):
         self.check_keywords(schema, path)
         if "$ref" in schema and self.old_draft:
             schema = {"$ref": schema["$ref"]}
-        if not set(schema) & spec.UNEVALUATED:
+        if not set(schema) & spec.UNEVALUATED or self.old_draft:  # (no keywords before 2019)
             return self.applied(schema, path)
         self.scopes += 1
         try:
@@ -439,6 +466,8 @@ class _Compiler(ValueCompiler):
     def applied(self, schema: dict[str, Any], path: str) -> list[Conj]:
         """:meth:`flatten` of a schema without ``unevaluated*`` (or with it, not yet held to)."""
         plain = {k: v for k, v in schema.items() if k not in spec.APPLICATORS}
+        if not self.draft2020:  # (an unknown keyword before 2020-12: items take them all)
+            plain.pop("prefixItems", None)
         alts: list[Conj] = [[plain]]
         if "$ref" in schema:
             alts = self.join(alts, self.expand_ref(schema["$ref"], path))
@@ -473,21 +502,24 @@ class _Compiler(ValueCompiler):
             test = self.flatten(schema["if"], f"{path}/if")
             if _annotating(test):
                 alts = self.join(alts, [[], *test])
-        for name, then in self.dependencies(schema):
-            absent: Conj = [{"properties": {name: FALSE}, SYNTHETIC: True}]
-            present = self.join(
-                [[{"required": [name]}]], self.flatten(then, f"{path}/dependencies/{name}")
-            )
+        for key, name, then in self.dependencies(schema):
+            absent: Conj = [{"properties": {name: FALSE}, SYNTHETIC: True}]  # (or no object)
+            flat = self.flatten(then, f"{path}/{key}/{name}")
+            if key == "dependencies" and not self.old_draft:
+                # Held to in every draft, but no keyword since 2019-09 (it was split in two):
+                # what it says evaluates nothing there.
+                flat = [[{**m, UNCOUNTED: True} for m in conj] for conj in flat]
+            present = self.join([[{"type": "object", "required": [name]}]], flat)
             alts = self.join(alts, [absent, *present])
         return alts
 
     @staticmethod
-    def dependencies(schema: dict[str, Any]) -> list[tuple[str, Any]]:
-        """(property, schema that applies when it is present) of every dependency keyword."""
-        found: list[tuple[str, Any]] = []
+    def dependencies(schema: dict[str, Any]) -> list[tuple[str, str, Any]]:
+        """(keyword, property, schema that applies when it is present) of every dependency."""
+        found: list[tuple[str, str, Any]] = []
         for key in ("dependencies", "dependentRequired", "dependentSchemas"):
             for name, then in schema.get(key, {}).items():
-                found.append((name, {"required": then} if isinstance(then, list) else then))
+                found.append((key, name, {"required": then} if isinstance(then, list) else then))
         return found
 
     def join(self, left: list[Conj], right: list[Conj]) -> list[Conj]:
@@ -529,13 +561,13 @@ class _Compiler(ValueCompiler):
         """``conj``, an alternative of ``schema`` made of it and its in-place subschemas,
         with what its ``unevaluatedProperties`` / ``unevaluatedItems`` say of the properties
         and items none of them evaluated (a negation's keywords evaluate nothing)."""
-        seen = [m for m in conj if SYNTHETIC not in m]
+        seen = [m for m in conj if _evaluates(m)]
         out = list(conj)
         rest = schema.get("unevaluatedProperties", True)
         if "unevaluatedProperties" in schema and not any("additionalProperties" in m for m in seen):
             # (a member with additionalProperties evaluates every property: this one too, for
             # an unevaluatedProperties around this location)
-            member: dict[str, Any] = {"additionalProperties": rest}
+            member: dict[str, Any] = {"additionalProperties": rest, SOURCE: "unevaluatedProperties"}
             for key in ("properties", "patternProperties"):
                 if named := {n: True for m in seen for n in m.get(key, {})}:
                     member[key] = named
@@ -548,7 +580,7 @@ class _Compiler(ValueCompiler):
                     "contains evaluates depends on their values)"
                 )
             n = max((len(_prefix(m)) for m in seen), default=0)
-            out.append({"prefixItems": [True] * n, "items": rest})
+            out.append({"prefixItems": [True] * n, "items": rest, SOURCE: "unevaluatedItems"})
         return out
 
     def expand_ref(self, ref: str, path: str) -> list[Conj]:
@@ -610,7 +642,7 @@ class _Compiler(ValueCompiler):
             return name
         target = self.resolve_ref(ref, path)
         name = self.rules.reserve("ref-" + (ref.rsplit("/", 1)[-1] or "root"))
-        marks = (len(self.refs), len(self.recursive))
+        marks = (len(self.refs), len(self.recursive), len(self.memo))
         self.refs[ref] = name
         self.followed.append(f"$ref {ref!r} at {path}")
         try:

@@ -31,6 +31,8 @@ FALSE: dict[str, Any] = {"not": {}}  # "no value", in every draft
 # Keys of the plain schemas lcgen writes itself (validators ignore unknown keys): strings
 # that are none of a list; properties named only to constrain them (they close no object).
 NOT_IN, SYNTHETIC = "$lcgen-not-in", "$lcgen-synthetic"
+# The keyword a member stands for, where it is not its own key (unevaluatedProperties...).
+SOURCE = "$lcgen-source"
 _RULE_NAME = re.compile(r"[a-zA-Z0-9-]+")
 
 
@@ -245,7 +247,7 @@ class ValueCompiler:
             else m
             for m in conj
         ]
-        checks = [self.validator.evolve(schema=m).is_valid for m in others if m != {}]
+        checks = [self.validator.evolve(schema=_checkable(m)).is_valid for m in others if m != {}]
         kept = [
             value
             for value in values
@@ -468,7 +470,8 @@ class ValueCompiler:
             try:
                 # A named rule: the chain below writes the item twice, and inlined in nested
                 # arrays that would double the grammar at every level.
-                rest_rule = self.named("item", self.visit(rest_all, f"{path}/items"))
+                where = f"{path}/{_said_by(conj, 'items')}"
+                rest_rule = self.named("item", self.visit(rest_all, where))
             except NoValue as exc:
                 if self.n_narrowed() != narrowed:
                     raise
@@ -500,63 +503,102 @@ class ValueCompiler:
     def contains(
         self, members: Conj, elems: list[Any], rest: Any, low: int, high: int | None, path: str
     ) -> str:
-        """Arrays of ``minItems`` to ``maxItems`` items with at least ``minContains`` of them
-        matching ``contains`` (no bound on how many may match: else it raises)."""
-        if len(members) > 1 or elems or "maxContains" in members[0]:
+        """Arrays of ``minItems`` to ``maxItems`` items (the first ones ``prefixItems``) with
+        at least ``minContains`` and at most ``maxContains`` of them matching ``contains``:
+        item by item, counting the matches so far (beside ``maxContains`` the other items
+        must not match) and the items, as far as the bounds and the prefix tell them apart."""
+        if len(members) > 1:
             raise UnsupportedSchemaError(
-                f"contains with maxContains, prefixItems or another contains (at {path}) is not "
-                "supported"
+                f"two contains at {path} (joined by allOf or $ref) are not supported"
             )
-        need = count(members[0], "minContains", 1)
+        member, wanted = members[0], members[0]["contains"]
+        need = count(member, "minContains", 1)
+        most = count(member, "maxContains") if "maxContains" in member else None
+        if most is not None and most < need:
+            raise NoValue(f"no array satisfies minContains {need} / maxContains {most} at {path}")
         if high is not None and need > high:
             raise NoValue(f"no array satisfies minContains {need} / maxItems {high} at {path}")
-        cap = max(low, need) if high is None else high  # (unbounded: counted up to the least)
-        if need > g.MAX_REPEAT or (need + 1) * (cap + 1) > _MAX_CONTAINS_STATES:
+        top = need if most is None else most  # (matches are counted up to this)
+        # Items are counted up to this (when unbounded: then any more; past the first, which
+        # no comma comes before)
+        cap = max(low, len(elems), 1) if high is None else high
+        if max(need, cap) > g.MAX_REPEAT or (top + 1) * (cap + 1) > _MAX_CONTAINS_STATES:
             raise UnsupportedSchemaError(
-                f"contains at {path} with minContains {need} and minItems/maxItems {low}/{high} "
-                f"is not supported (over {_MAX_CONTAINS_STATES} counting states)"
+                f"contains at {path} with minContains/maxContains {need}/{most} and "
+                f"minItems/maxItems {low}/{high} is not supported (over "
+                f"{_MAX_CONTAINS_STATES} counting states)"
             )
-        match = self.named(
-            "match", self.visit(self.all_of([rest, members[0]["contains"]]), f"{path}/contains")
-        )
-        other = None if rest is False else self.named("item", self.visit(rest, f"{path}/items"))
-        if high is None and low <= need:  # (no count of items needed: the matches, and any)
+        kinds: dict[int, tuple[str | None, str | None]] = {}
+
+        def kind(n: int) -> tuple[str | None, str | None]:
+            """The item at ``n`` as a match of ``contains``, and as another item (None: no
+            value is one)."""
+            at = min(n, len(elems))
+            if at not in kinds:
+                schema = elems[at] if at < len(elems) else rest
+                said = f"prefixItems/{at}" if at < len(elems) else _said_by(members, "items")
+                where = f"{path}/{said}"
+                pair = []
+                for option, name in (
+                    (self.all_of([schema, wanted]), "match"),
+                    (schema if most is None else self.all_of([schema, {"not": wanted}]), "item"),
+                ):
+                    try:
+                        pair.append(
+                            None if option is False else self.named(name, self.visit(option, where))
+                        )
+                    except NoValue:
+                        pair.append(None)
+                kinds[at] = (pair[0], pair[1])
+            return kinds[at]
+
+        if most is None and not elems and high is None and low <= need:
+            match, other = kind(0)  # (no count of items needed: the matches, and any)
+            if match is None:
+                raise NoValue(f"no item satisfies contains at {path}")
             gap = f'("," ws {other} ws)*' if other else '""'
             head = f'({other} ws "," ws)*' if other else '""'
             body = f"{head} {match} ws {gap}" + f' ("," ws {match} ws {gap})' * (need - 1)
             return f'"[" ws {body} "]"'
-        memo: dict[tuple[int, int], str | None] = {}
 
-        def items(found: int, n: int) -> str | None:
-            """The items after ``n`` items of which ``found`` (at most ``need``) matched, or
-            None where no count of items left meets the bounds."""
-            if (found, n) in memo:
-                return memo[(found, n)]
+        def steps(found: int, n: int) -> list[tuple[str, int, int]]:
+            """(item, matches, items) after one more item."""
+            if high is not None and n >= high:
+                return []
+            match, other = kind(n)
+            after = n + 1 if high is not None else min(n + 1, cap)
+            out = []
+            if match is not None and (most is None or found < most):
+                out.append((match, min(found + 1, top), after))
+            if other is not None:
+                out.append((other, found, after))
+            return out
+
+        @functools.cache
+        def live(found: int, n: int) -> bool:
+            """Whether an array can end from here (over a self-loop only by more matches)."""
+            if found >= need and n >= low:
+                return True
+            return any((f, m) != (found, n) and live(f, m) for _, f, m in steps(found, n))
+
+        rules: dict[tuple[int, int], str] = {}
+
+        def items(found: int, n: int) -> str:
+            """The items after ``n`` items of which ``found`` matched (a live state)."""
+            if (found, n) in rules:
+                return rules[(found, n)]
+            rules[(found, n)] = name = self.rules.reserve("contains")
             comma = '"," ws ' if n else ""
-            gap = g.repeat(f'("," ws {other} ws)', 0, None) if other else '""'
-            if high is None and n == cap:  # long enough: any items, and the matches missing
-                body = gap
-                if found < need:
-                    body += f' "," ws {match} ws {items(found + 1, cap)}'
-            else:
-                options = ['""'] if found == need and n >= low else []
-                if high is None or n < high:
-                    after = n + 1 if high is not None else min(n + 1, cap)
-                    for item, now in ((match, min(found + 1, need)), (other, found)):
-                        rest_rule = None if item is None else items(now, after)
-                        if rest_rule is not None:
-                            options.append(f"{comma}{item} ws {rest_rule}")
-                if not options:
-                    memo[(found, n)] = None
-                    return None
-                body = g.alternatives(options)
-            memo[(found, n)] = rule = self.rules.add("contains", body)
-            return rule
+            options = ['""'] if found >= need and n >= low else []
+            for item, f, m in steps(found, n):
+                if live(f, m):
+                    options.append(f"{comma}{item} ws {items(f, m)}")
+            self.rules.define(name, g.alternatives(options))
+            return name
 
-        first = items(0, 0)
-        if first is None:
+        if not live(0, 0):
             raise NoValue(f"no array satisfies contains with minItems/maxItems at {path}")
-        return f'"[" ws {first} "]"'
+        return f'"[" ws {items(0, 0)} "]"'
 
     def item_chain(
         self, elems: list[str], rest: str | None, low: int, high: int | None, i: int
@@ -623,7 +665,8 @@ class ValueCompiler:
         extra_kvs, numbered, repeats = [], None, False
         for key, value, repeating in extras:
             with contextlib.suppress(Unsatisfiable):  # no such key then
-                value_expr = self.visit(value, f"{path}/additionalProperties")
+                where = f"{path}/{_said_by(conj, 'additionalProperties')}"
+                value_expr = self.visit(value, where)
                 key_expr = self.key_not_in(names) if key is None else key
                 extra_kvs.append(f'{key_expr} ws ":" ws {value_expr} ws')
                 repeats |= repeating
@@ -870,6 +913,22 @@ class ValueCompiler:
 
 # The most (matches so far, items so far) states a contains with item counts is written with.
 _MAX_CONTAINS_STATES = 4096
+
+
+def _checkable(member: dict[str, Any]) -> dict[str, Any]:
+    """``member`` as jsonschema can check it: without an ``additionalItems`` that ``items``
+    (not a list) makes moot (jsonschema takes the length of a boolean ``items`` there)."""
+    if "additionalItems" in member and not isinstance(member.get("items"), list):
+        return {k: v for k, v in member.items() if k != "additionalItems"}
+    return member
+
+
+def _said_by(conj: Conj, key: str) -> str:
+    """The keyword ``key`` stands for in ``conj`` (for paths): ``unevaluatedProperties``
+    where only the member made for it says ``additionalProperties``."""
+    saying = [m for m in conj if key in m]
+    sources = {m.get(SOURCE, key) for m in saying}
+    return sources.pop() if len(sources) == 1 else key
 
 
 def _escaped_too(text: str) -> bool:

@@ -133,6 +133,9 @@ class _Walker:
 
     @staticmethod
     def _member(schema: dict[str, Any], key: str) -> tuple[Any, ...]:
+        """The subschemas ``schema`` applies to the value of ``key`` (with its
+        ``unevaluatedProperties`` where it does not name the key itself: that may be more,
+        which only narrows)."""
         found: list[Any] = []
         properties = schema.get("properties")
         if isinstance(properties, dict) and key in properties:
@@ -147,11 +150,15 @@ class _Walker:
                 found.append(sub)
         if not found and "additionalProperties" in schema:
             found.append(schema["additionalProperties"])
+        if not found and "unevaluatedProperties" in schema:
+            found.append(schema["unevaluatedProperties"])
         return tuple(found)
 
-    @staticmethod
-    def _item(schema: dict[str, Any], index: int) -> tuple[Any, ...]:
+    def _item(self, schema: dict[str, Any], index: int) -> tuple[Any, ...]:
+        """The subschemas ``schema`` applies to item ``index`` (as :meth:`_member`)."""
         items, prefix = schema.get("items"), schema.get("prefixItems")
+        if not self._refs.draft2020:  # (no keyword before 2020-12)
+            prefix = None
         found: list[Any] = []
         if isinstance(items, list):  # draft 2019 and before: the tuple form
             found.append(items[index] if index < len(items) else schema.get("additionalItems"))
@@ -159,6 +166,8 @@ class _Walker:
             found.append(prefix[index])
         else:
             found.append(items)
+        if all(s is None for s in found) and "unevaluatedItems" in schema:
+            found.append(schema["unevaluatedItems"])
         found.append(schema.get("contains"))
         return tuple(s for s in found if s is not None)
 
