@@ -31,6 +31,7 @@ import lcgen
 from lcgen.constrain import Grammar, GrammarState
 from tests.test_grammar import widest_alternation
 
+DRAFT4 = "http://json-schema.org/draft-04/schema#"
 HYPOTHESIS = settings(
     max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
@@ -794,6 +795,61 @@ CASES = [
         [2, 7, 1.5, {"a": 1, "b": 1}, {}, {"c": 1}, "x"],
     ),
     Case(
+        "not-a-pattern",
+        {
+            "type": "object",
+            "properties": {
+                "id": {"type": "string", "pattern": "^[a-z]+$", "not": {"pattern": "^tmp"}},
+                "code": {"oneOf": [{"pattern": "^[0-9]+$"}, {"pattern": "^[0-9a-f]+$"}]},
+                "word": {"enum": ["apple", "tmpfile", 7], "not": {"pattern": "^t"}},
+            },
+            "propertyNames": {"not": {"pattern": "^x-"}},
+        },
+        [{"id": "abc"}, {"code": "ab"}, {"word": "apple"}, {"y-a": 1}],
+        [
+            {"id": "tmpx"},
+            {"id": "AB"},
+            {"code": "12"},
+            {"code": 12},
+            {"word": "tmpfile"},
+            {"x-a": 1},
+        ],
+    ),
+    Case(  # a double reads a number of over 15 significant digits back as an integer
+        "not-an-integer-reads-back-as-none",
+        {"type": "number", "not": {"type": "integer"}},
+        [0.5, -2.25, 123456789.123456],
+        [1, 2.0, 1e300],
+        ["12345678901234567.5", "1000000000.5", "0.1234567"],
+    ),
+    Case(  # a discriminator makes its property required: not under a not
+        "discriminator-under-a-not",
+        {
+            "oneOf": [
+                {"type": "object"},
+                {
+                    "discriminator": {"propertyName": "kind"},
+                    "oneOf": [
+                        {"type": "object", "properties": {"kind": {"const": "cat"}}},
+                        {"type": "array"},
+                    ],
+                },
+            ]
+        },
+        [{"kind": "dog"}, [1]],
+        [{}, {"a": 1}, {"kind": "cat"}, "s"],
+    ),
+    Case(  # overlapping ranges: most of the options joined with the others' nots contradict
+        "oneOf-of-overlapping-ranges",
+        {
+            "oneOf": [
+                {"type": "integer", "minimum": 10 * i, "maximum": 10 * i + 10} for i in range(5)
+            ]
+        },
+        [0, 5, 15, 49, 50],
+        [10, 20, 40, -1, 51, 5.5],
+    ),
+    Case(
         "oneOf-of-a-type-and-its-subset",
         {"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]},
         ["abcd", "abcdefgh"],
@@ -1225,13 +1281,14 @@ def test_patterns_match_only_what_ecma_262_and_python_agree_on(
         ({"type": "number", "multipleOf": 99.7, "maximum": 10**30}, "multipleOf 99.7 with"),
         ({"type": "number", "multipleOf": 0.0000123}, "multipleOf 0.0000123"),
         ({"type": "integer", "multipleOf": 997, "minimum": 1}, "multipleOf 997 with"),
-        ({"not": {"pattern": "^a"}}, "not of pattern"),
+        ({"not": {"format": "date"}}, "not of format"),
+        ({"type": "string", "maxLength": 3, "not": {"pattern": "^a"}}, "not of pattern with"),
         # A not negates what it can and leaves the rest out, which only narrows: negated
         # again (a not inside a not, or an if, whose else is its negation), that would widen.
-        ({"not": {"not": {"pattern": "^x", "minLength": 2}}}, "negates a not of pattern"),
+        ({"not": {"not": {"format": "date", "minLength": 2}}}, "negates a not of format"),
         (
-            {"if": {"not": {"pattern": "^x", "minLength": 2}}, "then": {"maxLength": 1}},
-            "negates a not of pattern",
+            {"if": {"not": {"format": "date", "minLength": 2}}, "then": {"maxLength": 1}},
+            "negates a not of format",
         ),
         ({"not": {"not": {"enum": [[1], "a"]}}}, "enum (the arrays and objects"),
         ({"const": True, "enum": [1, 2]}, "no value of enum/const"),  # the const is no option
@@ -1262,9 +1319,9 @@ def test_patterns_match_only_what_ecma_262_and_python_agree_on(
             "minProperties 2 on extra properties",
         ),
         (
-            {"oneOf": [{"type": "string"}, {"pattern": "^a"}]},
+            {"oneOf": [{"type": "string"}, {"format": "date"}]},
             "oneOf at #: alternatives 0 and 1 may both match a value, and lcgen cannot exclude 1 "
-            "where 0 matches (not of pattern (at #/oneOf/1) is not supported)",
+            "where 0 matches (not of format (at #/oneOf/1) is not supported)",
         ),
         ({"$ref": "http://example.com/s.json"}, "only local references"),
         ({"$ref": "#/$defs/missing"}, "does not resolve"),
@@ -1300,6 +1357,51 @@ def test_an_enum_beside_boolean_items_and_additional_items(model: lcgen.Model) -
     schema = {"$schema": draft7, "enum": [[], None], "items": True, "additionalItems": False}
     grammar = Grammar.from_json_schema(schema)
     assert [grammar.accepts(model, t) for t in ("[]", "null", "[1]", "0")] == [1, 1, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("schema", "texts"),
+    [
+        ({"$schema": DRAFT4, "oneOf": [{"const": 5}, {"type": "integer"}]}, ["3", "5", "2.5"]),
+        ({"$schema": DRAFT4, "not": {"const": 5}}, ["3", "5"]),
+        (
+            {
+                "$schema": DRAFT4,
+                "discriminator": {"propertyName": "k"},
+                "oneOf": [
+                    {"type": "object", "properties": {"k": {"const": "a"}}, "required": ["k"]},
+                    {"type": "object", "properties": {"k": {"const": "b"}}, "required": ["k"]},
+                ],
+            },
+            ['{"k": "a"}', '{"k": "c"}'],
+        ),
+        (
+            {
+                "$schema": "http://json-schema.org/draft-06/schema#",
+                "oneOf": [
+                    {"if": {"type": "integer"}, "then": {"minimum": 10}},
+                    {"type": "integer"},
+                ],
+            },
+            ["3", "12", "2.5", '"s"'],
+        ),
+        ({"oneOf": [{"dependencies": {"a": ["b"]}}, {"type": "object"}]}, ['{"a": 1}', '"x"']),
+        ({"type": "object", "not": {"dependencies": {"a": ["b"]}}}, ['{"a": 1}', "{}"]),
+    ],
+)
+def test_keywords_a_draft_lacks_never_widen_under_a_not(
+    model: lcgen.Model, schema: dict[str, Any], texts: list[str]
+) -> None:
+    """lcgen holds to a keyword the schema's draft lacks (const in draft 4, dependencies since
+    2019-09...) as its user meant it, which narrows; under a not (a oneOf negates its other
+    options) it is true, as the draft reads it: negated, it let invalid JSON through."""
+    try:
+        grammar = Grammar.from_json_schema(schema)
+    except lcgen.GrammarError:
+        return  # refused: nothing is let through
+    for text in texts:
+        if grammar.accepts(model, text):
+            assert _is_valid(schema, json.loads(text)), text
 
 
 def test_errors_inside_unevaluated_subschemas_name_their_keyword() -> None:
@@ -1812,7 +1914,7 @@ def test_recursion_that_never_ends_names_its_ref() -> None:
         {"type": "object", "not": {"const": {}}},
         {"type": "array", "items": {"type": "integer"}, "not": {"const": [1, 2]}},
         {
-            "if": {"type": "string", "pattern": "^a"},
+            "if": {"type": "string", "format": "date"},
             "then": {"type": "number"},
             "else": {"type": "string"},
         },
@@ -1863,6 +1965,8 @@ def test_what_lcgen_cannot_enforce_is_unsupported(schema: dict[str, Any]) -> Non
         {"type": "foo"},
         {"type": "string", "minLength": 3, "maxLength": 2},
         {"type": "string", "pattern": "(a"},
+        {"not": {"minLength": 0}},  # (a not of what every value satisfies)
+        {"not": {"required": [], "properties": {}}},
         # no value, whatever the not lcgen writes in part beside it (a server falls back to a
         # looser grammar for unsupported ones: a 200 where no reply can be valid)
         {

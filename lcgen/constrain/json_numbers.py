@@ -17,6 +17,9 @@ from lcgen.errors import GrammarError, UnsupportedSchemaError
 MAX_LISTED = 256  # multiples within bounds written out as literals
 MAX_STEP_STATES = 256  # divisibility states (residues times places) of one multipleOf
 MAX_RANGE_STATES = 4096  # residues times digits of a bounded integer multipleOf
+# A number that is no integer is written with at most 9 digits before the point and 6 after:
+# 15 significant digits, which a double holds, so it reads back as no integer either.
+FRACTION_LIMIT, FRACTION_PLACES = Decimal(10**9), 6
 
 
 def _common_step(steps: list[Decimal]) -> tuple[int, int]:
@@ -27,6 +30,11 @@ def _common_step(steps: list[Decimal]) -> tuple[int, int]:
     while scale and unit % 10 == 0:
         unit, scale = unit // 10, scale - 1
     return unit, scale
+
+
+def _tight(bound: g.Bound) -> tuple[Decimal, bool]:
+    """An upper bound's order: the lower value, exclusive before inclusive, is tighter."""
+    return bound[0], not bound[1]
 
 
 def _plain(value: Decimal) -> str:
@@ -73,12 +81,23 @@ class NumberRules:
         if not integer:
             if lo is None and hi is None and not steps and not fraction:
                 return None
+            low, high = spec.as_float(lo, False), spec.as_float(hi, True)
+            if fraction:
+                if (lo and lo[0] >= FRACTION_LIMIT) or (hi and hi[0] <= -FRACTION_LIMIT):
+                    raise UnsupportedSchemaError(
+                        f"numbers that are not integers (a not of type integer) at {path} are "
+                        f"written between -{FRACTION_LIMIT} and {FRACTION_LIMIT} only (beyond, "
+                        "a double may read them back as integers): these bounds leave none"
+                    )
+                places = min(places, FRACTION_PLACES)
+                low = max(low or (-FRACTION_LIMIT, True), (-FRACTION_LIMIT, True))
+                high = min(high or (FRACTION_LIMIT, True), (FRACTION_LIMIT, True), key=_tight)
             with contextlib.suppress(GrammarError):  # no fraction fits: integers only
                 options.append(
                     g.decimal_range(
                         self.rules,
-                        spec.as_float(lo, False),
-                        spec.as_float(hi, True),
+                        low,
+                        high,
                         need_fraction=True,
                         places=places,
                         nonzero_end=fraction,  # (1.0 is an integer)

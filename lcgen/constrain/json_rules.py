@@ -18,6 +18,8 @@ from lcgen.errors import GrammarError, UnsupportedSchemaError
 Conj = list[dict[str, Any]]  # a conjunction of plain (applicator-free) schemas
 # Marks a member made by negating "type": "integer": its numbers are no integers.
 NOT_INTEGER = "$lcgen-not-integer"
+# A member made by negating "pattern": its strings match none of these patterns.
+NOT_MATCHING = "$lcgen-not-matching"
 
 
 class Unsatisfiable(GrammarError):

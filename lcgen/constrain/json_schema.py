@@ -64,7 +64,7 @@ UNCOUNTED = "$lcgen-evaluates-nothing"
 NEGATED = frozenset(
     ["type", "const", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
      "minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties",
-     "required", "properties", NOT_IN]
+     "required", "properties", "pattern", NOT_IN]
 )  # fmt: skip
 
 
@@ -158,6 +158,34 @@ def _pointer(parts: Iterable[Any]) -> str:
 # ECMA-262 escapes Python's re lacks, which JSON Schema's patterns may use (zod writes
 # \p{Extended_Pictographic}): after an even number of backslashes.
 _ECMA_ONLY = re.compile(r"(?<!\\)(?:\\\\)*(\\[pP]\{[^}]*\}?|\\u\{[0-9a-fA-F]*\}?)")
+
+
+def _impossible(conj: Conj) -> bool:
+    """Whether no value satisfies ``conj`` for a plain reason (its types have none in common,
+    or it holds only numbers and their bounds cross): an alternative not worth keeping (a
+    oneOf's options joined with the negations of the others make many)."""
+    types = set(spec.TYPES)
+    for member in conj:
+        allowed = ValueCompiler.types_of(member)
+        if allowed is not None:
+            types &= allowed
+    if not types:
+        return True
+    if not types <= {"integer", "number"}:
+        return False
+    lows = [b for m in conj if (b := spec.bound(m, "minimum", "exclusiveMinimum"))]
+    highs = [b for m in conj if (b := spec.bound(m, "maximum", "exclusiveMaximum"))]
+    if not lows or not highs:
+        return False
+    (lo, lo_open), (hi, hi_open) = max(lows), min(highs, key=lambda b: (b[0], not b[1]))
+    return lo > hi or (lo == hi and (lo_open or hi_open))
+
+
+def _holds(key: str, value: Any) -> bool:
+    """Whether keyword ``key`` with ``value`` holds for every value (no count, no name)."""
+    if key in ("minLength", "minItems", "minProperties", "minContains"):
+        return bool(value == 0)
+    return key in ("required", "properties", "patternProperties", "dependentRequired") and not value
 
 
 def _evaluates(member: dict[str, Any]) -> bool:
@@ -279,6 +307,11 @@ class _Compiler(ValueCompiler):
         # How many schemas with unevaluated* the flatten under way is inside: there, which
         # properties and items a location's subschemas evaluated matters.
         self.scopes = 0
+        self.negating = 0  # how many negations the flatten under way is inside
+        # The keywords of the draft (jsonschema's, and those it reads beside them)
+        self.vocabulary = set(type(self.validator).VALIDATORS) | {
+            "then", "else", "minContains", "maxContains", "exclusiveMinimum", "exclusiveMaximum"
+        }  # fmt: skip
         name = type(self.validator).__name__
         self.old_draft = name in _OLD_DRAFTS  # $ref ignores its siblings
         self.draft2020 = not self.old_draft and name != "Draft201909Validator"  # prefixItems
@@ -465,6 +498,14 @@ class _Compiler(ValueCompiler):
 
     def applied(self, schema: dict[str, Any], path: str) -> list[Conj]:
         """:meth:`flatten` of a schema without ``unevaluated*`` (or with it, not yet held to)."""
+        if self.negating:
+            # A keyword the draft lacks is held to where it narrows (as a user meant it) but
+            # is true under a not, as the draft reads it: negated it would widen.
+            schema = {
+                k: v
+                for k, v in schema.items()
+                if k in self.vocabulary or k not in spec.CONSTRAINING
+            }
         plain = {k: v for k, v in schema.items() if k not in spec.APPLICATORS}
         if not self.draft2020:  # (an unknown keyword before 2020-12: items take them all)
             plain.pop("prefixItems", None)
@@ -480,7 +521,8 @@ class _Compiler(ValueCompiler):
             # refuses one without it, even where its field has a default) and tells them apart.
             found = schema.get("discriminator")
             tag = found.get("propertyName") if isinstance(found, dict) else None
-            tag = tag if isinstance(tag, str) else None
+            # (not under a not: there the property it requires would be negated too)
+            tag = tag if isinstance(tag, str) and not self.negating else None
             if tag is not None:
                 alts = self.join(alts, [[{"required": [tag]}]])
             alts = self.join(alts, self.one_of(schema["oneOf"], path, tag))
@@ -522,11 +564,12 @@ class _Compiler(ValueCompiler):
                 found.append((key, name, {"required": then} if isinstance(then, list) else then))
         return found
 
-    def join(self, left: list[Conj], right: list[Conj]) -> list[Conj]:
-        joined = [a + b for a in left for b in right]
+    def join(self, left: list[Conj], right: list[Conj], where: str = "the schema") -> list[Conj]:
+        joined = [c for a in left for b in right if not _impossible(c := a + b)]
         if len(joined) > MAX_ALTERNATIVES:
             raise UnsupportedSchemaError(
-                f"the schema branches into over {MAX_ALTERNATIVES} alternatives (anyOf, oneOf, "
+                f"{where} branches into over {MAX_ALTERNATIVES} alternatives (anyOf, oneOf and "
+                "the not of each option of a oneOf lcgen cannot prove disjoint from another, "
                 "if/then/else and dependencies multiply): simplify it"
             )
         return joined
@@ -716,10 +759,12 @@ class _Compiler(ValueCompiler):
         keyword whose negation lcgen cannot write is left out, which only narrows)."""
         alts: list[Conj] = [[]]
         scopes, self.scopes = self.scopes, 0  # (what a negation evaluates never counts)
+        self.negating += 1
         try:
             flat = self.flatten(schema, path)
         finally:
             self.scopes = scopes
+            self.negating -= 1
         for conj in flat:
             negations = [n for member in conj for n in self.negate_plain(member, path)]
             alts = self.join(alts, [[n] for n in negations])
@@ -769,6 +814,10 @@ class _Compiler(ValueCompiler):
                 left_out.append("enum (the arrays and objects it does not list)")
         if NOT_IN in member:  # strings but these (a string enum negated): these strings
             out.append({"enum": list(member[NOT_IN])})
+        if "pattern" in member:
+            out.append({"type": "string", spec.NOT_MATCHING: [member["pattern"]]})
+        for pattern in member.get(spec.NOT_MATCHING, ()):  # (strings matching none: one)
+            out.append({"type": "string", "pattern": pattern})
         for key, flip in (("minimum", "maximum"), ("maximum", "minimum")):
             b = spec.bound(member, key, "exclusive" + key.capitalize())
             if b is not None:
@@ -793,6 +842,8 @@ class _Compiler(ValueCompiler):
                     SYNTHETIC: True,
                 }
             )
+        if not out and all(_holds(k, member[k]) for k in set(member) & spec.CONSTRAINING):
+            return []  # (what every value satisfies: its not, none)
         if not out and set(member) & spec.CONSTRAINING:
             keys = ", ".join(sorted(set(member) & spec.CONSTRAINING))
             raise UnsupportedSchemaError(f"not of {keys} (at {path}) is not supported")
@@ -832,20 +883,23 @@ class _Compiler(ValueCompiler):
         that may match a value with it (``tag``: a property every value has, whose constants
         may tell options apart); none is needed where lcgen proves two disjoint."""
         resolved = [self.resolve(o) for o in options]
+        # (draft 4 has no const: its disjointness would rest on a keyword the draft ignores)
+        proves = "const" in self.vocabulary
         out: list[Conj] = []
         for i, option in enumerate(options):
             alts = self.flatten(option, f"{path}/oneOf/{i}")
             for j, other in enumerate(options):
-                if j == i or self.disjoint(resolved[i], resolved[j], tag):
+                if j == i or (proves and self.disjoint(resolved[i], resolved[j], tag)):
                     continue
                 try:
-                    alts = self.join(alts, self.negate(other, f"{path}/oneOf/{j}"))
+                    negated = self.negate(other, f"{path}/oneOf/{j}")
                 except UnsupportedSchemaError as exc:
                     raise UnsupportedSchemaError(
                         f"oneOf at {path}: alternatives {i} and {j} may both match a value, and "
                         f"lcgen cannot exclude {j} where {i} matches ({exc}); use anyOf, or tell "
                         "them apart by type or by a required property with different constants"
                     ) from None
+                alts = self.join(alts, negated, f"the oneOf at {path}")
             out += alts
         return out
 

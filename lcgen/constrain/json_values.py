@@ -254,6 +254,7 @@ class ValueCompiler:
             if all(check(value) for check in checks)
             and all(value not in m.get(NOT_IN, ()) for m in conj)
             and not (spec.type_of(value) == "integer" and any(spec.NOT_INTEGER in m for m in conj))
+            and not (isinstance(value, str) and _matches_any(value, conj))
         ]
         if not values:
             raise NoValue(f"enum at {path} is empty: no value satisfies it")
@@ -337,6 +338,16 @@ class ValueCompiler:
         excluded = [v for m in conj for v in m.get(NOT_IN, ())]
         lengths = low > 0 or high is not None
         others = bool(excluded) + bool(content)
+        unmatched = sorted({p for m in conj for p in m.get(spec.NOT_MATCHING, ())})
+        if unmatched and not (formats or content or lengths):
+            return self.not_matching(unmatched, sorted(patterns), excluded, path)
+        if unmatched:
+            used = [*sorted(formats), "minLength/maxLength"] if lengths else sorted(formats)
+            used += ["contentSchema"] * bool(content)
+            raise UnsupportedSchemaError(
+                f"not of pattern with {' and '.join(used)} on one string (at {path}) is not "
+                "supported"
+            )
         if len(formats) + len(patterns) + others > 1 or (others and lengths):
             used = [*sorted(formats), *sorted(patterns)]
             used += ["minLength/maxLength"] * lengths + ["not enum"] * bool(excluded)
@@ -381,6 +392,27 @@ class ValueCompiler:
         except GrammarError as exc:
             raise _kind_of(exc)(f"minLength/maxLength at {path}: {exc}") from None
         return f'"\\"" {chars} "\\""'
+
+    def not_matching(
+        self, unmatched: list[str], required: list[str], excluded: list[str], path: str
+    ) -> str:
+        """A JSON string that none of ``unmatched`` and every ``required`` pattern matches (as
+        both Python's ``re`` and ECMA-262 read them: a string they may judge apart is left
+        out) and that is none of ``excluded``, through an automaton of them all."""
+        try:
+            dfa, classes = automaton.partition(unmatched, excluded, required)
+        except automaton.TooLarge as exc:
+            raise UnsupportedSchemaError(f"not of pattern at {path}: {exc}") from None
+        except GrammarError as exc:
+            raise _kind_of(exc)(f"pattern at {path}: {exc}") from None
+        states = classes.get(frozenset(), frozenset())
+        body = automaton.to_gbnf(dfa, states, self.rules, "unmatched") if states else None
+        if body is None:
+            raise Unsatisfiable(
+                f"no string at {path} matches {' and '.join(map(repr, required)) or 'nothing'} "
+                f"and none of {', '.join(map(repr, unmatched))} (that lcgen writes)"
+            )
+        return f'"\\"" {body} "\\""'
 
     def json_content(self, schema: Any, path: str) -> str:
         """A JSON string whose text is JSON valid against ``schema`` (``contentMediaType``
@@ -913,6 +945,18 @@ class ValueCompiler:
 
 # The most (matches so far, items so far) states a contains with item counts is written with.
 _MAX_CONTAINS_STATES = 4096
+
+
+def _matches_any(text: str, conj: Conj) -> bool:
+    """Whether a pattern some member says no string matches matches ``text`` (or cannot be
+    read: then it is left out too)."""
+    for pattern in (p for m in conj for p in m.get(spec.NOT_MATCHING, ())):
+        try:
+            if re.search(pattern, text):
+                return True
+        except re.error:
+            return True
+    return False
 
 
 def _checkable(member: dict[str, Any]) -> dict[str, Any]:
