@@ -849,6 +849,41 @@ CASES = [
         [0, 5, 15, 49, 50],
         [10, 20, 40, -1, 51, 5.5],
     ),
+    Case(  # minContains is no keyword before 2019-09: contains asks for one match
+        "min-contains-in-draft-7",
+        {
+            "$schema": "http://json-schema.org/draft-07/schema#",
+            "type": "array",
+            "contains": {"const": 1},
+            "minContains": 0,
+        },
+        [[1], [2, 1]],
+        [[], [2, 3]],
+    ),
+    Case(  # recursion through the not beside maxContains, and through a oneOf's negations
+        "recursion-through-negations",
+        {
+            "type": "object",
+            "properties": {
+                "list": {"$ref": "#/$defs/list"},
+                "node": {"$ref": "#/$defs/d0"},
+            },
+            "$defs": {
+                "list": {
+                    "type": "array",
+                    "items": {"anyOf": [{"type": "integer"}, {"$ref": "#/$defs/list"}]},
+                    "contains": {"type": "integer"},
+                    "maxContains": 2,
+                },
+                "d0": {
+                    "properties": {"a": {"oneOf": [{"$ref": "#/$defs/d0"}, {"$ref": "#/$defs/d1"}]}}
+                },
+                "d1": {"properties": {"a": {"type": "integer"}}},
+            },
+        },
+        [{"list": [1, [2, [3]], 4]}, {"node": {}}, {"node": {"a": {"a": 1}}}],
+        [{"list": [1, 2, 3]}, {"list": [[1]]}, {"node": {"a": 1}}],
+    ),
     Case(
         "oneOf-of-a-type-and-its-subset",
         {"oneOf": [{"type": "string"}, {"type": "string", "maxLength": 3}]},
@@ -1404,6 +1439,32 @@ def test_keywords_a_draft_lacks_never_widen_under_a_not(
             assert _is_valid(schema, json.loads(text)), text
 
 
+def test_equal_subschemas_keep_their_own_property_order(model: lcgen.Model) -> None:
+    """Subschemas equal but for the order of their properties are not one (the memo of equal
+    subschemas read them as one, and wrote the second in the first's order)."""
+    first = {
+        "type": "object",
+        "properties": {"answer": {}, "why": {}},
+        "required": ["answer", "why"],
+    }
+    second = {
+        "type": "object",
+        "properties": {"why": {}, "answer": {}},
+        "required": ["why", "answer"],
+    }
+    grammar = Grammar.from_json_schema({"type": "array", "prefixItems": [first, second]})
+    assert grammar.accepts(model, '[{"answer": 1, "why": 2}, {"why": 3, "answer": 4}]')
+
+
+def test_decimals_from_a_json_reader_are_numbers(model: lcgen.Model) -> None:
+    text = (
+        '{"type": "object", "properties": {"r": {"enum": [0.5, 2, [1.5]]}, "m": {"maximum": 2.5}}}'
+    )
+    grammar = Grammar.from_json_schema(json.loads(text, parse_float=Decimal))
+    accepted = [grammar.accepts(model, f'{{"r": {v}}}') for v in ("0.5", "2", "[1.5]", "1")]
+    assert accepted == [True, True, True, False]
+
+
 def test_errors_inside_unevaluated_subschemas_name_their_keyword() -> None:
     for key in ("unevaluatedProperties", "unevaluatedItems"):
         with pytest.raises(lcgen.GrammarError, match=f"at #/{key}\\) does not resolve"):
@@ -1919,6 +1980,7 @@ def test_recursion_that_never_ends_names_its_ref() -> None:
             "else": {"type": "string"},
         },
         {"type": "array", "allOf": [{"contains": {"type": "integer"}}, {"contains": {}}]},
+        {"type": "array", "contains": {"const": 1}, "maxContains": 1, "maxItems": 1000},
         {"type": "string", "pattern": "^\\p{L}+$"},  # ECMA-262 escapes Python's re lacks
         {"type": "string", "pattern": "^\\u{1F600}$"},
         {"type": "array", "minItems": 100000},

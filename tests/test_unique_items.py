@@ -89,6 +89,8 @@ def test_unevaluated_subschemas_and_the_draft_s_items_are_walked() -> None:
     assert not UniqueItems.of(items).duplicate_in("[[1, 1]]")
     draft7 = {"$schema": "http://json-schema.org/draft-07/schema#", "prefixItems": [{}]}
     assert UniqueItems.of({**draft7, "items": unique_set}).duplicate_in("[[1, 1]]")
+    # an if's schema holds where its then applies (the grammar's then branch is the if too)
+    assert UniqueItems.of({"if": unique_set, "else": False}).duplicate_in("[1, 1]")
 
 
 def test_a_scan_reports_where_the_repeat_ended() -> None:

@@ -365,9 +365,9 @@ def type_of(value: Any) -> str:
         return "null"
     if isinstance(value, bool):
         return "boolean"
-    if isinstance(value, int) or (isinstance(value, float) and value.is_integer()):
+    if isinstance(value, int) or (isinstance(value, float | Decimal) and value % 1 == 0):
         return "integer"
-    kinds = {float: "number", str: "string", list: "array", dict: "object"}
+    kinds = {float: "number", Decimal: "number", str: "string", list: "array", dict: "object"}
     return kinds[type(value)]
 
 

@@ -124,7 +124,7 @@ def _shape(schema: dict[str, Any]) -> tuple[Any, ...]:
 def _content(schema: dict[str, Any]) -> str | None:
     """Text two schemas share when they are equal (None: one JSON cannot write)."""
     try:
-        return json.dumps(schema, sort_keys=True, default=repr)
+        return json.dumps(schema, default=repr)  # (in order: properties are written so)
     except (TypeError, ValueError):
         return None
 
@@ -310,8 +310,10 @@ class _Compiler(ValueCompiler):
         self.negating = 0  # how many negations the flatten under way is inside
         # The keywords of the draft (jsonschema's, and those it reads beside them)
         self.vocabulary = set(type(self.validator).VALIDATORS) | {
-            "then", "else", "minContains", "maxContains", "exclusiveMinimum", "exclusiveMaximum"
+            "then", "else", "exclusiveMinimum", "exclusiveMaximum"
         }  # fmt: skip
+        if "dependentSchemas" in self.vocabulary:  # (2019-09 on: read by contains)
+            self.vocabulary |= {"minContains", "maxContains"}
         name = type(self.validator).__name__
         self.old_draft = name in _OLD_DRAFTS  # $ref ignores its siblings
         self.draft2020 = not self.old_draft and name != "Draft201909Validator"  # prefixItems
@@ -509,6 +511,9 @@ class _Compiler(ValueCompiler):
         plain = {k: v for k, v in schema.items() if k not in spec.APPLICATORS}
         if not self.draft2020:  # (an unknown keyword before 2020-12: items take them all)
             plain.pop("prefixItems", None)
+        if self.old_draft:  # (unknown before 2019-09: contains asks for one match)
+            plain.pop("minContains", None)
+            plain.pop("maxContains", None)
         alts: list[Conj] = [[plain]]
         if "$ref" in schema:
             alts = self.join(alts, self.expand_ref(schema["$ref"], path))
@@ -838,7 +843,7 @@ class _Compiler(ValueCompiler):
                 {
                     "type": "object",
                     "required": [name],
-                    "properties": {name: {"not": sub}},
+                    "properties": {name: self.not_of(sub)},
                     SYNTHETIC: True,
                 }
             )

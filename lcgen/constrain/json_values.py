@@ -150,6 +150,7 @@ class ValueCompiler:
         self.numbers = NumberRules(self.rules)
         self.in_string: dict[str, str] = {}  # rules, and their copies inside a JSON string
         self.unique_items = False  # an array must hold unique items: no grammar says that
+        self.nots: dict[int, tuple[Any, dict[str, Any]]] = {}  # see not_of
         if compact:
             self.rules.define("ws", '""')
         base = root if isinstance(root, dict) else {}
@@ -172,6 +173,14 @@ class ValueCompiler:
         it whole instead, wider (the second pass that tells an unsatisfiable schema from one
         lcgen cannot write: see :meth:`lcgen.constrain.json_schema._Compiler.compile`)."""
         return False
+
+    def not_of(self, schema: Any) -> dict[str, Any]:
+        """``{"not": schema}``, one dict for one ``schema``: a visit that comes back to it (a
+        recursion) is then told by its identity, as for the schema's own subschemas."""
+        found = self.nots.get(id(schema))
+        if found is None:
+            found = self.nots[id(schema)] = (schema, {"not": schema})  # (schema kept alive)
+        return found[1]
 
     def named(self, name: str, expr: str) -> str:
         """``expr`` as a rule name (itself when it is one already)."""
@@ -269,6 +278,7 @@ class ValueCompiler:
         with its optional zeros); an object or array is one piece."""
         if isinstance(value, dict | list):
             return [g.Expr(self.const(value, path))]
+        value = _number(value)
         if isinstance(value, int | float) and not isinstance(value, bool):
             text, zeros = self.number_const(value, path)
             return [*text, g.Expr(zeros)]
@@ -294,6 +304,7 @@ class ValueCompiler:
             self.prim("ws")
             items = [f"{self.const(v, path)} ws" for v in value]
             return '"[" ws ' + ' "," ws '.join(items) + ' "]"' if items else '"[" ws "]"'
+        value = _number(value)
         if isinstance(value, int | float) and not isinstance(value, bool):
             text, zeros = self.number_const(value, path)
             return f"{g.literal(text)} {zeros}"
@@ -554,7 +565,7 @@ class ValueCompiler:
         # Items are counted up to this (when unbounded: then any more; past the first, which
         # no comma comes before)
         cap = max(low, len(elems), 1) if high is None else high
-        if max(need, cap) > g.MAX_REPEAT or (top + 1) * (cap + 1) > _MAX_CONTAINS_STATES:
+        if max(need, cap) > _MAX_CONTAINS_ITEMS or (top + 1) * (cap + 1) > _MAX_CONTAINS_STATES:
             raise UnsupportedSchemaError(
                 f"contains at {path} with minContains/maxContains {need}/{most} and "
                 f"minItems/maxItems {low}/{high} is not supported (over "
@@ -573,7 +584,10 @@ class ValueCompiler:
                 pair = []
                 for option, name in (
                     (self.all_of([schema, wanted]), "match"),
-                    (schema if most is None else self.all_of([schema, {"not": wanted}]), "item"),
+                    (
+                        schema if most is None else self.all_of([schema, self.not_of(wanted)]),
+                        "item",
+                    ),
                 ):
                     try:
                         pair.append(
@@ -945,6 +959,15 @@ class ValueCompiler:
 
 # The most (matches so far, items so far) states a contains with item counts is written with.
 _MAX_CONTAINS_STATES = 4096
+_MAX_CONTAINS_ITEMS = 500  # items counted beside contains (one rule, and a call, each)
+
+
+def _number(value: Any) -> Any:
+    """A ``Decimal`` (a schema read with ``parse_float=Decimal``) as the int or float JSON
+    reads its text as; any other value as it is."""
+    if isinstance(value, Decimal):
+        return int(value) if value % 1 == 0 else float(value)
+    return value
 
 
 def _matches_any(text: str, conj: Conj) -> bool:

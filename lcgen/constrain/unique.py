@@ -112,7 +112,7 @@ class _Walker:
             for name in ("allOf", "anyOf", "oneOf"):
                 if isinstance(schema.get(name), list):
                     todo.extend(schema[name])
-            todo.extend(schema.get(name) for name in ("then", "else"))
+            todo.extend(schema.get(name) for name in ("if", "then", "else"))
             for name in ("dependentSchemas", "dependencies"):
                 if isinstance(schema.get(name), dict):
                     todo.extend(schema[name].values())
