@@ -579,9 +579,6 @@ class _Compiler(ValueCompiler):
             )
         return joined
 
-    def union(self, schemas: list[Any], path: str) -> list[Conj]:
-        return [c for i, s in enumerate(schemas) for c in self.flatten(s, f"{path}/{i}")]
-
     def any_of(self, schemas: list[Any], path: str) -> list[Conj]:
         """The alternatives of an ``anyOf``: one per branch; where ``unevaluated*`` reads this
         location, one per set of the branches that evaluate properties or items, since every
