@@ -569,8 +569,14 @@ class _Compiler(ValueCompiler):
                 found.append((key, name, {"required": then} if isinstance(then, list) else then))
         return found
 
-    def join(self, left: list[Conj], right: list[Conj], where: str = "the schema") -> list[Conj]:
-        joined = [c for a in left for b in right if not _impossible(c := a + b)]
+    def join(
+        self, left: list[Conj], right: list[Conj], where: str = "the schema", prune: bool = False
+    ) -> list[Conj]:
+        """Each alternative of ``left`` with each of ``right`` (``prune``: without those
+        :func:`_impossible`, which would say why when compiled)."""
+        joined = [a + b for a in left for b in right]
+        if prune:
+            joined = [c for c in joined if not _impossible(c)]
         if len(joined) > MAX_ALTERNATIVES:
             raise UnsupportedSchemaError(
                 f"{where} branches into over {MAX_ALTERNATIVES} alternatives (anyOf, oneOf and "
@@ -901,7 +907,7 @@ class _Compiler(ValueCompiler):
                         f"lcgen cannot exclude {j} where {i} matches ({exc}); use anyOf, or tell "
                         "them apart by type or by a required property with different constants"
                     ) from None
-                alts = self.join(alts, negated, f"the oneOf at {path}")
+                alts = self.join(alts, negated, f"the oneOf at {path}", prune=True)
             out += alts
         return out
 
