@@ -893,6 +893,7 @@ class _Compiler(ValueCompiler):
         resolved = [self.resolve(o) for o in options]
         # (draft 4 has no const: its disjointness would rest on a keyword the draft ignores)
         proves = "const" in self.vocabulary
+        negated: dict[int, list[Conj]] = {}  # (each option negated once, where first needed)
         out: list[Conj] = []
         for i, option in enumerate(options):
             alts = self.flatten(option, f"{path}/oneOf/{i}")
@@ -900,14 +901,15 @@ class _Compiler(ValueCompiler):
                 if j == i or (proves and self.disjoint(resolved[i], resolved[j], tag)):
                     continue
                 try:
-                    negated = self.negate(other, f"{path}/oneOf/{j}")
+                    if j not in negated:
+                        negated[j] = self.negate(other, f"{path}/oneOf/{j}")
                 except UnsupportedSchemaError as exc:
                     raise UnsupportedSchemaError(
                         f"oneOf at {path}: alternatives {i} and {j} may both match a value, and "
                         f"lcgen cannot exclude {j} where {i} matches ({exc}); use anyOf, or tell "
                         "them apart by type or by a required property with different constants"
                     ) from None
-                alts = self.join(alts, negated, f"the oneOf at {path}", prune=True)
+                alts = self.join(alts, negated[j], f"the oneOf at {path}", prune=True)
             out += alts
         return out
 
