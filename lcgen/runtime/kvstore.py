@@ -254,12 +254,9 @@ class KVStore:
             SlotsExhaustedError: another thread's search kept the turn past ``slot_timeout``.
         """
         turn = self._beam_turn
-        if turn._is_owned():  # type: ignore[attr-defined]  # a search inside a search
-            yield
-            return
         timeout = -1 if self.slot_timeout is None else self.slot_timeout
         try:  # (given back whenever this thread holds it: Ctrl-C may come right after it)
-            got = turn.acquire(blocking=False)
+            got = turn.acquire(blocking=False)  # (at once in a search inside a search)
             if not got:
                 # Waiting for the turn counts as waiting for a slot: a search that holds the
                 # turn and waits for this thread's slots then sees that none will come.
@@ -279,7 +276,7 @@ class KVStore:
                 )
             yield
         finally:
-            if turn._is_owned():  # type: ignore[attr-defined]
+            with contextlib.suppress(RuntimeError):  # (not acquired: nothing to give back)
                 turn.release()
 
     # opening and closing sequences ------------------------------------------------------
