@@ -10,7 +10,7 @@ The public names, by layer (each layer imports only from those listed before it)
 
 - errors: :class:`LcgenError` and its subclasses.
 - vocabulary: ``model.vocab``, a :class:`~lcgen.vocab.Vocab`.
-- constraints: :class:`Grammar`, :class:`GrammarState`.
+- constraints: :class:`Grammar`, :class:`GrammarState`, :func:`bundle_schema`.
 - one position: :class:`Generator`, :class:`GeneratorState`, :class:`SamplerConfig`,
   :class:`Chunk`, :class:`Text`, :class:`GenerationStats`, :class:`TokenLogprob`,
   :class:`TopLogprob`, the hook values :class:`Step`,
@@ -33,7 +33,7 @@ import os
 from typing import Any
 
 from lcgen._version import __version__ as __version__
-from lcgen.constrain import Grammar, GrammarState
+from lcgen.constrain import Grammar, GrammarState, bundle_schema
 from lcgen.continuous import Continuous, SequenceState, continuous
 from lcgen.continuous import specs as generate
 from lcgen.decoding import (
@@ -174,6 +174,7 @@ __all__ = [
     "ToolCall",
     "TopLogprob",
     "UnsupportedSchemaError",
+    "bundle_schema",
     "check_draft_model",
     "continuous",
     "generate",

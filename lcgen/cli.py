@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
+from urllib.parse import unquote, urljoin, urlsplit
 
 import lcgen
 from lcgen import server
@@ -288,7 +289,9 @@ def _constraint(args: argparse.Namespace) -> tuple[str, lcgen.Grammar] | None:
         if name == "grammar":
             return flag, _grammar(value)
         if name == "json_schema":
-            return flag, lcgen.Grammar.from_json_schema(_schema(Path(value)))
+            schema = _schema(Path(value))
+            documents = _beside(Path(value), schema)
+            return flag, lcgen.Grammar.from_json_schema(schema, documents=documents)
         if name == "choice":
             return flag, lcgen.Grammar.choice(value.split(","))
         return flag, lcgen.Grammar.regex(value)
@@ -326,6 +329,29 @@ def _schema(path: Path) -> dict[str, Any] | bool:
             f"{json.dumps(schema)[:80]}"
         )
     return schema
+
+
+def _beside(path: Path, schema: dict[str, Any] | bool) -> Callable[[str], Any]:
+    """The documents a schema file's references name, read from the files beside it: a
+    relative URI (``address.json``) where the schema has no ``$id``, else one in the same
+    folder as its ``$id`` (or below), is a path from the file's folder (a file that cannot be
+    read is a :class:`GrammarError`, raised where the schema uses it)."""
+    ident = schema.get("$id", schema.get("id")) if isinstance(schema, dict) else None
+    folder = urljoin(ident, ".") if isinstance(ident, str) and urlsplit(ident).scheme else ""
+
+    def document(uri: str) -> Any:
+        if not uri.startswith(folder):
+            return None
+        relative = uri[len(folder) :]
+        if not relative or urlsplit(relative).scheme or relative.startswith("/"):
+            return None
+        file = path.parent / unquote(relative)
+        try:
+            return _schema(file)
+        except (OSError, ValueError) as exc:  # (said where the schema uses it)
+            raise GrammarError(f"{file} (the document {uri!r}): {_reason(exc)}") from None
+
+    return document
 
 
 def _reason(exc: BaseException) -> str:

@@ -640,6 +640,32 @@ def test_an_empty_prompt_on_stdin(
     assert capsys.readouterr().err == "lcgen: error: the prompt is empty: stdin held no text\n"
 
 
+@pytest.mark.parametrize("ident", [None, "https://example.com/s/person.json"])
+def test_a_json_schema_file_refers_to_the_files_beside_it(
+    ident: str | None, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "common").mkdir()
+    address = {"type": "object", "properties": {"city": {"enum": ["Paris", "Oslo"]}},
+               "required": ["city"], "additionalProperties": False}  # fmt: skip
+    (tmp_path / "common" / "address.json").write_text(json.dumps(address))
+    person = {"type": "object", "properties": {"home": {"$ref": "common/address.json"}},
+              "required": ["home"], "additionalProperties": False}  # fmt: skip
+    if ident is not None:
+        person["$id"] = ident
+    (tmp_path / "person.json").write_text(json.dumps(person))
+    args = ["generate", "smollm2-135m", "A person as JSON:", "--json-schema"]
+    assert cli.main([*args, str(tmp_path / "person.json"), *THREADS]) == 0
+    assert json.loads(capsys.readouterr().out)["home"]["city"] in {"Paris", "Oslo"}
+    (tmp_path / "common" / "address.json").unlink()
+    assert cli.main([*args, str(tmp_path / "person.json"), *THREADS]) == 2
+    file = tmp_path / "common" / "address.json"
+    said = "$ref 'common/address.json' (at #/properties/home): "
+    assert f"{said}{file} (the document " in capsys.readouterr().err
+    file.write_text("{")
+    assert cli.main([*args, str(tmp_path / "person.json"), *THREADS]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+
+
 def test_a_json_schema_file_that_is_not_json_is_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

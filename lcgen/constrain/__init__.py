@@ -2,6 +2,7 @@
 sequence is in it), with the compilers to GBNF from regular expressions (:mod:`.regex`) and
 JSON Schema (:mod:`.json_schema`)."""
 
+from lcgen.constrain.bundle import bundle_schema
 from lcgen.constrain.grammar import Grammar, GrammarState
 
-__all__ = ["Grammar", "GrammarState"]
+__all__ = ["Grammar", "GrammarState", "bundle_schema"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -143,6 +144,7 @@ class Grammar:
         *,
         close_objects: bool = False,
         whitespace: Literal["flexible", "compact"] = "flexible",
+        documents: Mapping[str, Any] | Callable[[str], Any] | None = None,
     ) -> Grammar:
         """A grammar for JSON text that validates against ``schema``.
 
@@ -156,6 +158,9 @@ class Grammar:
                 are allowed allow none (the specification allows any).
             whitespace: ``"flexible"`` (up to 24 spaces, tabs or newlines between JSON tokens)
                 or ``"compact"`` (none: fewer tokens to generate).
+            documents: the other documents the schema's references name, by absolute URI
+                (a mapping, or a function of the URI giving the document or None); nothing
+                is fetched. :func:`lcgen.bundle_schema` makes such a schema one document.
 
         Raises:
             GrammarError: an unsupported keyword or combination (named, with its location
@@ -175,8 +180,10 @@ class Grammar:
             raise TypeError(
                 f"a JSON Schema is a dict or JSON text, got {type(schema).__name__}{hint}"
             )
-        gbnf, unique = schema_to_gbnf(schema, close_objects=close_objects, whitespace=whitespace)
-        return cls(gbnf, values=True, unique=UniqueItems.of(schema) if unique else None)
+        gbnf, unique = schema_to_gbnf(
+            schema, close_objects=close_objects, whitespace=whitespace, documents=documents
+        )
+        return cls(gbnf, values=True, unique=None if unique is None else UniqueItems.of(unique))
 
     @classmethod
     def from_pydantic(

@@ -26,22 +26,20 @@ type, as the specification says.
 
 from __future__ import annotations
 
-import contextlib
 import decimal
 import difflib
 import functools
 import itertools
 import json
 import math
-import re
-from collections.abc import Iterable
 from typing import Any, Literal
-from urllib.parse import unquote, urldefrag, urljoin
+from urllib.parse import unquote
 
 import jsonschema
 
 from lcgen.constrain import json_rules as spec
 from lcgen.constrain import lark
+from lcgen.constrain.bundle import Documents, bundle, draft_of, schema_error
 from lcgen.constrain.json_rules import Conj, NoValue, Unsatisfiable, not_finite
 from lcgen.constrain.json_values import (
     FALSE,
@@ -52,7 +50,6 @@ from lcgen.constrain.json_values import (
     count,
     first_satisfiable,
 )
-from lcgen.constrain.regex import python_spelling
 from lcgen.errors import GrammarError, UnsupportedSchemaError, warn
 
 MAX_ALTERNATIVES = 256
@@ -68,18 +65,27 @@ NEGATED = frozenset(
 )  # fmt: skip
 
 
+_TOO_DEEP = (
+    "the JSON Schema nests too deeply to compile (or has too many properties in one object, "
+    "each compiled in turn): flatten it"
+)
+
+
 def schema_to_gbnf(
     schema: dict[str, Any] | bool,
     *,
     close_objects: bool = False,
     whitespace: Literal["flexible", "compact"] = "flexible",
-) -> tuple[str, bool]:
+    documents: Documents | None = None,
+) -> tuple[str, Any]:
     """GBNF text whose root matches exactly JSON texts (a subset) valid against ``schema``,
-    but for ``uniqueItems``, which no grammar can say; and whether the schema has arrays that
-    must hold unique items (:mod:`lcgen.constrain.unique` holds generation to them).
+    but for ``uniqueItems``, which no grammar can say; and where the schema has arrays that
+    must hold unique items, the schema as one document (:func:`bundle_schema`) for
+    :mod:`lcgen.constrain.unique` to hold generation to them (else None).
 
     Args:
         schema: the JSON Schema.
+        documents: the other documents its references name (:func:`bundle_schema`).
         close_objects: objects that do not say whether they allow other properties allow
             none (the specification allows any).
         whitespace: ``"flexible"``: up to 24 spaces, tabs or newlines between tokens of JSON;
@@ -91,24 +97,25 @@ def schema_to_gbnf(
     """
     if whitespace not in ("flexible", "compact"):
         raise ValueError(f"whitespace must be 'flexible' or 'compact', got {whitespace!r}")
+    if isinstance(schema, dict):
+        try:
+            draft_of(schema).check_schema(schema)
+        except jsonschema.SchemaError as exc:
+            raise schema_error(exc) from None
+        except RecursionError:
+            raise UnsupportedSchemaError(_TOO_DEEP) from None
+    one = bundle(schema, documents)  # (outside: a documents function raises what it raises)
     try:
-        if isinstance(schema, dict):
-            validator_cls = jsonschema.validators.validator_for(schema)
-            try:
-                validator_cls.check_schema(schema)
-            except jsonschema.SchemaError as exc:
-                raise _schema_error(exc) from None
         with decimal.localcontext() as context:
             context.prec = 1000  # bounds such as 1e300 are whole numbers of 301 digits
-            compiler = _Compiler(schema, close_objects, whitespace == "compact")
-            return compiler.compile(), compiler.unique_items
+            compiler = _Compiler(one.schema, close_objects, whitespace == "compact", one.errors)
+            return compiler.compile(), one.schema if compiler.unique_items else None
     except Unsatisfiable as exc:  # internal: users see a plain GrammarError
-        raise GrammarError(str(exc)) from None
+        raise one.located(GrammarError(str(exc))) from None
+    except GrammarError as exc:
+        raise one.located(exc) from None
     except RecursionError:
-        raise UnsupportedSchemaError(
-            "the JSON Schema nests too deeply to compile (or has too many properties in one "
-            "object, each compiled in turn): flatten it"
-        ) from None
+        raise UnsupportedSchemaError(_TOO_DEEP) from None
     except ArithmeticError as exc:
         raise UnsupportedSchemaError(
             f"a numeric bound of the JSON Schema is out of range: {exc!r}"
@@ -148,16 +155,6 @@ def _refs(node: lark.Node) -> list[str]:
     if isinstance(node, lark.Rep):
         return _refs(node.item)
     return []
-
-
-def _pointer(parts: Iterable[Any]) -> str:
-    """A location in the schema as the paths in lcgen's messages write it (``#/items/0``)."""
-    return "/".join(["#", *(str(p).replace("~", "~0").replace("/", "~1") for p in parts)])
-
-
-# ECMA-262 escapes Python's re lacks, which JSON Schema's patterns may use (zod writes
-# \p{Extended_Pictographic}): after an even number of backslashes.
-_ECMA_ONLY = re.compile(r"(?<!\\)(?:\\\\)*(\\[pP]\{[^}]*\}?|\\u\{[0-9a-fA-F]*\}?)")
 
 
 def _impossible(conj: Conj) -> bool:
@@ -212,85 +209,29 @@ def _all_items(member: dict[str, Any]) -> bool:
     )
 
 
-def _schema_error(exc: jsonschema.SchemaError) -> GrammarError:
-    """The error for a schema its draft's meta-schema refuses, naming the keyword and where."""
-    parts = list(exc.absolute_path)
-    if parts and parts[-1] in spec.KNOWN:
-        where = f"{parts[-1]} at {_pointer(parts[:-1])}"
-    else:
-        where = f"the schema at {_pointer(parts)}"
-    if exc.validator == "format" and exc.validator_value == "regex":
-        # (jsonschema reads patterns with Python's re: ECMA-262's (?<name>...) is no error)
-        with contextlib.suppress(re.error):
-            re.compile(python_spelling(exc.instance))
-            return UnsupportedSchemaError(
-                f"{where}: the ECMA-262 named group in {exc.instance!r:.80} is not supported: "
-                "write (?:...)"
-            )
-        escape = _ECMA_ONLY.search(exc.instance) if isinstance(exc.instance, str) else None
-        if escape is not None:
-            return UnsupportedSchemaError(
-                f"{where}: the ECMA-262 escape {escape.group(1)!r} in {exc.instance!r:.80} (a "
-                "Unicode property class or code point) is not supported: write the characters "
-                "as a class such as [a-zA-Z\u00c0-\u024f]"
-            )
-    if not_finite(exc.instance) is not None:
-        return GrammarError(
-            f"invalid JSON Schema: {where} is {exc.instance!r:.80}, a number that is not finite "
-            "(JSON has no NaN or Infinity)"
-        )
-    return GrammarError(f"invalid JSON Schema: {where}: {exc.message}")
-
-
 # The keywords whose value is an object keyed by property names (or patterns of them).
 _BY_PROPERTY_NAME = frozenset(
     ["properties", "patternProperties", "dependentRequired", "dependentSchemas", "dependencies"]
 )
 _OLD_DRAFTS = ("Draft3Validator", "Draft4Validator", "Draft6Validator", "Draft7Validator")
-# Keywords whose values are data, not schemas: no anchor or $id inside them counts.
-_DATA = frozenset(["const", "enum", "default", "examples"])
-
-
-def _index(root: Any, id_key: str, old_draft: bool) -> tuple[dict[str, Any], dict[str, str]]:
-    """The anchors of the root document (name: its subschema) and the embedded resources
-    (``$id`` as written: where it is). Drafts up to 7 write an anchor as an ``$id`` that is a
-    bare fragment; later ones as ``$anchor`` (and ``$dynamicAnchor``, which a ``$ref`` also
-    finds). An embedded resource's anchors are its own: not the root's."""
-    anchors: dict[str, Any] = {}
-    embedded: dict[str, str] = {}
-
-    def walk(node: Any, parts: list[Any]) -> None:
-        if isinstance(node, list):
-            for i, item in enumerate(node):
-                walk(item, [*parts, i])
-            return
-        if not isinstance(node, dict):
-            return
-        ident = node.get(id_key)
-        if parts and isinstance(ident, str):
-            if not (old_draft and ident.startswith("#")):
-                embedded.setdefault(ident, _pointer(parts))
-                return
-            anchors.setdefault(ident[1:], node)
-        for key in () if old_draft else ("$anchor", "$dynamicAnchor"):
-            if isinstance(node.get(key), str):
-                anchors.setdefault(node[key], node)
-        for key, value in node.items():
-            if key not in _DATA:
-                walk(value, [*parts, key])
-
-    walk(root, [])
-    return anchors, embedded
 
 
 class _Compiler(ValueCompiler):
     """Schemas to alternatives of conjunctions (the per-type GBNF is :class:`ValueCompiler`'s)."""
 
     def __init__(
-        self, root: dict[str, Any] | bool, close_objects: bool, compact: bool, widen: bool = False
+        self,
+        root: dict[str, Any] | bool,
+        close_objects: bool,
+        compact: bool,
+        unresolved: dict[str, GrammarError] | None = None,
+        widen: bool = False,
     ) -> None:
         super().__init__(root, close_objects, compact)
-        self.options = (close_objects, compact)
+        # (root: one document, from bundle(), which says why the references it left as
+        # written do not resolve)
+        self.options = (close_objects, compact, unresolved)
+        self.unresolved = unresolved or {}
         # A not lcgen can negate only in part counts as true: what it leaves out comes back.
         self.widen = widen
         self.refs: dict[str, str] = {}
@@ -318,8 +259,6 @@ class _Compiler(ValueCompiler):
         self.old_draft = name in _OLD_DRAFTS  # $ref ignores its siblings
         self.draft2020 = not self.old_draft and name != "Draft201909Validator"  # prefixItems
         self.draft4 = name in _OLD_DRAFTS[:2]  # boolean exclusiveMinimum/Maximum
-        self.id_key = "id" if self.draft4 else "$id"
-        self.anchors, self.embedded = _index(root, self.id_key, self.old_draft)
 
     def compile(self) -> str:
         try:
@@ -650,40 +589,27 @@ class _Compiler(ValueCompiler):
             self.expanding.pop()
 
     def resolve_ref(self, ref: str, path: str) -> Any:
-        fragment = ref[1:] if ref.startswith("#") else self.local_fragment(ref, path)
-        fragment = unquote(fragment)
-        if fragment and not fragment.startswith("/"):  # a plain name: an anchor
-            if fragment not in self.anchors:
-                raise GrammarError(f"$ref {ref!r} (at {path}): no $anchor {fragment!r} is defined")
-            return self.anchors[fragment]
+        """The subschema a ``$ref`` names: a JSON pointer, as :func:`bundle_schema` writes
+        every reference it reads (one in a keyword it does not read stays as written)."""
+        if ref in self.unresolved:
+            error = self.unresolved[ref]
+            raise type(error)(str(error))
+        if not ref.startswith("#"):
+            raise UnsupportedSchemaError(
+                f"$ref {ref!r} (at {path}) is inside a keyword lcgen does not read as a schema: "
+                "it resolves only JSON pointers ('#/...') there"
+            )
+        fragment = unquote(ref[1:])
+        if fragment and not fragment.startswith("/"):
+            raise GrammarError(f"$ref {ref!r} (at {path}): no anchor {fragment!r} is defined")
         target: Any = self.root
-        for part in filter(None, fragment.split("/")):
+        for part in fragment.split("/")[1:]:
             key = part.replace("~1", "/").replace("~0", "~")
             try:
                 target = target[int(key)] if isinstance(target, list) else target[key]
             except (KeyError, IndexError, ValueError, TypeError):
                 raise GrammarError(f"$ref {ref!r} (at {path}) does not resolve") from None
         return target
-
-    def local_fragment(self, ref: str, path: str) -> str:
-        """The fragment of a ``$ref`` that names the root document by its ``$id``; raising
-        for any other document (an embedded resource named, with where it is)."""
-        root_id = self.root.get(self.id_key) if isinstance(self.root, dict) else None
-        base = root_id if isinstance(root_id, str) else ""
-        uri, fragment = urldefrag(urljoin(base, ref))
-        if base and uri == urldefrag(base)[0]:
-            return fragment
-        for ident, where in self.embedded.items():
-            if uri == urldefrag(urljoin(base, ident))[0]:
-                raise UnsupportedSchemaError(
-                    f"$ref {ref!r} (at {path}) names the schema at {where} by its {self.id_key} "
-                    f"{ident!r}: embedded resources (an {self.id_key} inside a subschema) are not "
-                    f"supported; drop that {self.id_key} and refer to it as '{where}'"
-                )
-        raise UnsupportedSchemaError(
-            f"$ref {ref!r} (at {path}) refers to another document: only local references "
-            "('#/...' pointers, '#name' anchors) are supported"
-        )
 
     def ref(self, ref: str, path: str) -> str:
         if ref in self.refs:
@@ -726,14 +652,6 @@ class _Compiler(ValueCompiler):
             if key in spec.UNSUPPORTED:
                 raise UnsupportedSchemaError(f"unsupported JSON Schema keyword {key!r} at {path}")
             self.check_number(key, schema[key], path)
-            nested_id = schema is not self.root and (
-                key == "$id" or (key == "id" and self.draft4 and isinstance(schema[key], str))
-            )
-            if nested_id and not (self.old_draft and str(schema[key]).startswith("#")):
-                # (drafts 4 to 7 write an anchor as an $id that is a bare fragment)
-                raise UnsupportedSchemaError(
-                    f"{key!r} inside a subschema (at {path}) is not supported"
-                )
             if key not in spec.KNOWN and key not in spec.QUIET and not key.startswith("x-"):
                 close = difflib.get_close_matches(key, spec.KNOWN, n=1, cutoff=0.85)
                 if close:

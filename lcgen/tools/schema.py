@@ -17,9 +17,8 @@ import re
 from collections.abc import Collection
 from collections.abc import Sequence as Seq
 from typing import Any, Literal
-from urllib.parse import quote, unquote, urldefrag, urljoin
 
-from lcgen.constrain import Grammar
+from lcgen.constrain import Grammar, bundle_schema
 from lcgen.decoding.results import ToolCall
 from lcgen.errors import GrammarError
 from lcgen.tools.define import Tool, checked_parameters
@@ -125,7 +124,7 @@ def calls_schema(
                 f'("type": "object"), not type {named!r}: arguments are always a JSON object'
             )
         key = f"tool{i}"
-        defs[key] = _rehome(params, f"/{defs_key}/{key}", id_key, old)
+        defs[key] = _rehome(params, f"/{defs_key}/{key}", id_key, draft)
         target = {"$ref": f"#/{defs_key}/{key}"}
         # Arguments are always an object, whatever the parameters say (or leave out).
         arguments = target if named == "object" else {"type": "object", "allOf": [target]}
@@ -144,7 +143,7 @@ def calls_schema(
         schema = {"anyOf": [one, several]}
     if reply_format is not None:
         if isinstance(reply_format, dict):
-            reply_format = _rehome(reply_format, f"/{defs_key}/format", id_key, old)
+            reply_format = _rehome(reply_format, f"/{defs_key}/format", id_key, draft)
         defs["format"] = reply_format
         schema = {"anyOf": [schema, {"$ref": f"#/{defs_key}/format"}]}
     out = {**schema, defs_key: defs}
@@ -182,43 +181,12 @@ def _draft(tools: Seq[Tool], reply_format: Any = None) -> str | None:
 _DATA = frozenset(["const", "enum", "default", "examples"])
 
 
-def _rehome(params: dict[str, Any], where: str, id_key: str, old: bool) -> Any:
-    """A copy of a function's parameters that works at ``#{where}`` of another document:
-    root-relative refs (``#``, ``#/...``, and refs through the root's ``$id``) point under
-    ``where``, refs to anchors point to where the anchor is (two functions' anchors may share
-    a name), the root's ``$id`` and ``$schema`` are dropped."""
-    root_id = params.get(id_key)
-    base = root_id if isinstance(root_id, str) and not root_id.startswith("#") else ""
-    anchors: dict[str, str] = {}  # name: a JSON pointer, as a URI fragment writes it
-
-    def find(node: Any, pointer: str) -> None:
-        if isinstance(node, list):
-            for i, item in enumerate(node):
-                find(item, f"{pointer}/{i}")
-            return
-        if not isinstance(node, dict):
-            return
-        anchor = node.get(id_key) if old else node.get("$anchor")
-        if isinstance(anchor, str) and (anchor.startswith("#") or not old):
-            anchors.setdefault(anchor.removeprefix("#") if old else anchor, pointer)
-        for key, value in node.items():
-            if key not in _DATA:
-                part = quote(str(key).replace("~", "~0").replace("/", "~1"), safe="$")
-                find(value, f"{pointer}/{part}")
-
-    find(params, "")
-
-    def ref(value: str) -> str:
-        if value.startswith("#"):
-            frag = value[1:]
-        elif base and urldefrag(urljoin(base, value))[0] == urldefrag(base)[0]:
-            frag = urldefrag(urljoin(base, value))[1]
-        else:
-            return value  # another document: the converter says it is not supported
-        if frag == "" or frag.startswith("/"):
-            return f"#{where}{frag}"
-        name = unquote(frag)
-        return f"#{where}{anchors[name]}" if name in anchors else value
+def _rehome(params: dict[str, Any], where: str, id_key: str, draft: str | None) -> Any:
+    """A copy of a function's parameters that works at ``#{where}`` of another document (whose
+    draft is ``draft``): made one document first (:func:`bundle_schema`: refs to anchors, to
+    embedded resources and through the root's ``$id`` become JSON pointers), whose pointers
+    then point under ``where``; the root's ``$id`` and ``$schema`` are dropped."""
+    one = bundle_schema(params if draft is None else {"$schema": draft, **params})
 
     def walk(node: Any, top: bool) -> Any:
         if isinstance(node, list):
@@ -227,19 +195,17 @@ def _rehome(params: dict[str, Any], where: str, id_key: str, old: bool) -> Any:
             return node
         out: dict[str, Any] = {}
         for key, value in node.items():
-            if top and key == "$schema":
+            if top and key in ("$schema", id_key):
                 continue
-            if top and key == id_key and not (old and str(value).startswith("#")):
-                continue  # (drafts up to 7 write an anchor as an $id that is a bare fragment)
             if key in _DATA:
                 out[key] = value
-            elif key == "$ref" and isinstance(value, str):
-                out[key] = ref(value)
+            elif key == "$ref" and isinstance(value, str) and value[:2] in ("#", "#/"):
+                out[key] = f"#{where}{value[1:]}"
             else:
                 out[key] = walk(value, False)
         return out
 
-    return walk(params, True)
+    return walk(one, True)
 
 
 def starts_call(text: str, parallel: bool) -> bool:
