@@ -387,7 +387,7 @@ def test_a_missing_document_is_asked_for_once() -> None:
         (
             {"$schema": DRAFT7, "$ref": "https://json-schema.org/draft/2020-12/schema"},
             {},
-            "several documents, and uses $dynamicRef",
+            "several documents, whose dynamic references depend on the path",
         ),
     ],
 )  # fmt: skip
@@ -470,4 +470,84 @@ def test_references_in_content_schemas_and_anchors_by_the_given_uri(model: lcgen
 def test_bundle_schema_refuses_dynamic_references_it_would_change() -> None:
     schema = {"$id": "http://e.com/r", "$defs": {"a": {"$id": "a", "$dynamicRef": "#x"}}}
     with pytest.raises(lcgen.UnsupportedSchemaError, match="dynamicRef"):
+        lcgen.bundle_schema(schema)
+
+
+TREE = {
+    "$id": "https://e.com/tree.json",
+    "$dynamicAnchor": "node",
+    "type": "object",
+    "properties": {"data": True, "children": {"type": "array", "items": {"$dynamicRef": "#node"}}},
+}
+STRICT_TREE = {
+    "$id": "https://e.com/strict-tree.json",
+    "$dynamicAnchor": "node",
+    "$ref": "tree.json",
+    "unevaluatedProperties": False,
+}
+RECURSIVE_TREE = {
+    "$schema": "https://json-schema.org/draft/2019-09/schema",
+    "$id": "https://e.com/r/tree.json",
+    "$recursiveAnchor": True,
+    "type": "object",
+    "properties": {"data": True, "children": {"type": "array", "items": {"$recursiveRef": "#"}}},
+}
+STRICT_RECURSIVE_TREE = {
+    "$schema": "https://json-schema.org/draft/2019-09/schema",
+    "$id": "https://e.com/r/strict-tree.json",
+    "$recursiveAnchor": True,
+    "$ref": "tree.json",
+    "unevaluatedProperties": False,
+}
+TREE_TEXTS = [
+    '{"children": [{"data": 1, "children": []}]}',
+    '{"children": [{"daat": 1}]}',
+    '{"children": [{"data": 1, "children": [{"dta": 2}]}]}',
+    '{"data": 1, "extra": 2}',
+]
+
+
+@pytest.mark.parametrize(
+    ("schema", "docs"),
+    [
+        (STRICT_TREE, {"https://e.com/tree.json": TREE}),
+        (TREE, {}),
+        (STRICT_RECURSIVE_TREE, {"https://e.com/r/tree.json": RECURSIVE_TREE}),
+        (RECURSIVE_TREE, {}),
+    ],
+)
+def test_dynamic_references_the_root_extends(
+    model: lcgen.Model, schema: dict[str, Any], docs: dict[str, Any]
+) -> None:
+    """The outermost dynamic anchor wins: the root's, which every dynamic scope holds."""
+    grammar = lcgen.Grammar.from_json_schema(schema, documents=docs)
+    verdicts = [grammar.accepts(model, text) for text in TREE_TEXTS]
+    assert verdicts == [_valid(schema, docs, text) for text in TREE_TEXTS]
+    bundled = lcgen.bundle_schema(schema, docs)
+    assert "$dynamicRef" not in json.dumps(bundled) and "$recursiveRef" not in json.dumps(bundled)
+    for text in TREE_TEXTS:
+        assert _valid(bundled, {}, text) == _valid(schema, docs, text), text
+
+
+def test_a_dynamic_reference_whose_target_depends_on_the_path_is_refused() -> None:
+    """Two resources have the anchor and the root has none: which one wins depends on the
+    resources met on the way."""
+    schema = {
+        "$id": "https://e.com/root",
+        "$ref": "list",
+        "$defs": {
+            "foo": {"$dynamicAnchor": "items", "type": "string"},
+            "list": {
+                "$id": "list",
+                "type": "array",
+                "items": {"$dynamicRef": "#items"},
+                "$defs": {"items": {"$dynamicAnchor": "items"}},
+            },
+        },
+    }
+    del schema["$defs"]["foo"]  # (the root's anchor: then it is the root's, and supported)
+    schema["$defs"]["other"] = {"$id": "other", "$dynamicAnchor": "items", "type": "string"}
+    with pytest.raises(lcgen.UnsupportedSchemaError, match=r"\$dynamicRef"):
+        lcgen.Grammar.from_json_schema(schema)
+    with pytest.raises(lcgen.UnsupportedSchemaError, match=r"\$dynamicRef"):
         lcgen.bundle_schema(schema)

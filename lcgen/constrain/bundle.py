@@ -9,8 +9,11 @@ A ``$ref`` may name the root, a subschema with an ``$id`` (an embedded resource)
 (``$anchor``, ``$dynamicAnchor``), or another document: one given in ``documents``, or the
 meta-schema of drafts 4, 6 and 7. Nothing is fetched.
 
-Only the subschemas of the applicator keywords count: an ``$id`` inside ``enum``, ``const``
-or an unknown keyword names nothing.
+Only the subschemas of the draft's own applicator keywords count: an ``$id`` inside ``enum``,
+``const``, an unknown keyword or one the draft lacks names nothing.
+
+A ``$dynamicRef`` (``$recursiveRef`` in 2019-09) becomes a ``$ref`` where its target is the
+same wherever it is met (:meth:`_Bundler.dynamic_target`); another is left as written.
 """
 
 from __future__ import annotations
@@ -60,8 +63,8 @@ _OLD = (
 )
 # Where the documents given by URI go in the bundle (a key no draft reads)
 DOCUMENTS = "$lcgen-documents"
-# The meta-schemas that are one document each (2019-09's and 2020-12's are several, and use
-# $dynamicRef or $recursiveRef, which lcgen does not support)
+# The meta-schemas that are one document each (2019-09's and 2020-12's are several, whose
+# $dynamicRef or $recursiveRef depends on the path to it)
 _META = {
     urldefrag(cls.META_SCHEMA["$schema"])[0]: cls.META_SCHEMA
     for cls in (jsonschema.Draft4Validator, jsonschema.Draft6Validator, jsonschema.Draft7Validator)
@@ -133,8 +136,8 @@ def bundle_schema(schema: Any, documents: Documents | None = None) -> Any:
     one = bundle(schema, documents)
     if one.dynamic and one.schema is not schema:
         raise UnsupportedSchemaError(
-            "bundle_schema does not support $dynamicRef or $recursiveRef: they resolve by the "
-            "$ids a bundle drops"
+            "bundle_schema does not support a $dynamicRef or $recursiveRef whose target depends "
+            "on the path to it (it resolves by the $ids a bundle drops)"
         )
     return one.schema
 
@@ -238,7 +241,12 @@ class _Bundler:
         # (references are read in every keyword lcgen reads)
         self.keywords = set(self.draft.VALIDATORS) | {"then", "else", "definitions", DOCUMENTS}
         self.keywords |= set() if self.old else {"$defs", "contentSchema"}
-        self.dynamic = False  # whether it has $dynamicRef or $recursiveRef
+        self.dynamic = False  # whether it has a $dynamicRef or $recursiveRef left as written
+        self.references = [
+            k
+            for k in ("$ref", "$dynamicRef", "$recursiveRef")
+            if k == "$ref" or k in self.draft.VALIDATORS
+        ]
         self.given: dict[str, Any] = {}  # the mapping given, by URI without a fragment
         self.lookup: Callable[[str], Any] | None = None
         if callable(documents):
@@ -256,15 +264,20 @@ class _Bundler:
         self.out = Bundle(root, uris=[None] * self.held)
         self.resources: dict[str, Location] = {}  # absolute URI (no fragment): where
         self.anchors: dict[tuple[str, str], Location] = {}  # (URI, name): where
-        self.refs: list[tuple[Location, str, str]] = []  # where, as written, its base URI
+        # The references: where, the keyword ($ref, $dynamicRef, $recursiveRef), as written, its
+        # base URI
+        self.refs: list[tuple[Location, str, str, str]] = []
+        self.dynamic_anchors: dict[tuple[str, str], Location] = {}  # ("" for $recursiveAnchor)
+        self.root_base = ""
         self.ids: list[Location] = []  # the $ids of embedded resources (dropped)
         self.missing: dict[str, GrammarError] = {}  # documents asked for in vain
 
     def bundle(self) -> Bundle:
         self.index(self.root, "", (), top=True)
-        changed: list[tuple[Location, str]] = []
-        for where, written, base in self.refs:  # (grows as documents are added)
-            said = f"$ref {written!r} (at {pointer(where)})"
+        changed: list[tuple[Location, str, str]] = []  # where, keyword, the new reference
+        dynamic: list[tuple[Location, str, str, str]] = []  # where, keyword, URI, first target
+        for where, key, written, base in self.refs:  # (grows as documents are added)
+            said = f"{key} {written!r} (at {pointer(where)})"
             try:
                 absolute = _join(base, written)
                 urldefrag(absolute)
@@ -274,10 +287,21 @@ class _Bundler:
             try:
                 found = self.target(absolute, written, said)
             except GrammarError as exc:  # (written so that it keeps its meaning anywhere)
+                if key != "$ref":  # (the compiler says it does not support it)
+                    self.dynamic = True
+                    continue
                 found = absolute
                 self.out.errors.setdefault(absolute, exc)
-            if found != written:
-                changed.append((where, found))
+            if key != "$ref":
+                dynamic.append((where, key, absolute, found))
+            elif found != written:
+                changed.append((where, key, found))
+        for where, key, absolute, found in dynamic:  # (once every document is in)
+            final = self.dynamic_target(key, absolute, found)
+            if final is None:
+                self.dynamic = True
+            else:
+                changed.append((where, key, final))
         if not changed and not self.ids and len(self.docs) == self.held:
             return self.out
         if len(self.docs) > self.held and DOCUMENTS in self.root and not self.held:
@@ -290,11 +314,40 @@ class _Bundler:
                     doc.pop(self.id_key, None)
         for where in self.ids:
             self.at(out, where).pop(self.id_key, None)
-        for where, found in changed:
-            self.at(out, where)["$ref"] = found
+        for where, key, found in changed:
+            node = self.at(out, where)
+            if key == "$ref":
+                node["$ref"] = found
+                continue
+            del node[key]  # (a dynamic reference whose target is one: a $ref, beside any)
+            if "$ref" in node:
+                node["allOf"] = [*node.get("allOf", []), {"$ref": found}]
+            else:
+                node["$ref"] = found
         self.out.schema = out
         self.out.dynamic = self.dynamic
         return self.out
+
+    def dynamic_target(self, key: str, absolute: str, found: str) -> str | None:
+        """The JSON pointer a ``$dynamicRef`` or ``$recursiveRef`` (``absolute``: its URI;
+        ``found``: where it resolves first) names wherever it is met, or None where that
+        depends on the path to it. The outermost resource of the dynamic scope with the anchor
+        wins, and the root is the outermost of every scope: where the root has it, it; where
+        only one resource has it, the first target (where no other resource is in the scope);
+        a first target without the anchor, a JSON pointer: that target, as a $ref."""
+        uri, fragment = urldefrag(absolute)
+        name = "" if key == "$recursiveRef" else unquote(fragment)
+        if key == "$dynamicRef" and (not name or name.startswith("/")):
+            return found
+        first = self.dynamic_anchors.get((uri, name))
+        if first is None or pointer(first).replace("%", "%25") != found:
+            return found
+        outer = self.dynamic_anchors.get((self.root_base, name))
+        if outer is not None:
+            return pointer(outer).replace("%", "%25")
+        if sum(1 for _, n in self.dynamic_anchors if n == name) == 1:
+            return found
+        return None
 
     def index(
         self, node: Any, base: str, where: Location, top: bool = False, named: bool = True
@@ -305,7 +358,6 @@ class _Bundler:
             return
         if top:
             self.resources.setdefault(base, where)
-        self.dynamic = self.dynamic or "$dynamicRef" in node or "$recursiveRef" in node
         ident = node.get(self.id_key) if named else None
         if isinstance(ident, str) and self.old and "$ref" in node:
             if not top:
@@ -323,14 +375,23 @@ class _Bundler:
                 self.resources.setdefault(base, where)
                 if not top:
                     self.ids.append(where)
+                if named and node.get("$recursiveAnchor") is True:
+                    self.dynamic_anchors.setdefault((base, ""), where)
                 if fragment and self.old:
                     self.anchors.setdefault((base, fragment), where)
+        if where == ():
+            self.root_base = base
+        if top and node.get("$recursiveAnchor") is True:
+            self.dynamic_anchors.setdefault((base, ""), where)
         if named and not self.old:
             for key in ("$anchor", "$dynamicAnchor"):
                 if isinstance(node.get(key), str):
                     self.anchors.setdefault((base, node[key]), where)
-        if isinstance(node.get("$ref"), str):
-            self.refs.append((where, node["$ref"], base))
+            if isinstance(node.get("$dynamicAnchor"), str):
+                self.dynamic_anchors.setdefault((base, node["$dynamicAnchor"]), where)
+        for key in self.references:
+            if isinstance(node.get(key), str):
+                self.refs.append((where, key, node[key], base))
         for step, sub in _children(node):
             self.index(sub, base, where + step, named=named and step[0] in self.keywords)
 
@@ -389,8 +450,8 @@ class _Bundler:
     def not_given(self, uri: str, written: str, said: str) -> str:
         if uri in _SEVERAL:
             return (
-                f"{said} refers to the meta-schema {uri!r}: it is several documents, and uses "
-                "$dynamicRef, which lcgen does not support"
+                f"{said} refers to the meta-schema {uri!r}: it is several documents, whose "
+                "dynamic references depend on the path to them, which lcgen does not support"
             )
         hint = ""
         if written in self.given and written != uri:
