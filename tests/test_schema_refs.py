@@ -10,12 +10,17 @@ import jsonschema
 import pytest
 import referencing
 import referencing.jsonschema
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from pydantic import BaseModel
 
 import lcgen
 from lcgen.constrain.bundle import DOCUMENTS
 
 DRAFT7 = "http://json-schema.org/draft-07/schema#"
+HYPOTHESIS_RELOCATION = settings(
+    max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 DRAFT4 = "http://json-schema.org/draft-04/schema#"
 
 ADDRESS = {
@@ -317,9 +322,9 @@ def test_a_bundle_keeps_what_an_unresolved_reference_means() -> None:
 def test_an_anchor_missing_in_a_document_stays_an_error_through_a_bundle() -> None:
     docs = {"https://e.com/p.json": {"properties": {"name": {"$ref": "#nme"}}}}
     schema = {"$ref": "https://e.com/p.json"}
-    for given in (schema, lcgen.bundle_schema(schema, docs)):
+    for schema_given in (schema, lcgen.bundle_schema(schema, docs)):
         with pytest.raises(lcgen.GrammarError, match="no anchor 'nme'"):
-            lcgen.Grammar.from_json_schema(given, documents=docs)
+            lcgen.Grammar.from_json_schema(schema_given, documents=docs)
 
 
 def test_the_same_reference_text_failing_elsewhere_refuses_nothing(model: lcgen.Model) -> None:
@@ -551,3 +556,102 @@ def test_a_dynamic_reference_whose_target_depends_on_the_path_is_refused() -> No
         lcgen.Grammar.from_json_schema(schema)
     with pytest.raises(lcgen.UnsupportedSchemaError, match=r"\$dynamicRef"):
         lcgen.bundle_schema(schema)
+
+
+# Relocation: the same definitions kept local, made embedded resources, given as documents or
+# named by anchors, referred to relatively or absolutely: the grammar accepts the same texts.
+ROOT_URI = "https://e.com/root.json"
+DEFS: dict[str, Any] = {
+    "Order": {
+        "type": "object",
+        "properties": {
+            "id": {"$ref": "Id"},
+            "lines": {"type": "array", "items": {"$ref": "Line"}, "maxItems": 3},
+            "note": {"$ref": "Note"},
+        },
+        "required": ["id", "lines"],
+        "additionalProperties": False,
+    },
+    "Line": {
+        "type": "object",
+        "properties": {"sku": {"$ref": "Id"}, "qty": {"type": "integer", "minimum": 1}},
+        "required": ["sku", "qty"],
+        "additionalProperties": False,
+    },
+    "Id": {"type": "string", "pattern": "^[A-Z][0-9]{2}$"},
+    "Note": {"anyOf": [{"type": "null"}, {"$ref": "Note2"}]},
+    "Note2": {
+        "type": "object",
+        "properties": {"next": {"$ref": "Note"}},
+        "additionalProperties": False,
+    },
+}
+ORDERS = [
+    '{"id": "A12", "lines": []}',
+    '{"id": "A12", "lines": [{"sku": "B34", "qty": 2}]}',
+    '{"id": "A1", "lines": []}',
+    '{"id": "A12", "lines": [{"sku": "B34", "qty": 0}]}',
+    '{"id": "A12", "lines": [], "note": {"next": {"next": null}}}',
+    '{"id": "A12", "lines": [], "note": {"next": {"next": 1}}}',
+    '{"id": "A12", "lines": [], "extra": 1}',
+    '{"lines": []}',
+]
+
+
+def _relocated(modes: dict[str, str], absolute: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The order schema with each definition where ``modes`` puts it: "local" ($defs),
+    "embedded" ($defs with an $id), "document" (given by URI) or "anchor" ($defs with an
+    $anchor); references written from the root relatively unless ``absolute``."""
+    uris = {
+        "local": lambda n: f"{ROOT_URI}#/$defs/{n}",
+        "embedded": lambda n: f"https://e.com/defs/{n}.json",
+        "document": lambda n: f"https://e.com/docs/{n}.json",
+        "anchor": lambda n: f"{ROOT_URI}#{n}",
+    }
+
+    def ref(name: str, from_root: bool) -> str:
+        uri = uris[modes[name]](name)
+        if from_root and not absolute:
+            return uri.removeprefix(ROOT_URI).removeprefix("https://e.com/")
+        return uri
+
+    def write(node: Any, from_root: bool) -> Any:
+        if isinstance(node, dict):
+            if set(node) == {"$ref"}:
+                return {"$ref": ref(node["$ref"], from_root)}
+            return {k: write(v, from_root) for k, v in node.items()}
+        if isinstance(node, list):
+            return [write(v, from_root) for v in node]
+        return node
+
+    root: dict[str, Any] = {"$id": ROOT_URI, "$ref": ref("Order", True), "$defs": {}}
+    documents = {}
+    for name, body in DEFS.items():
+        mode = modes[name]
+        if mode == "document":
+            documents[uris["document"](name)] = write(body, False)
+        elif mode == "embedded":
+            root["$defs"][name] = {"$id": uris["embedded"](name), **write(body, False)}
+        else:
+            extra = {"$anchor": name} if mode == "anchor" else {}
+            root["$defs"][name] = {**extra, **write(body, True)}
+    return root, documents
+
+
+@HYPOTHESIS_RELOCATION
+@given(
+    modes=st.fixed_dictionaries(
+        {name: st.sampled_from(["local", "embedded", "document", "anchor"]) for name in DEFS}
+    ),
+    absolute=st.booleans(),
+)
+def test_where_definitions_live_does_not_change_the_grammar(
+    model: lcgen.Model, modes: dict[str, str], absolute: bool
+) -> None:
+    schema, documents = _relocated(modes, absolute)
+    grammar = lcgen.Grammar.from_json_schema(schema, documents=documents)
+    verdicts = [grammar.accepts(model, text) for text in ORDERS]
+    assert verdicts == [_valid(schema, documents, text) for text in ORDERS]
+    assert verdicts == [True, True, False, False, True, False, False, False]
+    bundled = lcgen.bundle_schema(schema, documents)
+    assert [_valid(bundled, {}, text) for text in ORDERS] == verdicts
