@@ -72,7 +72,7 @@ _META = {
 
 Documents = Mapping[str, Any] | Callable[[str], Any]
 Location = tuple[Any, ...]  # keys from the bundle's root
-# The meta-schemas no document given can stand for (several documents, with $dynamicRef)
+# The meta-schemas no document given can stand for (several documents, see above)
 _SEVERAL = (
     "https://json-schema.org/draft/2020-12/schema",
     "https://json-schema.org/draft/2019-09/schema",
@@ -88,7 +88,7 @@ class Bundle:
     schema: Any
     errors: dict[str, GrammarError] = field(default_factory=dict)
     uris: list[str | None] = field(default_factory=list)  # (None: one a bundle held)
-    dynamic: bool = False  # whether it has $dynamicRef or $recursiveRef
+    dynamic: bool = False  # whether it has a $dynamicRef or $recursiveRef left as written
 
     def located(self, error: GrammarError) -> GrammarError:
         """``error`` with the places inside given documents written by their URIs."""
