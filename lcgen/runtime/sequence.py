@@ -70,11 +70,10 @@ class Sequence(TokenSequence):
         child = Sequence.__new__(Sequence)
         try:  # (as in TokenSequence.__init__)
             entry = self.model.cache.fork(self._entry)
-            child._adopt(self.model, entry, self._n_decoded, None)
+            child._adopt(self.model, entry, self._n_decoded, None, list(self._stamps))
         except BaseException:
             self.model.cache.abandon_opened()
             raise
-        child._stamps = list(self._stamps)
         child._rng.bit_generator.state = self._rng.bit_generator.state
         child._rng_log = dict(self._rng_log)
         if seed is not None:

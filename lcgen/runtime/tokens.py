@@ -107,8 +107,16 @@ class TokenSequence(Unshared):
             raise
         self.stats.tokens_reused = n_reused
 
-    def _adopt(self, model: ModelLike, entry: Entry, n_decoded: int, seed: int | None) -> None:
-        """Take ``entry`` (a live slot whose first ``n_decoded`` tokens have cells)."""
+    def _adopt(
+        self,
+        model: ModelLike,
+        entry: Entry,
+        n_decoded: int,
+        seed: int | None,
+        stamps: list[int] | None = None,
+    ) -> None:
+        """Take ``entry`` (a live slot whose first ``n_decoded`` tokens have cells; ``stamps``:
+        its positions' stamps, a fork's parent's; new ones where None)."""
         entry.holder = weakref.ref(self)
         self.model = model
         self.vocab = model.vocab
@@ -123,8 +131,11 @@ class TokenSequence(Unshared):
         self._n_decoded = n_decoded
         self._draft: list[int] = []  # to decode after the pending tokens in the next step
         self._ahead: list[int] = []  # draft tokens decoded past the sequence's end
-        self._stamps = [next(_stamps) for _ in range(len(self._tokens) + 1)]
-        self._uid = self._stamps[0]
+        self._uid = next(_stamps)
+        if stamps is None:
+            stamps = list(itertools.islice(_stamps, len(self._tokens)))
+            stamps.insert(0, self._uid)
+        self._stamps = stamps
         self._rng = new_rng(seed)
         self._rng_log: dict[int, RngState] = {}  # position -> RNG state before anything there
         # The prompt token last removed by token healing: (position, token, stamps around it).
