@@ -15,6 +15,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
 from urllib.parse import unquote, urljoin, urlsplit
+from urllib.request import url2pathname
 
 import lcgen
 from lcgen import server
@@ -291,7 +292,8 @@ def _constraint(args: argparse.Namespace) -> tuple[str, lcgen.Grammar] | None:
         if name == "json_schema":
             schema = _schema(Path(value))
             documents = _beside(Path(value), schema)
-            return flag, lcgen.Grammar.from_json_schema(schema, documents=documents)
+            uri = Path(value).resolve().as_uri()
+            return flag, lcgen.Grammar.from_json_schema(schema, documents=documents, uri=uri)
         if name == "choice":
             return flag, lcgen.Grammar.choice(value.split(","))
         return flag, lcgen.Grammar.regex(value)
@@ -323,6 +325,8 @@ def _schema(path: Path) -> dict[str, Any] | bool:
         schema = json.loads(read_file(path))
     except json.JSONDecodeError as exc:
         raise ValueError(f"not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ValueError("the JSON nests too deeply to read") from None
     if not isinstance(schema, dict | bool):
         raise ValueError(
             "a JSON Schema is an object (or true or false), the file holds "
@@ -332,21 +336,33 @@ def _schema(path: Path) -> dict[str, Any] | bool:
 
 
 def _beside(path: Path, schema: dict[str, Any] | bool) -> Callable[[str], Any]:
-    """The documents a schema file's references name, read from the files beside it: a
-    relative URI (``address.json``) where the schema has no ``$id``, else one in the same
-    folder as its ``$id`` (or below), is a path from the file's folder (a file that cannot be
-    read is a :class:`GrammarError`, raised where the schema uses it)."""
+    """The documents a schema file's references name, read from the regular files beside it
+    (references resolve against the file's ``file:`` URI where the schema's ``$id`` is none or
+    relative): any file where the schema has no absolute ``$id``, else one in the folder of
+    that ``$id`` or below (a path from the file's folder). Another, or a file that cannot be
+    read, is a :class:`GrammarError`, raised where the schema uses it."""
     ident = schema.get("$id", schema.get("id")) if isinstance(schema, dict) else None
     folder = urljoin(ident, ".") if isinstance(ident, str) and urlsplit(ident).scheme else ""
+    if folder.startswith("file:"):  # (an $id that names files names these ones)
+        folder = ""
 
     def document(uri: str) -> Any:
-        if not uri.startswith(folder):
-            return None
-        relative = uri[len(folder) :]
-        if not relative or urlsplit(relative).scheme or relative.startswith("/"):
-            return None
-        file = path.parent / unquote(relative)
+        if folder:
+            relative = unquote(uri[len(folder) :]) if uri.startswith(folder) else ""
+            bad = not relative or urlsplit(relative).scheme or relative.startswith("/")
+            file = None if bad or ".." in relative.split("/") else path.parent / relative
+        else:
+            parts = urlsplit(uri)
+            file = Path(url2pathname(parts.path)) if parts.scheme == "file" else None
+        if file is None:
+            where = f"the folder of its $id ({folder}) or below" if folder else "files"
+            raise GrammarError(
+                f"the document {uri!r} is no file beside the schema file: the command line "
+                f"reads those only ({where})"
+            )
         try:
+            if file.exists() and not file.is_file():  # (a pipe would wait for a writer)
+                raise ValueError("not a regular file")
             return _schema(file)
         except (OSError, ValueError) as exc:  # (said where the schema uses it)
             raise GrammarError(f"{file} (the document {uri!r}): {_reason(exc)}") from None

@@ -666,6 +666,57 @@ def test_a_json_schema_file_refers_to_the_files_beside_it(
     assert "not valid JSON" in capsys.readouterr().err
 
 
+def test_references_between_files_resolve_from_each_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """common/address.json's ../../shared/city.json is beside the project's schemas folder;
+    a copy one folder down (schemas/shared) must not be read instead."""
+    for folder in ("schemas/common", "schemas/shared", "shared"):
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+    (tmp_path / "schemas/order.json").write_text('{"$ref": "common/address.json"}')
+    (tmp_path / "schemas/common/address.json").write_text('{"$ref": "../../shared/city.json"}')
+    (tmp_path / "shared/city.json").write_text('{"const": "RIGHT"}')
+    (tmp_path / "schemas/shared/city.json").write_text('{"const": "WRONG"}')
+    args = [
+        "generate",
+        "smollm2-135m",
+        "JSON:",
+        "--json-schema",
+        str(tmp_path / "schemas/order.json"),
+    ]
+    assert cli.main([*args, *THREADS]) == 0
+    assert json.loads(capsys.readouterr().out) == "RIGHT"
+
+
+def test_a_json_schema_file_reads_no_document_outside_its_folder(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    folder = tmp_path / "d"
+    folder.mkdir()
+    (tmp_path / "outside.json").write_text('{"const": "OUTSIDE"}')
+    os.mkfifo(folder / "fifo.json")  # (no writer: reading it would wait for ever)
+    (folder / "deep.json").write_text('{"items": ' * 100_000 + "{}" + "}" * 100_000)
+    cases = {
+        '{"$id": "https://ex.com/d/r.json", "$ref": "%2e%2e/outside.json"}': "no file beside",
+        '{"$id": "https://ex.com/d/r.json", "$ref": "../outside.json"}': "no file beside",
+        # (no $id: references are files by the file's URI; %2F is no folder separator there)
+        '{"$ref": "%2F' + str(tmp_path / "outside.json").lstrip("/") + '"}': "No such file",
+        '{"$id": "https://ex.com/d/r.json", "$ref": "https://other.com/x.json"}': "no file",
+        '{"$ref": "fifo.json"}': "not a regular file",
+        '{"$ref": "deep.json"}': "nests too deeply",
+    }
+    for i, (text, said) in enumerate(cases.items()):
+        (folder / f"s{i}.json").write_text(text)
+        args = ["generate", "smollm2-135m", "x", "--json-schema", str(folder / f"s{i}.json")]
+        assert cli.main(args) == 2, text
+        err = capsys.readouterr().err
+        assert said in err and "\n" not in err.rstrip("\n"), (text, err)
+    assert (
+        cli.main(["generate", "smollm2-135m", "x", "--json-schema", str(folder / "deep.json")]) == 2
+    )
+    assert "the JSON nests too deeply to read" in capsys.readouterr().err
+
+
 def test_a_json_schema_file_that_is_not_json_is_named(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

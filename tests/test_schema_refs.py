@@ -9,13 +9,14 @@ from typing import Any
 import jsonschema
 import pytest
 import referencing
+import referencing.exceptions
 import referencing.jsonschema
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
 
 import lcgen
-from lcgen.constrain.bundle import DOCUMENTS
+from lcgen.constrain.bundle import DOCUMENTS, unresolved_ref
 
 DRAFT7 = "http://json-schema.org/draft-07/schema#"
 HYPOTHESIS_RELOCATION = settings(
@@ -258,8 +259,9 @@ def test_an_unused_reference_that_does_not_resolve_refuses_nothing(model: lcgen.
             {"properties": {"a": {"$ref": "https://e.com/a.json"}}},
             {},
             "$ref 'https://e.com/a.json' (at #/properties/a) refers to the document "
-            "'https://e.com/a.json', which lcgen was not given (it fetches nothing): pass it as "
-            "documents={'https://e.com/a.json': ...}",
+            "'https://e.com/a.json', which lcgen was not given: it fetches nothing "
+            "(Grammar.from_json_schema and lcgen.bundle_schema take documents by URI: "
+            "documents={'https://e.com/a.json': ...})",
         ),
         (
             {"$ref": "https://e.com/a.json"},
@@ -308,23 +310,46 @@ ITEM_WITHOUT_NAME = {
 
 
 def test_a_bundle_keeps_what_an_unresolved_reference_means() -> None:
-    """item.json has no $defs/name: its $id dropped, the reference as written named the root's."""
+    """item.json has no $defs/name: its $id dropped, the reference as written would name the
+    root's; written as a pointer to nowhere that names it, it resolves to nothing anywhere."""
     with pytest.raises(lcgen.GrammarError, match="does not resolve"):
         lcgen.Grammar.from_json_schema(ITEM_WITHOUT_NAME)
     bundled = lcgen.bundle_schema(ITEM_WITHOUT_NAME)
-    assert bundled["$defs"]["item"]["properties"]["name"]["$ref"] == (
-        "https://example.com/item.json#/$defs/name"
-    )
-    with pytest.raises(lcgen.GrammarError, match=r"item\.json"):
+    ref = bundled["$defs"]["item"]["properties"]["name"]["$ref"]
+    assert unresolved_ref(ref) == "https://example.com/item.json#/$defs/name"
+    with pytest.raises(lcgen.GrammarError) as info:
         lcgen.Grammar.from_json_schema(bundled)
+    # (the bundle holds no resource of that URI: named, with the documents that could)
+    assert "$ref 'https://example.com/item.json#/$defs/name' (at " in str(info.value)
+    with pytest.raises(referencing.exceptions.Unresolvable):
+        _valid(bundled, {}, '{"item": {"name": 1}}')
 
 
 def test_an_anchor_missing_in_a_document_stays_an_error_through_a_bundle() -> None:
     docs = {"https://e.com/p.json": {"properties": {"name": {"$ref": "#nme"}}}}
     schema = {"$ref": "https://e.com/p.json"}
-    for schema_given in (schema, lcgen.bundle_schema(schema, docs)):
-        with pytest.raises(lcgen.GrammarError, match="no anchor 'nme'"):
-            lcgen.Grammar.from_json_schema(schema_given, documents=docs)
+    with pytest.raises(lcgen.GrammarError, match="no anchor 'nme'"):
+        lcgen.Grammar.from_json_schema(schema, documents=docs)
+    with pytest.raises(lcgen.GrammarError, match="no anchor 'nme'"):  # (its mark names it)
+        lcgen.Grammar.from_json_schema(lcgen.bundle_schema(schema, docs), documents=docs)
+    with pytest.raises(lcgen.GrammarError, match=r"'https://e\.com/p\.json#nme' .* not given"):
+        lcgen.Grammar.from_json_schema(lcgen.bundle_schema(schema, docs))
+
+
+def test_an_unresolved_anchor_is_caught_by_no_anchor_of_another_resource(
+    model: lcgen.Model,
+) -> None:
+    """#nope names no anchor of the root; e's anchor, kept in a bundle without e's $id,
+    would have caught it."""
+    schema = {
+        "properties": {"a": {"$ref": "#nope"}},
+        "$defs": {"e": {"$id": "http://e.example/e", "$anchor": "nope", "type": "integer"}},
+    }
+    bundled = lcgen.bundle_schema(schema)
+    assert "$anchor" not in bundled["$defs"]["e"]
+    for one in (schema, bundled):
+        with pytest.raises(lcgen.GrammarError, match="nope"):
+            lcgen.Grammar.from_json_schema(one)
 
 
 def test_the_same_reference_text_failing_elsewhere_refuses_nothing(model: lcgen.Model) -> None:
@@ -474,7 +499,7 @@ def test_references_in_content_schemas_and_anchors_by_the_given_uri(model: lcgen
 
 def test_bundle_schema_refuses_dynamic_references_it_would_change() -> None:
     schema = {"$id": "http://e.com/r", "$defs": {"a": {"$id": "a", "$dynamicRef": "#x"}}}
-    with pytest.raises(lcgen.UnsupportedSchemaError, match="dynamicRef"):
+    with pytest.raises(lcgen.GrammarError, match=r"\$dynamicRef '#x' .* no anchor 'x'"):
         lcgen.bundle_schema(schema)
 
 
@@ -655,3 +680,164 @@ def test_where_definitions_live_does_not_change_the_grammar(
     assert verdicts == [True, True, False, False, True, False, False, False]
     bundled = lcgen.bundle_schema(schema, documents)
     assert [_valid(bundled, {}, text) for text in ORDERS] == verdicts
+
+
+def test_drafts_without_if_name_no_resource_in_then(model: lcgen.Model) -> None:
+    draft6 = "http://json-schema.org/draft-06/schema#"
+    schema = {
+        "$schema": draft6,
+        "definitions": {
+            "w": {"then": {"$id": "http://x.example/a.json",
+                           "properties": {"p": {"$ref": "#/definitions/q"}}}},
+            "q": {"type": "string"},
+        },
+        "allOf": [{"$ref": "#/definitions/w/then"}],
+    }  # fmt: skip
+    grammar = lcgen.Grammar.from_json_schema(schema)
+    assert grammar.accepts(model, '{"p": "s"}') and not grammar.accepts(model, '{"p": 5}')
+    with pytest.raises(lcgen.GrammarError, match="which lcgen was not given"):
+        lcgen.Grammar.from_json_schema({**schema, "allOf": [{"$ref": "http://x.example/a.json"}]})
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_a_resource_inside_a_document_a_function_gives_is_found_in_any_order(first: bool) -> None:
+    store = {"https://x.org/lib.json": {"$defs": {"e": {"$id": "inner/e.json", "type": "string"}}}}
+    props = {"e": {"$ref": "https://x.org/inner/e.json"}, "l": {"$ref": "https://x.org/lib.json"}}
+    order = ["l", "e"] if first else ["e", "l"]
+    schema = {"properties": {key: props[key] for key in order}}
+    assert isinstance(lcgen.Grammar.from_json_schema(schema, documents=store.get), lcgen.Grammar)
+
+
+def test_documents_that_are_no_schemas_are_named() -> None:
+    for value in (5, "a $schema b", [1]):
+        with pytest.raises(lcgen.GrammarError, match=r"the document 'https://e\.com/d\.json'.*is"):
+            lcgen.Grammar.from_json_schema(
+                {"$ref": "https://e.com/d.json"}, documents={"https://e.com/d.json": value}
+            )
+    # (a None value is no document: as if not given)
+    with pytest.raises(lcgen.GrammarError, match="which lcgen was not given"):
+        lcgen.Grammar.from_json_schema(
+            {"$ref": "https://e.com/d.json"}, documents={"https://e.com/d.json": None}
+        )
+
+
+def test_an_unused_document_adds_nothing_to_a_bundle() -> None:
+    docs = {
+        "https://x.org/tree.json": {"items": {"$dynamicRef": "#node"}, "$dynamicAnchor": "node"},
+        "https://x.org/lib.json": {"$defs": {"e": {"$id": "e.json", "type": "string"}}},
+    }
+    bundled = lcgen.bundle_schema({"$ref": "https://x.org/e.json"}, docs)
+    assert bundled[DOCUMENTS] == [{"$defs": {"e": {"type": "string"}}}]
+
+
+def test_warnings_inside_documents_name_the_document() -> None:
+    docs = {"https://e.com/d.json": {"type": "string", "maxLenght": 3}}
+    with pytest.warns(UserWarning, match=r"'maxLenght' at https://e\.com/d\.json# is ignored"):
+        lcgen.Grammar.from_json_schema({"$ref": "https://e.com/d.json"}, documents=docs)
+
+
+class Limits(BaseModel):
+    low: int
+
+
+def configure(default: Limits) -> None:
+    """Set the limits (a parameter named as a keyword of data)."""
+
+
+def test_tools_keep_each_function_to_its_own_anchors_and_names(model: lcgen.Model) -> None:
+    from lcgen.tools.schema import calls_schema
+
+    a = lcgen.Tool(name="a", parameters={"type": "object", "properties": {"x": {"$ref": "#num"}}})
+    b = lcgen.Tool(
+        name="b",
+        parameters={"type": "object", "$defs": {"n": {"$anchor": "num", "type": "integer"}}},
+    )
+    with pytest.raises(lcgen.GrammarError, match="'#num'"):
+        lcgen.Grammar.from_json_schema(calls_schema([a, b]))
+    grammar = lcgen.Grammar.from_json_schema(calls_schema([lcgen.Tool.of(configure)]))
+    assert grammar.accepts(model, '{"name": "configure", "arguments": {"default": {"low": 1}}}')
+    assert not grammar.accepts(model, '{"name": "configure", "arguments": {"default": 1}}')
+
+
+def test_draft7_tool_parameters_with_a_root_ref_are_still_an_object() -> None:
+    from lcgen.tools.schema import calls_schema
+
+    params = {"$schema": DRAFT7, "type": "object", "$ref": "#/definitions/n",
+              "definitions": {"n": {"type": "integer"}}}  # fmt: skip
+    with pytest.raises(lcgen.GrammarError, match="no value satisfies"):
+        lcgen.Grammar.from_json_schema(calls_schema([lcgen.Tool(name="f", parameters=params)]))
+
+
+def test_refs_expanded_on_many_paths_are_bounded() -> None:
+    """Each level's allOf of two $refs to the level below doubles the expansions: 2**30 of
+    them compiled for hours (a 2 kB schema, one server request); now an error past a bound."""
+    defs: dict[str, Any] = {"b0": {"type": "integer"}, "c0": {"type": "integer"}}
+    for i in range(1, 31):
+        defs[f"b{i}"] = defs[f"c{i}"] = {
+            "allOf": [{"$ref": f"#/$defs/b{i - 1}"}, {"$ref": f"#/$defs/c{i - 1}"}]
+        }
+    with pytest.raises(lcgen.UnsupportedSchemaError, match=r"expands \$refs .* over 20000 times"):
+        lcgen.Grammar.from_json_schema({"$ref": "#/$defs/b30", "$defs": defs})
+    assert isinstance(
+        lcgen.Grammar.from_json_schema({"$ref": "#/$defs/b10", "$defs": defs}), lcgen.Grammar
+    )
+
+
+@pytest.mark.parametrize(
+    ("parameters", "message"),
+    [
+        (
+            {"type": "object", "properties": {"city": {"$ref": "#/$defs/Cty"}}},
+            "the parameters of function 'weather': $ref '#/$defs/Cty' (at #/properties/city) "
+            "does not resolve",
+        ),
+        (
+            {"$ref": "#/$defs/P", "$defs": {"P": {"type": "string"}}},
+            "the parameters of function 'weather': no value satisfies",
+        ),
+        ({"$id": 5, "type": "object"}, "the parameters of function 'weather': invalid JSON Schema"),
+    ],
+)
+def test_tool_parameters_that_cannot_be_called_name_the_function(
+    parameters: dict[str, Any], message: str
+) -> None:
+    """Beside another function, too: one whose parameters admit no object was left out of
+    the calls without a word."""
+    from lcgen.tools import grammar
+
+    search = lcgen.Tool(name="search", parameters={"type": "object", "properties": {}})
+    weather = lcgen.Tool(name="weather", parameters=parameters)
+    with pytest.raises(lcgen.GrammarError) as info:
+        grammar([search, weather], required=True)
+    assert message in str(info.value)
+
+
+DRAFT2019 = "https://json-schema.org/draft/2019-09/schema"
+
+
+def test_dynamic_references_keep_their_meaning_in_every_spelling(model: lcgen.Model) -> None:
+    """A document named by another URI than its $id is still the one with the anchor (the
+    root's anchor wins); 2019-09 has no $dynamicAnchor (no anchor at all there); a
+    $recursiveRef is "#" only."""
+    root = {
+        "$id": "https://example.com/root.json",
+        "$dynamicAnchor": "node",
+        "properties": {"data": {"type": "integer"},
+                       "x": {"$dynamicRef": "http://alias.example/t#node"}},
+        "additionalProperties": False,
+    }  # fmt: skip
+    tree = {"$id": "https://example.com/tree.json", "$dynamicAnchor": "node",
+            "properties": {"data": True}}  # fmt: skip
+    docs = {"http://alias.example/t": tree}
+    grammar = lcgen.Grammar.from_json_schema(root, documents=docs)
+    texts = ['{"x": {"data": "s"}}', '{"x": {"data": 1}}']
+    assert [grammar.accepts(model, t) for t in texts] == [_valid(root, docs, t) for t in texts]
+    assert lcgen.bundle_schema(root, docs)["properties"]["x"] == {"$ref": "#"}
+    no_anchor = {"$schema": DRAFT2019, "properties": {"a": {"$ref": "#x"}},
+                 "$defs": {"d": {"$dynamicAnchor": "x", "type": "integer"}}}  # fmt: skip
+    with pytest.raises(lcgen.GrammarError, match="no anchor 'x'"):
+        lcgen.Grammar.from_json_schema(no_anchor)
+    pointer = {"$schema": DRAFT2019, "properties": {"a": {"$recursiveRef": "#/$defs/i"}},
+               "$defs": {"i": {"type": "integer"}}}  # fmt: skip
+    with pytest.raises(lcgen.UnsupportedSchemaError, match="a \\$recursiveRef is '#'"):
+        lcgen.Grammar.from_json_schema(pointer)

@@ -25,7 +25,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import unquote, urldefrag, urljoin
+from urllib.parse import unquote, urldefrag, urljoin, urlsplit
 
 import jsonschema
 
@@ -92,6 +92,11 @@ class Bundle:
 
     def located(self, error: GrammarError) -> GrammarError:
         """``error`` with the places inside given documents written by their URIs."""
+        text = self.where(str(error))
+        return error if text == str(error) else type(error)(text)
+
+    def where(self, text: str) -> str:
+        """``text`` with the places inside given documents written by their URIs."""
         uris = self.uris
 
         def uri(match: re.Match[str]) -> str:
@@ -99,14 +104,32 @@ class Bundle:
             named = uris[i] if i < len(uris) else None
             return match.group(0) if named is None else named + "#"
 
-        text = _IN_DOCUMENT.sub(uri, str(error))
-        return error if text == str(error) else type(error)(text)
+        return _IN_DOCUMENT.sub(uri, text)
 
 
 _IN_DOCUMENT = re.compile(r"#/\$lcgen-documents/(\d+)")
+# How a bundle writes a reference that does not resolve: a pointer to nowhere naming it.
+UNRESOLVED = "#/$lcgen-unresolved/"
 
 
-def bundle_schema(schema: Any, documents: Documents | None = None) -> Any:
+def unresolved_mark(ref: str) -> str:
+    """How a bundle writes ``ref``, which does not resolve: a pointer to nowhere naming it
+    (:func:`unresolved_ref` reads it back)."""
+    return UNRESOLVED + ref.replace("~", "~0").replace("/", "~1").replace("%", "%25")
+
+
+def unresolved_ref(ref: str) -> str | None:
+    """The reference a bundle left unresolved (its absolute URI), or None."""
+    if not ref.startswith(UNRESOLVED):
+        return None
+    return unquote(ref[len(UNRESOLVED) :]).replace("~1", "/").replace("~0", "~")
+
+
+class _NotGiven(GrammarError):
+    """A reference names a document lcgen was not given (it may come with another)."""
+
+
+def bundle_schema(schema: Any, documents: Documents | None = None, *, uri: str = "") -> Any:
     """``schema`` as one document whose references are JSON pointers (``#/...``); the schema
     itself where it already is one. A reference that does not resolve is written as its
     absolute URI: :meth:`lcgen.Grammar.from_json_schema` says why where the schema uses it.
@@ -117,7 +140,9 @@ def bundle_schema(schema: Any, documents: Documents | None = None) -> Any:
             a function of the URI that gives the document, or None where it has none (or
             raises :class:`GrammarError` saying why). References resolve against the root's
             ``$id``; where it has none, a relative one such as ``"address.json"`` names the
-            URI ``"address.json"``.
+            URI ``"address.json"`` (or one relative to ``uri``).
+        uri: the URI the schema was read from (a file's ``file:`` URI): the base of its
+            references where its ``$id`` is none or relative.
 
     Raises:
         GrammarError: the schema is not JSON, nests too deeply to read, or has a ``$schema``
@@ -133,11 +158,14 @@ def bundle_schema(schema: Any, documents: Documents | None = None) -> Any:
         raise TypeError(
             f"a JSON Schema is a dict, a bool or JSON text, got {type(schema).__name__}"
         )
-    one = bundle(schema, documents)
+    one = bundle(schema, documents, uri)
     if one.dynamic and one.schema is not schema:
+        for said, error in one.errors.items():  # (why one is left as written)
+            if said.startswith(("$dynamicRef ", "$recursiveRef ")):
+                raise type(error)(f"{error} (a bundle drops the $ids it resolves by)")
         raise UnsupportedSchemaError(
-            "bundle_schema does not support a $dynamicRef or $recursiveRef whose target depends "
-            "on the path to it (it resolves by the $ids a bundle drops)"
+            "a $dynamicRef or $recursiveRef whose target depends on the path to it is not "
+            "supported where a schema is made one document (it resolves by the $ids that drops)"
         )
     return one.schema
 
@@ -152,7 +180,7 @@ def draft_of(schema: Any, named: str = "the JSON Schema") -> type[jsonschema.Val
     return jsonschema.validators.validator_for(schema)  # type: ignore[no-any-return]
 
 
-def bundle(schema: Any, documents: Documents | None) -> Bundle:
+def bundle(schema: Any, documents: Documents | None, uri: str = "") -> Bundle:
     """:func:`bundle_schema`, with the reasons and URIs the compiler reports by."""
     if documents is not None and not callable(documents) and not isinstance(documents, Mapping):
         raise TypeError(
@@ -162,7 +190,7 @@ def bundle(schema: Any, documents: Documents | None) -> Bundle:
     if not isinstance(schema, dict):
         return Bundle(schema)
     try:
-        return _Bundler(schema, documents).bundle()
+        return _Bundler(schema, documents).bundle(uri)
     except RecursionError:
         raise UnsupportedSchemaError(
             "the JSON Schema nests too deeply to read: flatten it"
@@ -212,6 +240,11 @@ def _join(base: str, ref: str) -> str:
     return urljoin(base, ref)
 
 
+def _absolute(base: str, ref: str) -> str:
+    """``ref``'s absolute URI (a bundle's mark: the URI it names)."""
+    return unresolved_ref(ref) or _join(base, ref)
+
+
 def pointer(parts: Iterable[Any]) -> str:
     """A location in the schema as lcgen's messages write it (``#/items/0``); with ``%``
     written ``%25``, the fragment of a ``$ref`` to it."""
@@ -239,9 +272,13 @@ class _Bundler:
         self.id_key = "id" if self.draft in _OLD[:2] else "$id"
         # The keywords whose subschemas an $id or an anchor in names a resource: the draft's
         # (references are read in every keyword lcgen reads)
-        self.keywords = set(self.draft.VALIDATORS) | {"then", "else", "definitions", DOCUMENTS}
+        self.keywords = set(self.draft.VALIDATORS) | {"definitions", DOCUMENTS}
+        self.keywords |= {"then", "else"} if "if" in self.keywords else set()
         self.keywords |= set() if self.old else {"$defs", "contentSchema"}
         self.dynamic = False  # whether it has a $dynamicRef or $recursiveRef left as written
+        # ($dynamicAnchor is a keyword where $dynamicRef is: 2020-12)
+        dynamic = "$dynamicRef" in self.draft.VALIDATORS
+        self.anchor_keys = ("$anchor", "$dynamicAnchor") if dynamic else ("$anchor",)
         self.references = [
             k
             for k in ("$ref", "$dynamicRef", "$recursiveRef")
@@ -270,40 +307,65 @@ class _Bundler:
         self.dynamic_anchors: dict[tuple[str, str], Location] = {}  # ("" for $recursiveAnchor)
         self.root_base = ""
         self.ids: list[Location] = []  # the $ids of embedded resources (dropped)
+        # The anchors outside the root resource: where, the keyword (dropped: a bundle's
+        # references are pointers, and an anchor kept could catch one left unresolved)
+        self.foreign: list[tuple[Location, str]] = []
         self.missing: dict[str, GrammarError] = {}  # documents asked for in vain
+        self.failures: list[tuple[Location, str, GrammarError]] = []  # where, URI, why
+        self.scans: dict[str, set[str]] = {}  # a given document's resources, by its URI
 
-    def bundle(self) -> Bundle:
-        self.index(self.root, "", (), top=True)
+    def bundle(self, uri: str = "") -> Bundle:
+        """The bundle (``uri``: the root's base URI before its $id)."""
+        self.index(self.root, urldefrag(uri)[0], (), top=True)
         changed: list[tuple[Location, str, str]] = []  # where, keyword, the new reference
         dynamic: list[tuple[Location, str, str, str]] = []  # where, keyword, URI, first target
-        for where, key, written, base in self.refs:  # (grows as documents are added)
+        # Rounds: a document a function gives may hold the resource a reference before it
+        # named in vain (tried again while documents come in).
+        failed: list[int] = []
+        start = 0
+        while True:
+            n_docs = len(self.docs)
+            batch = [*failed, *range(start, len(self.refs))]
+            start, failed = len(self.refs), []
+            self.missing.clear()
+            for i in batch:
+                if not self.resolve(i, changed, dynamic):
+                    failed.append(i)
+            if start == len(self.refs) and (not failed or len(self.docs) == n_docs):
+                break
+        for i in failed:
+            where, key, written, base = self.refs[i]
+            absolute = _absolute(base, written)
+            written = unresolved_ref(written) or written
             said = f"{key} {written!r} (at {pointer(where)})"
-            try:
-                absolute = _join(base, written)
-                urldefrag(absolute)
-            except ValueError as exc:
-                self.out.errors.setdefault(written, GrammarError(f"{said} is no URI: {exc}"))
-                continue
-            try:
-                found = self.target(absolute, written, said)
-            except GrammarError as exc:  # (written so that it keeps its meaning anywhere)
-                if key != "$ref":  # (the compiler says it does not support it)
-                    self.dynamic = True
-                    continue
-                found = absolute
-                self.out.errors.setdefault(absolute, exc)
-            if key != "$ref":
-                dynamic.append((where, key, absolute, found))
-            elif found != written:
-                changed.append((where, key, found))
+            uri = urldefrag(absolute)[0]
+            reason = self.not_given(uri, urldefrag(written)[0], said)
+            self.unresolved(where, key, absolute, GrammarError(reason))
         for where, key, absolute, found in dynamic:  # (once every document is in)
             final = self.dynamic_target(key, absolute, found)
             if final is None:
-                self.dynamic = True
+                said = f"{key} {self.at(self.root, where)[key]!r} (at {pointer(where)})"
+                anchor = "$recursiveAnchor" if key == "$recursiveRef" else "$dynamicAnchor"
+                self.unresolved(
+                    where,
+                    key,
+                    absolute,
+                    UnsupportedSchemaError(
+                        f"{said}: its target depends on the path to it (several resources have "
+                        f"its {anchor} and the root has none), which lcgen does not support"
+                    ),
+                )
             else:
                 changed.append((where, key, final))
         if not changed and not self.ids and len(self.docs) == self.held:
+            for where, _, error in self.failures:  # (each as written: it means what it did)
+                self.out.errors.setdefault(self.at(self.root, where)["$ref"], error)
             return self.out
+        for where, absolute, error in self.failures:
+            # A pointer to nowhere that names it: no anchor or $id the bundle keeps catches it.
+            mark = unresolved_mark(absolute)
+            self.out.errors.setdefault(mark, error)
+            changed.append((where, "$ref", mark))
         if len(self.docs) > self.held and DOCUMENTS in self.root and not self.held:
             raise UnsupportedSchemaError(f"the JSON Schema has the key {DOCUMENTS!r}: lcgen's own")
         out = copy.deepcopy(self.root)
@@ -314,6 +376,8 @@ class _Bundler:
                     doc.pop(self.id_key, None)
         for where in self.ids:
             self.at(out, where).pop(self.id_key, None)
+        for where, key in self.foreign:
+            self.at(out, where).pop(key, None)
         for where, key, found in changed:
             node = self.at(out, where)
             if key == "$ref":
@@ -328,6 +392,53 @@ class _Bundler:
         self.out.dynamic = self.dynamic
         return self.out
 
+    def resolve(
+        self,
+        i: int,
+        changed: list[tuple[Location, str, str]],
+        dynamic: list[tuple[Location, str, str, str]],
+    ) -> bool:
+        """Resolve reference ``i``: False where it names a document not given (yet)."""
+        where, key, written, base = self.refs[i]
+        said = f"{key} {unresolved_ref(written) or written!r} (at {pointer(where)})"
+        if (
+            unresolved_ref(written) is not None
+            and not urlsplit(unresolved_ref(written) or "").scheme
+        ):
+            return True  # (a bundle's, relative: it stays, and the compiler says so)
+        if key == "$recursiveRef" and written != "#":
+            only = f"{said}: a $recursiveRef is '#' (draft 2019-09)"
+            self.unresolved(where, key, written, UnsupportedSchemaError(only))
+            return True
+        try:  # (one a bundle left unresolved: its URI, which documents given now may hold)
+            absolute = _absolute(base, written)
+            urldefrag(absolute)
+        except ValueError as exc:
+            error = GrammarError(f"{said} is no URI: {exc}")
+            self.unresolved(where, key, written, error)
+            return True
+        try:
+            found = self.target(absolute, written, said)
+        except _NotGiven:
+            return False
+        except GrammarError as exc:
+            self.unresolved(where, key, absolute, exc)
+            return True
+        if key != "$ref":
+            dynamic.append((where, key, absolute, found))
+        elif found != written:
+            changed.append((where, key, found))
+        return True
+
+    def unresolved(self, where: Location, key: str, absolute: str, error: GrammarError) -> None:
+        """Note a reference that does not resolve, and why."""
+        if key != "$ref":  # (left as written: the compiler raises why where it meets it)
+            self.dynamic = True
+            written = self.at(self.root, where)[key]
+            self.out.errors.setdefault(f"{key} {written}", error)
+        else:
+            self.failures.append((where, absolute, error))
+
     def dynamic_target(self, key: str, absolute: str, found: str) -> str | None:
         """The JSON pointer a ``$dynamicRef`` or ``$recursiveRef`` (``absolute``: its URI;
         ``found``: where it resolves first) names wherever it is met, or None where that
@@ -335,17 +446,17 @@ class _Bundler:
         wins, and the root is the outermost of every scope: where the root has it, it; where
         only one resource has it, the first target (where no other resource is in the scope);
         a first target without the anchor, a JSON pointer: that target, as a $ref."""
-        uri, fragment = urldefrag(absolute)
+        fragment = urldefrag(absolute)[1]
         name = "" if key == "$recursiveRef" else unquote(fragment)
         if key == "$dynamicRef" and (not name or name.startswith("/")):
             return found
-        first = self.dynamic_anchors.get((uri, name))
-        if first is None or pointer(first).replace("%", "%25") != found:
-            return found
+        named = [at for (_, n), at in self.dynamic_anchors.items() if n == name]
+        if all(pointer(at).replace("%", "%25") != found for at in named):
+            return found  # (by location: a document given by another URI than its $id too)
         outer = self.dynamic_anchors.get((self.root_base, name))
         if outer is not None:
             return pointer(outer).replace("%", "%25")
-        if sum(1 for _, n in self.dynamic_anchors if n == name) == 1:
+        if len(named) == 1:
             return found
         return None
 
@@ -365,6 +476,8 @@ class _Bundler:
         elif isinstance(ident, str):
             if self.old and ident.startswith("#"):
                 self.anchors.setdefault((base, ident[1:]), where)
+                if base != self.root_base or where[:1] == (DOCUMENTS,):
+                    self.foreign.append((where, self.id_key))
             else:
                 try:
                     base, fragment = urldefrag(_join(base, ident))
@@ -384,10 +497,12 @@ class _Bundler:
         if top and node.get("$recursiveAnchor") is True:
             self.dynamic_anchors.setdefault((base, ""), where)
         if named and not self.old:
-            for key in ("$anchor", "$dynamicAnchor"):
+            for key in self.anchor_keys:
                 if isinstance(node.get(key), str):
                     self.anchors.setdefault((base, node[key]), where)
-            if isinstance(node.get("$dynamicAnchor"), str):
+                    if base != self.root_base or where[:1] == (DOCUMENTS,):
+                        self.foreign.append((where, key))
+            if "$dynamicAnchor" in self.anchor_keys and isinstance(node.get("$dynamicAnchor"), str):
                 self.dynamic_anchors.setdefault((base, node["$dynamicAnchor"]), where)
         for key in self.references:
             if isinstance(node.get(key), str):
@@ -422,30 +537,56 @@ class _Bundler:
         return pointer(location).replace("%", "%25")
 
     def fetch(self, uri: str, written: str, said: str) -> None:
-        """Add the document ``uri`` names (given, inside one given, or a meta-schema), or
-        raise."""
+        """Add the document ``uri`` names (given, holding it as an embedded resource, or a
+        meta-schema), or raise (:class:`_NotGiven` where none has it)."""
         if uri in self.missing:
             raise self.missing[uri]
         try:
             try:
                 found = None if self.lookup is None else self.lookup(uri)
-            except GrammarError as exc:  # (the function's reason)
-                raise type(exc)(f"{said}: {exc}") from None
+            except GrammarError as exc:  # (the function's reason; a meta-schema needs none)
+                if uri not in _META:
+                    raise type(exc)(f"{said}: {exc}") from None
+                found = None
             if found is None:
                 found = _META.get(uri)
             if found is not None:
                 self.add(uri, found, said)
                 return
-            for other, doc in self.given.items():  # (an embedded resource of one)
-                if other not in self.resources:
-                    with contextlib.suppress(GrammarError):
-                        self.add(other, doc, said)
-                    if uri in self.resources:
-                        return
-            raise UnsupportedSchemaError(self.not_given(uri, written, said))
+            for other, doc in self.given.items():
+                if other not in self.resources and uri in self.scan(other, doc):
+                    self.add(other, doc, said)
+                    return
+            raise _NotGiven(self.not_given(uri, written, said))
         except GrammarError as exc:
             self.missing[uri] = exc
             raise
+
+    def scan(self, uri: str, doc: Any) -> set[str]:
+        """The resources of a given document (none where one of its $ids is no URI)."""
+        if uri not in self.scans:
+            try:
+                self.scans[uri] = set(self.resource_ids(doc, uri))
+            except GrammarError:
+                self.scans[uri] = set()
+        return self.scans[uri]
+
+    def resource_ids(self, node: Any, base: str, named: bool = True) -> Iterator[str]:
+        """The URIs of the resources in ``node`` (whose base URI is ``base``), as
+        :meth:`index` reads them; raising for an $id that is no URI."""
+        if not isinstance(node, dict):
+            return
+        ident = node.get(self.id_key) if named else None
+        if isinstance(ident, str) and not (self.old and ("$ref" in node or ident[:1] == "#")):
+            try:
+                base = urldefrag(_join(base, ident))[0]
+            except ValueError as exc:
+                raise GrammarError(
+                    f"invalid JSON Schema: {self.id_key} {ident!r:.80} is no URI: {exc}"
+                ) from None
+            yield base
+        for step, sub in _children(node):
+            yield from self.resource_ids(sub, base, named and step[0] in self.keywords)
 
     def not_given(self, uri: str, written: str, said: str) -> str:
         if uri in _SEVERAL:
@@ -460,13 +601,19 @@ class _Bundler:
                 "schema they are in, so give it by its absolute URI)"
             )
         return (
-            f"{said} refers to the document {uri!r}, which lcgen was not given (it fetches "
-            f"nothing): pass it as documents={{{uri!r}: ...}}{hint}"
+            f"{said} refers to the document {uri!r}, which lcgen was not given: it fetches "
+            "nothing (Grammar.from_json_schema and lcgen.bundle_schema take documents by URI: "
+            f"documents={{{uri!r}: ...}}){hint}"
         )
 
     def add(self, uri: str, found: Any, said: str) -> None:
         """Put ``found``, the document ``uri`` names, in the bundle (checked first)."""
         named = f"the document {uri!r}, named by {said}"
+        if not isinstance(found, dict | bool):
+            raise GrammarError(
+                f"{named} is {type(found).__name__} {found!r:.80}: a JSON Schema is an object or "
+                "a boolean"
+            )
         draft = draft_of(found, named)
         if isinstance(found, dict) and "$schema" in found and draft is not self.draft:
             root = self.root.get("$schema")
@@ -483,6 +630,10 @@ class _Bundler:
         except jsonschema.SchemaError as exc:
             error = schema_error(exc)
             raise type(error)(f"{error} (in {named})") from None
+        try:  # (before anything of it is kept)
+            list(self.resource_ids(found, uri))
+        except GrammarError as exc:
+            raise GrammarError(f"{exc} (in {named})") from None
         location = (DOCUMENTS, len(self.docs))
         self.docs.append(found)
         self.out.uris.append(uri)

@@ -145,6 +145,7 @@ class Grammar:
         close_objects: bool = False,
         whitespace: Literal["flexible", "compact"] = "flexible",
         documents: Mapping[str, Any] | Callable[[str], Any] | None = None,
+        uri: str = "",
     ) -> Grammar:
         """A grammar for JSON text that validates against ``schema``.
 
@@ -161,6 +162,8 @@ class Grammar:
             documents: the other documents the schema's references name, by absolute URI
                 (a mapping, or a function of the URI giving the document or None); nothing
                 is fetched. :func:`lcgen.bundle_schema` makes such a schema one document.
+            uri: the URI the schema was read from (a file's ``file:`` URI): the base of its
+                references where its ``$id`` is none or relative.
 
         Raises:
             GrammarError: an unsupported keyword or combination (named, with its location
@@ -181,7 +184,11 @@ class Grammar:
                 f"a JSON Schema is a dict or JSON text, got {type(schema).__name__}{hint}"
             )
         gbnf, unique = schema_to_gbnf(
-            schema, close_objects=close_objects, whitespace=whitespace, documents=documents
+            schema,
+            close_objects=close_objects,
+            whitespace=whitespace,
+            documents=documents,
+            uri=uri,
         )
         return cls(gbnf, values=True, unique=None if unique is None else UniqueItems.of(unique))
 

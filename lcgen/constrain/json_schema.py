@@ -32,6 +32,7 @@ import functools
 import itertools
 import json
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 from urllib.parse import unquote
 
@@ -39,7 +40,7 @@ import jsonschema
 
 from lcgen.constrain import json_rules as spec
 from lcgen.constrain import lark
-from lcgen.constrain.bundle import Documents, bundle, draft_of, schema_error
+from lcgen.constrain.bundle import Documents, bundle, draft_of, schema_error, unresolved_ref
 from lcgen.constrain.json_rules import Conj, NoValue, Unsatisfiable, not_finite
 from lcgen.constrain.json_values import (
     FALSE,
@@ -53,6 +54,9 @@ from lcgen.constrain.json_values import (
 from lcgen.errors import GrammarError, UnsupportedSchemaError, warn
 
 MAX_ALTERNATIVES = 256
+# $refs expanded in place (beside other keywords, in allOf) per schema: a chain of allOfs of two
+# $refs each doubles the expansions at every level.
+MAX_EXPANSIONS = 20_000
 # Marks a schema made by negating a plain schema in part (its value: what was left out).
 PARTIAL = "$lcgen-partial-negation"
 # Marks a member whose properties and items do not count as evaluated (unevaluated*).
@@ -77,6 +81,7 @@ def schema_to_gbnf(
     close_objects: bool = False,
     whitespace: Literal["flexible", "compact"] = "flexible",
     documents: Documents | None = None,
+    uri: str = "",
 ) -> tuple[str, Any]:
     """GBNF text whose root matches exactly JSON texts (a subset) valid against ``schema``,
     but for ``uniqueItems``, which no grammar can say; and where the schema has arrays that
@@ -86,6 +91,7 @@ def schema_to_gbnf(
     Args:
         schema: the JSON Schema.
         documents: the other documents its references name (:func:`bundle_schema`).
+        uri: the URI the schema was read from (:func:`bundle_schema`).
         close_objects: objects that do not say whether they allow other properties allow
             none (the specification allows any).
         whitespace: ``"flexible"``: up to 24 spaces, tabs or newlines between tokens of JSON;
@@ -104,11 +110,12 @@ def schema_to_gbnf(
             raise schema_error(exc) from None
         except RecursionError:
             raise UnsupportedSchemaError(_TOO_DEEP) from None
-    one = bundle(schema, documents)  # (outside: a documents function raises what it raises)
+    one = bundle(schema, documents, uri)  # (outside: a documents function raises what it raises)
     try:
         with decimal.localcontext() as context:
             context.prec = 1000  # bounds such as 1e300 are whole numbers of 301 digits
             compiler = _Compiler(one.schema, close_objects, whitespace == "compact", one.errors)
+            compiler.where = one.where
             return compiler.compile(), one.schema if compiler.unique_items else None
     except Unsatisfiable as exc:  # internal: users see a plain GrammarError
         raise one.located(GrammarError(str(exc))) from None
@@ -232,6 +239,7 @@ class _Compiler(ValueCompiler):
         # written do not resolve)
         self.options = (close_objects, compact, unresolved)
         self.unresolved = unresolved or {}
+        self.where: Callable[[str], str] = str  # (places in given documents by URI: Bundle's)
         # A not lcgen can negate only in part counts as true: what it leaves out comes back.
         self.widen = widen
         self.refs: dict[str, str] = {}
@@ -244,6 +252,7 @@ class _Compiler(ValueCompiler):
         self.memo: dict[str, str] = {}  # a schema's JSON text: its expression
         self.cycles: dict[str, str] = {}  # rules a recursion came back to: which $ref, where
         self.followed: list[str] = []  # every $ref followed, in order ("$ref '#' at #/...")
+        self.expansions = 0  # $refs expanded in place (bounded: MAX_EXPANSIONS)
         self.narrowed: list[str] = []  # parts written in part ("the not at #/not, whose ...")
         # How many schemas with unevaluated* the flatten under way is inside: there, which
         # properties and items a location's subschemas evaluated matters.
@@ -581,6 +590,13 @@ class _Compiler(ValueCompiler):
                 "not, if/then/else or dependencies), a recursion that never ends (validating "
                 "it never ends either); recur through properties or items"
             )
+        self.expansions += 1
+        if self.expansions > MAX_EXPANSIONS:
+            raise UnsupportedSchemaError(
+                f"the schema expands $refs beside other keywords or in allOf over "
+                f"{MAX_EXPANSIONS} times (at $ref {ref!r} at {path}: a subschema met on many "
+                "paths is expanded on each): simplify it"
+            )
         self.expanding.append(ref)
         self.followed.append(f"$ref {ref!r} at {path}")
         try:
@@ -594,6 +610,12 @@ class _Compiler(ValueCompiler):
         if ref in self.unresolved:
             error = self.unresolved[ref]
             raise type(error)(str(error))
+        written = unresolved_ref(ref)
+        if written is not None:
+            raise GrammarError(
+                f"$ref {written!r} (at {path}) does not resolve (a bundle of the schema left it "
+                "unresolved)"
+            )
         if not ref.startswith("#"):
             raise UnsupportedSchemaError(
                 f"$ref {ref!r} (at {path}) is inside a keyword lcgen does not read as a schema: "
@@ -650,15 +672,16 @@ class _Compiler(ValueCompiler):
                             f"{type(name).__name__}: property names are strings"
                         )
             if key in spec.UNSUPPORTED:
+                error = self.unresolved.get(f"{key} {schema[key]}")  # (the bundle's reason)
+                if error is not None:
+                    raise type(error)(str(error))
                 raise UnsupportedSchemaError(f"unsupported JSON Schema keyword {key!r} at {path}")
             self.check_number(key, schema[key], path)
             if key not in spec.KNOWN and key not in spec.QUIET and not key.startswith("x-"):
                 close = difflib.get_close_matches(key, spec.KNOWN, n=1, cutoff=0.85)
                 if close:
-                    warn(
-                        f"unknown JSON Schema keyword {key!r} at {path} is ignored (did you "
-                        f"mean {close[0]!r}?)"
-                    )
+                    said = f"unknown JSON Schema keyword {key!r} at {path} is ignored"
+                    warn(self.where(f"{said} (did you mean {close[0]!r}?)"))
 
     @staticmethod
     def check_number(key: str, value: Any, path: str) -> None:

@@ -17,8 +17,10 @@ import re
 from collections.abc import Collection
 from collections.abc import Sequence as Seq
 from typing import Any, Literal
+from urllib.parse import urldefrag
 
 from lcgen.constrain import Grammar, bundle_schema
+from lcgen.constrain.bundle import unresolved_mark, unresolved_ref
 from lcgen.decoding.results import ToolCall
 from lcgen.errors import GrammarError
 from lcgen.tools.define import Tool, checked_parameters
@@ -53,8 +55,8 @@ def grammar(
     """
     if reply_format is not None and not required:
         schema = calls_schema(tools, parallel, reply_format)
-        return Grammar.from_json_schema(schema, whitespace=whitespace)
-    call = Grammar.from_json_schema(calls_schema(tools, parallel), whitespace=whitespace)
+        return _compiled(schema, tools, whitespace)
+    call = _compiled(calls_schema(tools, parallel), tools, whitespace)
     if required:
         return call
     # The schema's grammar defines its root on the first line and never refers to it.
@@ -64,6 +66,22 @@ def grammar(
     not_a_call = "[^" + _call_starts(parallel).replace("[", "\\[") + " \\t\\n\\r]"
     text = f"root ::= ({body}) | {_TEXT_RULE}\n{rest}{_TEXT_RULE} ::= {not_a_call} .*\n"
     return Grammar(text, unique=call.unique)
+
+
+def _compiled(
+    schema: dict[str, Any], tools: Seq[Tool], whitespace: Literal["flexible", "compact"]
+) -> Grammar:
+    """The wrapper's grammar; where it cannot be made, the error of the function whose
+    parameters cause it, named (the wrapper's places are lcgen's)."""
+    try:
+        return Grammar.from_json_schema(schema, whitespace=whitespace)
+    except GrammarError:
+        for tool in tools:
+            try:
+                Grammar.from_json_schema(constraint(tool))
+            except GrammarError as exc:
+                raise type(exc)(f"the parameters of function {tool.name!r}: {exc}") from None
+        raise
 
 
 NO_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
@@ -124,10 +142,28 @@ def calls_schema(
                 f'("type": "object"), not type {named!r}: arguments are always a JSON object'
             )
         key = f"tool{i}"
-        defs[key] = _rehome(params, f"/{defs_key}/{key}", id_key, draft)
+        if id_key in params:  # (dropped below: checked here, as the wrapper is)
+            try:
+                validator.check_schema({id_key: params[id_key]})
+                urldefrag(params[id_key])
+            except (jsonschema.SchemaError, ValueError) as exc:
+                reason = exc.message if isinstance(exc, jsonschema.SchemaError) else str(exc)
+                raise GrammarError(
+                    f"the parameters of function {tool.name!r}: invalid JSON Schema: {id_key} "
+                    f"at #: {reason}"
+                ) from None
+        try:
+            defs[key] = _rehome(params, f"/{defs_key}/{key}", id_key, draft)
+        except GrammarError as exc:
+            raise type(exc)(f"the parameters of function {tool.name!r}: {exc}") from None
         target = {"$ref": f"#/{defs_key}/{key}"}
-        # Arguments are always an object, whatever the parameters say (or leave out).
-        arguments = target if named == "object" else {"type": "object", "allOf": [target]}
+        # Arguments are always an object, whatever the parameters say (or leave out; up to
+        # draft 7 a root $ref makes the type beside it say nothing).
+        plain = named == "object" and not (old and "$ref" in params)
+        arguments = target if plain else {"type": "object", "allOf": [target]}
+        if not plain:  # (an object they may not allow: said, not left out of the calls)
+            alone = {"$schema": draft, **arguments} if draft else arguments
+            _check_alone(tool, {**alone, defs_key: defs})
         calls.append(
             {
                 "type": "object",
@@ -150,6 +186,15 @@ def calls_schema(
     if draft is not None:
         out = {"$schema": draft, **out}
     return out
+
+
+def _check_alone(tool: Tool, arguments: dict[str, Any]) -> None:
+    """Raise where no arguments satisfy ``tool``'s parameters (``arguments``: their schema
+    as the wrapper has it, with the wrapper's definitions so far)."""
+    try:
+        Grammar.from_json_schema(arguments)
+    except GrammarError as exc:
+        raise type(exc)(f"the parameters of function {tool.name!r}: {exc}") from None
 
 
 def _draft(tools: Seq[Tool], reply_format: Any = None) -> str | None:
@@ -179,6 +224,10 @@ def _draft(tools: Seq[Tool], reply_format: Any = None) -> str | None:
 
 # Keywords whose values are data, not schemas: no $ref or anchor inside them is one.
 _DATA = frozenset(["const", "enum", "default", "examples"])
+# Keywords whose values are objects of subschemas by name (a name such as "default" is no data).
+_NAMED = frozenset(
+    ["properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"]
+)
 
 
 def _rehome(params: dict[str, Any], where: str, id_key: str, draft: str | None) -> Any:
@@ -188,21 +237,28 @@ def _rehome(params: dict[str, Any], where: str, id_key: str, draft: str | None) 
     then point under ``where``; the root's ``$id`` and ``$schema`` are dropped."""
     one = bundle_schema(params if draft is None else {"$schema": draft, **params})
 
-    def walk(node: Any, top: bool) -> Any:
+    def walk(node: Any, top: bool, names: bool = False) -> Any:
+        """``node`` rehomed (``names``: an object of subschemas by name, not a schema)."""
         if isinstance(node, list):
             return [walk(item, False) for item in node]
         if not isinstance(node, dict):
             return node
         out: dict[str, Any] = {}
         for key, value in node.items():
-            if top and key in ("$schema", id_key):
-                continue
-            if key in _DATA:
-                out[key] = value
-            elif key == "$ref" and isinstance(value, str) and value[:2] in ("#", "#/"):
-                out[key] = f"#{where}{value[1:]}"
-            else:
+            if names:
                 out[key] = walk(value, False)
+            elif top and key in ("$schema", id_key):
+                continue
+            elif key in _DATA:
+                out[key] = value
+            elif key == "$ref" and isinstance(value, str):
+                out[key] = value
+                if value[:2] in ("#", "#/") and not unresolved_ref(value):
+                    out[key] = f"#{where}{value[1:]}"
+                elif not unresolved_ref(value):  # (a bundle's other references resolve nowhere)
+                    out[key] = unresolved_mark(value)
+            else:
+                out[key] = walk(value, False, key in _NAMED)
         return out
 
     return walk(one, True)
