@@ -284,8 +284,43 @@ def test_an_unused_reference_that_does_not_resolve_refuses_nothing(model: lcgen.
             {},
             "$ref '#b' (at #): no anchor 'b' is defined in 'https://e.com/r.json'",
         ),
+        (
+            {"$ref": "https://e.com/d.json"},
+            {"https://e.com/d.json": {"$schema": DRAFT7, "$id": "https://e.com/d.json",
+                                      "$ref": "#/definitions/b",
+                                      "definitions": {"b": {"type": "string"}}}},
+            "another draft",
+        ),
+        ({"$defs": {"a": {"anyOf": [{}]}}, "$ref": "#/$defs/a/anyOf/²"}, {}, "does not resolve"),
+        ({"$ref": "http://[::1#/x"}, {}, "is no URI"),
+        ({"$id": "https://e.com/", "$defs": {"a": {"$id": "http://[::1"}}}, {}, "is no URI"),
+        ({"$schema": ["x"]}, {}, "$schema of the JSON Schema is ['x']: a URI"),
+        ({"$ref": "a.json"}, {"a.json": {"$schema": 7}}, "$schema of the document 'a.json'"),
+        (
+            {"$id": "https://e.com/s/p.json", "$ref": "a.json"},
+            {"a.json": {}},
+            "documents has 'a.json': references resolve against the $id",
+        ),
+        (
+            {"$ref": "https://e.com/a.json"},
+            {"https://e.com/a.json": {"properties": {"c": {"$ref": "c.json"}}}},
+            "$ref 'c.json' (at https://e.com/a.json#/properties/c) refers to the document "
+            "'https://e.com/c.json'",
+        ),
+        (
+            {"$schema": DRAFT7, "$defs": {"a": {"$id": "http://x.example/a.json"}},
+             "$ref": "http://x.example/a.json"},
+            {},
+            "refers to the document 'http://x.example/a.json', which lcgen was not given",
+        ),
+
+        (
+            {"$schema": DRAFT7, "$ref": "https://json-schema.org/draft/2020-12/schema"},
+            {},
+            "several documents, whose dynamic references depend on the path",
+        ),
     ],
-)
+)  # fmt: skip
 def test_a_reference_that_does_not_resolve_is_named(
     schema: dict[str, Any], docs: dict[str, Any], message: str
 ) -> None:
@@ -379,54 +414,6 @@ def test_a_missing_document_is_asked_for_once() -> None:
     schema = {"type": "integer", "$defs": {str(i): {"$ref": "gone.json"} for i in range(50)}}
     assert lcgen.bundle_schema(schema, documents) is schema
     assert asked == ["gone.json"]
-
-
-@pytest.mark.parametrize(
-    ("schema", "docs", "message"),
-    [
-        (
-            {"$ref": "https://e.com/d.json"},
-            {"https://e.com/d.json": {"$schema": DRAFT7, "$id": "https://e.com/d.json",
-                                      "$ref": "#/definitions/b",
-                                      "definitions": {"b": {"type": "string"}}}},
-            "another draft",
-        ),
-        ({"$defs": {"a": {"anyOf": [{}]}}, "$ref": "#/$defs/a/anyOf/²"}, {}, "does not resolve"),
-        ({"$ref": "http://[::1#/x"}, {}, "is no URI"),
-        ({"$id": "https://e.com/", "$defs": {"a": {"$id": "http://[::1"}}}, {}, "is no URI"),
-        ({"$schema": ["x"]}, {}, "$schema of the JSON Schema is ['x']: a URI"),
-        ({"$ref": "a.json"}, {"a.json": {"$schema": 7}}, "$schema of the document 'a.json'"),
-        (
-            {"$id": "https://e.com/s/p.json", "$ref": "a.json"},
-            {"a.json": {}},
-            "documents has 'a.json': references resolve against the $id",
-        ),
-        (
-            {"$ref": "https://e.com/a.json"},
-            {"https://e.com/a.json": {"properties": {"c": {"$ref": "c.json"}}}},
-            "$ref 'c.json' (at https://e.com/a.json#/properties/c) refers to the document "
-            "'https://e.com/c.json'",
-        ),
-        (
-            {"$schema": DRAFT7, "$defs": {"a": {"$id": "http://x.example/a.json"}},
-             "$ref": "http://x.example/a.json"},
-            {},
-            "refers to the document 'http://x.example/a.json', which lcgen was not given",
-        ),
-
-        (
-            {"$schema": DRAFT7, "$ref": "https://json-schema.org/draft/2020-12/schema"},
-            {},
-            "several documents, whose dynamic references depend on the path",
-        ),
-    ],
-)  # fmt: skip
-def test_bad_references_and_documents_raise_grammar_errors(
-    schema: dict[str, Any], docs: dict[str, Any], message: str
-) -> None:
-    with pytest.raises(lcgen.GrammarError) as info:
-        lcgen.Grammar.from_json_schema(schema, documents=docs)
-    assert message in str(info.value)
 
 
 def test_a_draft7_document_with_an_id_beside_its_ref(model: lcgen.Model) -> None:

@@ -149,16 +149,7 @@ def bundle_schema(schema: Any, documents: Documents | None = None, *, uri: str =
             or an ``$id`` that is no URI.
         TypeError: ``schema`` or ``documents`` of another type.
     """
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise GrammarError(f"the JSON Schema is not valid JSON: {exc}") from None
-    if not isinstance(schema, dict | bool):
-        raise TypeError(
-            f"a JSON Schema is a dict, a bool or JSON text, got {type(schema).__name__}"
-        )
-    one = bundle(schema, documents, uri)
+    one = bundle(read_schema(schema), documents, uri)
     if one.dynamic and one.schema is not schema:
         for said, error in one.errors.items():  # (why one is left as written)
             if said.startswith(("$dynamicRef ", "$recursiveRef ")):
@@ -168,6 +159,28 @@ def bundle_schema(schema: Any, documents: Documents | None = None, *, uri: str =
             "supported where a schema is made one document (it resolves by the $ids that drops)"
         )
     return one.schema
+
+
+def read_schema(schema: Any) -> dict[str, Any] | bool:
+    """A JSON Schema given as a dict, a bool or JSON text, as a dict or a bool.
+
+    Raises:
+        GrammarError: text that is not JSON.
+        TypeError: another type (a pydantic model: named, with what to call).
+    """
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"the JSON Schema is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict | bool):
+        hint = ""
+        if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
+            hint = f" (for the pydantic model {schema.__name__}: Grammar.from_pydantic)"
+        raise TypeError(
+            f"a JSON Schema is a dict, a bool or JSON text, got {type(schema).__name__}{hint}"
+        )
+    return schema
 
 
 def draft_of(schema: Any, named: str = "the JSON Schema") -> type[jsonschema.Validator]:

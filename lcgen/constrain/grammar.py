@@ -10,7 +10,6 @@ vocabulary when the sampled token was rejected.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -169,22 +168,11 @@ class Grammar:
             GrammarError: an unsupported keyword or combination (named, with its location
                 in the schema), an invalid schema, or one that no value satisfies.
         """
+        from lcgen.constrain.bundle import read_schema
         from lcgen.constrain.json_schema import schema_to_gbnf
 
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as exc:
-                raise GrammarError(f"the JSON Schema is not valid JSON: {exc}") from None
-        if not isinstance(schema, dict | bool):
-            hint = ""
-            if isinstance(schema, type) and hasattr(schema, "model_json_schema"):
-                hint = f" (for the pydantic model {schema.__name__}: Grammar.from_pydantic)"
-            raise TypeError(
-                f"a JSON Schema is a dict or JSON text, got {type(schema).__name__}{hint}"
-            )
         gbnf, unique = schema_to_gbnf(
-            schema,
+            read_schema(schema),
             close_objects=close_objects,
             whitespace=whitespace,
             documents=documents,
