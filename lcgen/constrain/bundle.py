@@ -52,7 +52,8 @@ _ONE = frozenset(
     ]
 )
 _LIST = frozenset(["allOf", "anyOf", "oneOf", "prefixItems", "items", "$lcgen-documents"])
-_MAP = frozenset(
+# (the keywords whose value is an object of subschemas by name)
+BY_NAME = frozenset(
     ["$defs", "definitions", "properties", "patternProperties", "dependentSchemas", "dependencies"]
 )
 _OLD = (
@@ -267,7 +268,7 @@ def pointer(parts: Iterable[Any]) -> str:
 def _children(node: dict[str, Any]) -> Iterator[tuple[Location, Any]]:
     """The subschemas of ``node``, by where they are (the keyword first)."""
     for key, value in node.items():
-        if key in _MAP and isinstance(value, dict):
+        if key in BY_NAME and isinstance(value, dict):
             for name, sub in value.items():
                 yield (key, name), sub
         elif key in _LIST and isinstance(value, list):

@@ -20,7 +20,7 @@ from typing import Any, Literal
 from urllib.parse import urldefrag
 
 from lcgen.constrain import Grammar, bundle_schema
-from lcgen.constrain.bundle import unresolved_mark, unresolved_ref
+from lcgen.constrain.bundle import BY_NAME, unresolved_mark, unresolved_ref
 from lcgen.decoding.results import ToolCall
 from lcgen.errors import GrammarError
 from lcgen.tools.define import Tool, checked_parameters
@@ -80,7 +80,7 @@ def _compiled(
             try:
                 Grammar.from_json_schema(constraint(tool))
             except GrammarError as exc:
-                raise type(exc)(f"the parameters of function {tool.name!r}: {exc}") from None
+                raise _of(tool, exc) from None
         raise
 
 
@@ -155,7 +155,7 @@ def calls_schema(
         try:
             defs[key] = _rehome(params, f"/{defs_key}/{key}", id_key, draft)
         except GrammarError as exc:
-            raise type(exc)(f"the parameters of function {tool.name!r}: {exc}") from None
+            raise _of(tool, exc) from None
         target = {"$ref": f"#/{defs_key}/{key}"}
         # Arguments are always an object, whatever the parameters say (or leave out; up to
         # draft 7 a root $ref makes the type beside it say nothing).
@@ -188,13 +188,18 @@ def calls_schema(
     return out
 
 
+def _of(tool: Tool, exc: GrammarError) -> GrammarError:
+    """``exc``, said of ``tool``'s parameters."""
+    return type(exc)(f"the parameters of function {tool.name!r}: {exc}")
+
+
 def _check_alone(tool: Tool, arguments: dict[str, Any]) -> None:
     """Raise where no arguments satisfy ``tool``'s parameters (``arguments``: their schema
     as the wrapper has it, with the wrapper's definitions so far)."""
     try:
         Grammar.from_json_schema(arguments)
     except GrammarError as exc:
-        raise type(exc)(f"the parameters of function {tool.name!r}: {exc}") from None
+        raise _of(tool, exc) from None
 
 
 def _draft(tools: Seq[Tool], reply_format: Any = None) -> str | None:
@@ -224,10 +229,6 @@ def _draft(tools: Seq[Tool], reply_format: Any = None) -> str | None:
 
 # Keywords whose values are data, not schemas: no $ref or anchor inside them is one.
 _DATA = frozenset(["const", "enum", "default", "examples"])
-# Keywords whose values are objects of subschemas by name (a name such as "default" is no data).
-_NAMED = frozenset(
-    ["properties", "patternProperties", "$defs", "definitions", "dependentSchemas", "dependencies"]
-)
 
 
 def _rehome(params: dict[str, Any], where: str, id_key: str, draft: str | None) -> Any:
@@ -258,7 +259,7 @@ def _rehome(params: dict[str, Any], where: str, id_key: str, draft: str | None) 
                 elif not unresolved_ref(value):  # (a bundle's other references resolve nowhere)
                     out[key] = unresolved_mark(value)
             else:
-                out[key] = walk(value, False, key in _NAMED)
+                out[key] = walk(value, False, key in BY_NAME)
         return out
 
     return walk(one, True)
